@@ -1,0 +1,120 @@
+"""Command line: one parser, one flag definition per option, dispatch to the module that does the work.
+
+`python build.py [--runtime R] …` with no subcommand is the build command, as in the contract.
+Modules are imported lazily so `--dry-run` never loads docker, and no command imports jax or torch.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from rich.console import Console
+
+from g5g.errors import UserError
+
+SUBCOMMANDS = ("build", "generate", "doctor", "inspect", "smoke", "bench", "serve", "patches")
+RUNTIMES = ("vllm", "jax", "pytorch", "torch-base", "all")
+
+err_console = Console(stderr=True, highlight=False)
+
+
+def _add_plan_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--runtime", choices=RUNTIMES, default="all", help="image to plan (default: all)")
+    p.add_argument("--profile", default="g5g", help="target profile from manifests/profiles (g5g, cpu)")
+    p.add_argument("--platform", help="comma-separated platforms, e.g. linux/arm64,linux/amd64 (default: the profile's)")
+    p.add_argument("--registry", help="registry/namespace images are tagged for, e.g. ghcr.io/me (default: the manifest's)")
+    p.add_argument("--manifests", default=None, help="manifest directory (default: ./manifests)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a manifest value, e.g. profile.base_image=… (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="build.py", description="Build LLM serving images for sm_75 (AWS G5g).")
+    sub = parser.add_subparsers(dest="command")
+
+    b = sub.add_parser("build", help="plan, generate and build images (the default command)")
+    _add_plan_options(b)
+    b.add_argument("--push", action="store_true", help="push every tag of every image (all or none)")
+    b.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
+    b.add_argument("--json", action="store_true", help="print the plan (or the result) as JSON")
+    b.add_argument("--out", default="build", help="where generated Dockerfiles and docker-bake.json go")
+    b.add_argument("--ca-cert", help="CA bundle passed to the build as a secret "
+                   "(default: REQUESTS_CA_BUNDLE, SSL_CERT_FILE or PIP_CERT when set)")
+    b.add_argument("--skip-patch-check", action="store_true", help=argparse.SUPPRESS)
+
+    g = sub.add_parser("generate", help="write Dockerfiles and docker-bake.json, build nothing")
+    _add_plan_options(g)
+    g.add_argument("--out", default="build", help="output directory (default: build)")
+
+    d = sub.add_parser("doctor", help="check docker, buildx, binfmt and the registry; say how to fix what is missing")
+    _add_plan_options(d)
+
+    i = sub.add_parser("inspect", help="per-platform CUDA arch lists of images, without pulling them")
+    i.add_argument("images", nargs="+", metavar="IMAGE")
+    i.add_argument("--platform", help="only this platform, e.g. linux/arm64")
+    i.add_argument("--arch", default="7.5", help="the CUDA arch that must be covered (default: 7.5)")
+    i.add_argument("--json", action="store_true")
+    i.add_argument("--backend", choices=("auto", "imagetools", "http"), default="auto")
+    i.add_argument("--probe", action="store_true",
+                   help="when the config says nothing, run the image and ask torch (slow; QEMU for foreign platforms)")
+    i.add_argument("--insecure", action="store_true", help="plain HTTP for the registry (loopback registries)")
+
+    s = sub.add_parser("smoke", help="run an image (or use a server) and check its chat answer")
+    s.add_argument("image", nargs="?", metavar="IMAGE")
+    s.add_argument("--url", help="check a running server instead of an image")
+    s.add_argument("--runtime", choices=("vllm", "jax", "pytorch"), help="runtime of IMAGE (default: from its labels)")
+    s.add_argument("--profile", default=None, help="g5g (GPU) or cpu (default: from the image's labels)")
+    s.add_argument("--model", help="model directory (or Hugging Face cache) to mount into the container")
+    s.add_argument("--served-model-name", help="model name to ask for (default: the server's first model)")
+    s.add_argument("--prompt", help="chat prompt (default: the runtime's from the manifest)")
+    s.add_argument("--expect", help="regex the answer must match (default: the runtime's from the manifest)")
+    s.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for readiness")
+    s.add_argument("--json", action="store_true")
+
+    be = sub.add_parser("bench", help="client-side benchmark on the wire (TTFT, TPOT, ITL), same for every runtime")
+    be.add_argument("compare", nargs="*", metavar="compare A.json B.json",
+                    help="`bench compare A.json B.json …`: one table across runtimes")
+    be.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8000")
+    be.add_argument("--image", help="boot this image and record boot time, then bench it")
+    be.add_argument("--model", help="model directory to mount (with --image)")
+    be.add_argument("--mode", choices=("auto", "stream", "gauge", "both"), default="auto")
+    be.add_argument("--requests", type=int, default=16)
+    be.add_argument("--concurrency", type=int, default=1)
+    be.add_argument("--max-tokens", type=int, default=128)
+    be.add_argument("--warmup", type=int, default=1)
+    be.add_argument("--prompt", help="prompt to send (default: a fixed one)")
+    be.add_argument("--json", dest="json_file", metavar="FILE", help="write the result as JSON")
+    be.add_argument("--plot", metavar="PNG", help="with compare: write a PNG plot")
+
+    sv = sub.add_parser("serve", help="run the jax or pytorch server locally, as the image does")
+    sv.add_argument("--runtime", choices=("jax", "pytorch"), required=True)
+    sv.add_argument("--model", required=True, help="checkpoint directory")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+
+    pa = sub.add_parser("patches", help="verify our vLLM patches against the pinned upstream release")
+    pa.add_argument("action", choices=("verify",))
+    pa.add_argument("--version", help="vLLM version (default: the manifest's pin)")
+    pa.add_argument("--json", action="store_true")
+    return parser
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    # No subcommand means `build`: `python build.py --runtime vllm --push`.
+    if not argv or argv[0] not in SUBCOMMANDS + ("-h", "--help"):
+        argv = ["build", *argv]
+    return build_parser().parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    module = importlib.import_module(f"g5g.commands.{args.command}")
+    try:
+        return module.run(args)
+    except UserError as e:
+        err_console.print(f"[bold red]error:[/] {e}")
+        return e.exit_code
+    except KeyboardInterrupt:
+        err_console.print("[bold red]interrupted[/]")
+        return 130
