@@ -1,0 +1,171 @@
+#!/usr/bin/env bash
+# Provision a private Docker engine from Debian's packages, for developers, scripts/test.sh and .ci/run.
+#
+#   bash scripts/provision.sh          install what is missing, start what is not running (idempotent)
+#   bash scripts/provision.sh stop     stop the dockerd and registry this script started
+#
+# What it sets up (root, Debian bookworm):
+#   - docker.io (dockerd 20.10) on a private socket unix:///run/g5g-docker.sock, data in /var/lib/g5g-docker;
+#   - buildx 0.13 from Debian trixie's docker-buildx (bookworm has none), fetched through a private apt
+#     configuration under .cache/apt-trixie (the machine's own apt sources are not touched), unpacked into
+#     the docker CLI plugin folder;
+#   - qemu-user-static with the arm64 binfmt handler enabled (flag F, so it works inside containers);
+#   - Debian's docker-registry on 127.0.0.1:$G5G_REGISTRY_PORT (default 5055), storage /var/lib/g5g-registry;
+#   - debootstrap, and the local base images (scripts/base-images.sh; G5G_BASE_IMAGES=0 skips, or a list
+#     like "amd64" to build only those).
+# It writes .cache/docker.env (DOCKER_HOST, G5G_REGISTRY) for `. .cache/docker.env`, logs to .cache/*.log,
+# prints one line per thing it could not do, and exits non-zero only when no engine is usable.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+CACHE=$ROOT/.cache
+mkdir -p "$CACHE"
+
+SOCK=/run/g5g-docker.sock
+DOCKER_HOST_URL=unix://$SOCK
+DATA_ROOT=/var/lib/g5g-docker
+PIDFILE=/run/g5g-docker.pid
+REG_PORT=${G5G_REGISTRY_PORT:-5055}
+REG_ADDR=127.0.0.1:$REG_PORT
+REG_DIR=/var/lib/g5g-registry
+REG_PIDFILE=/run/g5g-registry.pid
+PLUGINS=${DOCKER_CONFIG:-${HOME:-/root}/.docker}/cli-plugins
+PACKAGES=(docker.io docker-registry qemu-user-static binfmt-support debootstrap)
+export DEBIAN_FRONTEND=noninteractive
+export DOCKER_HOST=$DOCKER_HOST_URL
+
+failed=()
+log() { printf 'provision: %s\n' "$*" >&2; }
+fail() { failed+=("$*"); log "could not: $*"; }
+
+stop() {
+  local f pid
+  for f in "$PIDFILE" "$REG_PIDFILE"; do
+    [ -s "$f" ] || continue
+    pid=$(cat "$f")
+    if kill "$pid" 2>/dev/null; then
+      for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+      log "stopped pid $pid ($f)"
+    fi
+    rm -f "$f"
+  done
+}
+
+engine_up() { docker version --format '{{.Server.Version}}' >/dev/null 2>&1; }
+
+install_packages() {
+  local missing=() p
+  for p in "${PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+  done
+  [ ${#missing[@]} -eq 0 ] && return
+  log "apt-get install ${missing[*]}"
+  # No daemons from maintainer scripts: this script starts what it needs, on its own socket.
+  local rc_d=/usr/sbin/policy-rc.d had_rc_d=0
+  [ -e $rc_d ] && had_rc_d=1
+  if [ $had_rc_d = 0 ]; then printf '#!/bin/sh\nexit 101\n' > $rc_d; chmod +x $rc_d; fi
+  { apt-get update -q && apt-get install -y -q --no-install-recommends "${missing[@]}"; } \
+    >"$CACHE/apt.log" 2>&1 || fail "apt-get install ${missing[*]} (see .cache/apt.log)"
+  [ $had_rc_d = 1 ] || rm -f $rc_d
+}
+
+enable_binfmt() {
+  local f=/proc/sys/fs/binfmt_misc
+  [ -e $f/register ] || mount -t binfmt_misc binfmt_misc $f 2>/dev/null
+  update-binfmts --enable qemu-aarch64 >/dev/null 2>&1
+  if grep -q '^enabled' $f/qemu-aarch64 2>/dev/null && grep -q '^flags:.*F' $f/qemu-aarch64; then
+    return
+  fi
+  fail "arm64 binfmt (qemu-aarch64 with flag F in $f): linux/arm64 builds and runs will fail"
+}
+
+# The machine's own Debian mirror, as its apt sources name it (read at run time, never stored in the repo).
+debian_mirror() {
+  local codename
+  codename=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")
+  apt-get indextargets --format '$(REPO_URI) $(RELEASE)' 2>/dev/null | awk -v c="$codename" '$2 == c {print $1; exit}'
+}
+
+install_buildx() {
+  if docker buildx version >/dev/null 2>&1; then return; fi
+  local apt_dir=$CACHE/apt-trixie deb mirror opts
+  mirror=$(debian_mirror)
+  [ -n "$mirror" ] || { fail "buildx: no Debian mirror in this machine's apt sources"; return; }
+  mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial" "$apt_dir/debs"
+  echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $mirror trixie main" > "$apt_dir/sources.list"
+  opts=(-o "Dir::Etc::SourceList=$apt_dir/sources.list" -o Dir::Etc::SourceParts=/dev/null
+        -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir/cache" -o APT::Sandbox::User=root)
+  deb=$(ls "$apt_dir"/debs/docker-buildx_*.deb 2>/dev/null | head -n1)
+  if [ -z "$deb" ]; then
+    if ! (apt-get "${opts[@]}" update -q && cd "$apt_dir/debs" && apt-get "${opts[@]}" download docker-buildx) \
+        >"$CACHE/apt-trixie.log" 2>&1; then
+      fail "buildx: download of trixie's docker-buildx (see .cache/apt-trixie.log)"; return
+    fi
+    deb=$(ls "$apt_dir"/debs/docker-buildx_*.deb | head -n1)
+  fi
+  local tmp; tmp=$(mktemp -d)
+  dpkg-deb -x "$deb" "$tmp" && mkdir -p "$PLUGINS" \
+    && install -m 0755 "$tmp/usr/libexec/docker/cli-plugins/docker-buildx" "$PLUGINS/docker-buildx"
+  rm -rf "$tmp"
+  docker buildx version >/dev/null 2>&1 || fail "buildx: $PLUGINS/docker-buildx does not run"
+}
+
+start_dockerd() {
+  if engine_up; then return; fi
+  command -v dockerd >/dev/null || { fail "dockerd: not installed"; return; }
+  # A stale pidfile from a killed run makes dockerd refuse to start.
+  if [ -s "$PIDFILE" ] && ! kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then rm -f "$PIDFILE"; fi
+  log "starting dockerd on $DOCKER_HOST_URL (log: .cache/dockerd.log)"
+  setsid dockerd --host "$DOCKER_HOST_URL" --data-root "$DATA_ROOT" --exec-root /run/g5g-docker \
+    --pidfile "$PIDFILE" --storage-driver overlay2 ${G5G_DOCKERD_ARGS:-} \
+    </dev/null >>"$CACHE/dockerd.log" 2>&1 &
+  for _ in $(seq 60); do engine_up && return; sleep 0.5; done
+  fail "dockerd: no answer on $DOCKER_HOST_URL after 30 s; last log lines:"
+  tail -n 5 "$CACHE/dockerd.log" >&2
+}
+
+registry_up() { curl -fs -o /dev/null --max-time 2 "http://$REG_ADDR/v2/"; }
+
+start_registry() {
+  if registry_up; then return; fi
+  command -v docker-registry >/dev/null || { fail "registry: docker-registry not installed"; return; }
+  mkdir -p "$REG_DIR"
+  cat >"$CACHE/registry.yml" <<EOF
+version: 0.1
+log: {level: warn}
+storage:
+  filesystem: {rootdirectory: $REG_DIR}
+  delete: {enabled: true}
+http:
+  addr: $REG_ADDR
+EOF
+  setsid docker-registry serve "$CACHE/registry.yml" </dev/null >>"$CACHE/registry.log" 2>&1 &
+  echo $! > "$REG_PIDFILE"
+  for _ in $(seq 40); do registry_up && return; sleep 0.25; done
+  fail "registry: nothing answers on http://$REG_ADDR/v2/ (see .cache/registry.log)"
+}
+
+if [ "${1:-}" = stop ]; then stop; exit 0; fi
+[ "$(id -u)" = 0 ] || { log "must run as root"; exit 1; }
+
+start=$SECONDS
+install_packages
+enable_binfmt
+install_buildx
+start_dockerd
+start_registry
+{
+  echo "export DOCKER_HOST=$DOCKER_HOST_URL"
+  registry_up && echo "export G5G_REGISTRY=$REG_ADDR"
+} >"$CACHE/docker.env"
+
+if engine_up && [ "${G5G_BASE_IMAGES:-amd64 arm64}" != 0 ]; then
+  # shellcheck disable=SC2086
+  (registry_up && export G5G_REGISTRY=$REG_ADDR; bash scripts/base-images.sh ${G5G_BASE_IMAGES:-amd64 arm64}) \
+    || fail "base images (see above)"
+fi
+
+log "done in $((SECONDS - start)) s: engine $(docker version --format '{{.Server.Version}}' 2>/dev/null || echo none)," \
+    "buildx $(docker buildx version 2>/dev/null | awk '{print $2}'), registry $(registry_up && echo "$REG_ADDR" || echo none)"
+for f in "${failed[@]}"; do log "FAILED: $f"; done
+engine_up
