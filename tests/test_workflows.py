@@ -1,0 +1,116 @@
+"""The GitHub workflows users run: valid against GitHub's schema, clean under zizmor, and doing what README says."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.y*ml"))
+IMAGES = ROOT / ".github" / "workflows" / "images.yml"
+
+
+def _tool(name: str) -> str:
+    """The linter from the same environment as this pytest (pinned in pyproject), else from PATH."""
+    here = Path(sys.executable).parent / name
+    found = str(here) if here.exists() else shutil.which(name)
+    if not found:
+        pytest.fail(f"{name} is not installed: pip install -e '.[dev]' (pinned in pyproject.toml)")
+    return found
+
+
+def _load(path: Path) -> dict:
+    # YAML 1.1 reads the key `on` as True; GitHub means the string.
+    doc = yaml.safe_load(path.read_text())
+    if True in doc:
+        doc["on"] = doc.pop(True)
+    return doc
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_there_are_workflows():
+    assert IMAGES in WORKFLOWS
+
+
+def test_schema():
+    r = _run([_tool("check-jsonschema"), "--builtin-schema", "vendor.github-workflows", *map(str, WORKFLOWS)])
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_zizmor_offline():
+    r = _run([_tool("zizmor"), "--offline", "--no-progress", "--format", "plain", str(ROOT / ".github" / "workflows")])
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
+def test_actions_pinned_by_commit_sha(path: Path):
+    uses = re.findall(r"^\s*(?:-\s*)?uses:\s*(\S+)", path.read_text(), re.M)
+    assert uses
+    for ref in uses:
+        if ref.startswith("./"):
+            continue
+        assert re.fullmatch(r"[\w.-]+/[\w./-]+@[0-9a-f]{40}", ref), f"{path.name}: {ref} is not pinned by commit SHA"
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
+def test_permissions_minimal(path: Path):
+    doc = _load(path)
+    assert doc.get("permissions") == {}, f"{path.name}: top-level permissions must be {{}} (jobs ask for what they need)"
+    for name, job in doc["jobs"].items():
+        perms = job.get("permissions")
+        assert isinstance(perms, dict), f"{path.name}: job {name} must declare its permissions"
+        writes = {k for k, v in perms.items() if v == "write"}
+        assert writes <= {"packages"}, f"{path.name}: job {name} writes {writes}"
+
+
+def test_images_workflow_shape():
+    doc = _load(IMAGES)
+    jobs = doc["jobs"]
+    assert set(doc["on"]["push"]["tags"]) == {"v*"} and doc["on"]["push"]["branches"] == ["main"]
+
+    build = jobs["build"]
+    assert build["runs-on"] == "ubuntu-24.04-arm"
+    runtimes = set(build["strategy"]["matrix"]["runtime"])
+    assert runtimes == {"vllm", "jax", "pytorch"}
+    steps = "\n".join(s.get("run", "") for s in build["steps"])
+    assert "type=registry" in steps and "cache-from" in steps and "cache-to" in steps
+    # Only main and tags push (and log in); pull requests never do.
+    assert "pull_request" in build["env"]["PUSH"] and "refs/heads/main" in build["env"]["PUSH"]
+    login = next(s for s in build["steps"] if "login-action" in s.get("uses", ""))
+    assert login["if"] == "env.PUSH == 'true'"
+    assert build["permissions"] == {"contents": "read", "packages": "write"}
+
+    smoke = jobs["smoke"]
+    assert smoke["runs-on"] == ["self-hosted", "g5g"]
+    assert smoke["if"] == "github.event_name != 'pull_request'", "self-hosted runners must not run PR code"
+    assert set(smoke["strategy"]["matrix"]["runtime"]) == runtimes
+    runs = "\n".join(s.get("run", "") for s in smoke["steps"])
+    assert "--gpus all" in runs and "build.py smoke" in runs and "build.py bench" in runs
+    upload = next(s for s in smoke["steps"] if "upload-artifact" in s.get("uses", ""))
+    assert "smoke-" in upload["with"]["path"] and "bench-" in upload["with"]["path"]
+    assert "smoke" not in smoke["permissions"] and smoke["permissions"].get("packages") == "read"
+
+
+def test_manifest_runtimes_are_all_built():
+    runtime_dir = ROOT / "manifests" / "runtimes"
+    if not runtime_dir.is_dir():
+        pytest.skip("manifests/runtimes/ not in this checkout yet")
+    servable = {p.stem for p in runtime_dir.glob("*.yaml")} - {"torch-base"}  # torch-base is built inside vllm's bake
+    matrix = set(_load(IMAGES)["jobs"]["build"]["strategy"]["matrix"]["runtime"])
+    assert servable == matrix
+
+
+def test_no_expression_injection_in_run_steps():
+    """Values from the github context reach shell steps through env:, never pasted into the script text."""
+    for path in WORKFLOWS:
+        for name, job in _load(path)["jobs"].items():
+            for step in job["steps"]:
+                assert "${{" not in step.get("run", ""), f"{path.name}: job {name}: ${{{{ }}}} inside run:"
