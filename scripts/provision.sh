@@ -86,38 +86,69 @@ debian_mirror() {
   apt-get indextargets --format '$(REPO_URI) $(RELEASE)' 2>/dev/null | awk -v c="$codename" '$2 == c {print $1; exit}'
 }
 
-install_buildx() {
-  if docker buildx version >/dev/null 2>&1; then return; fi
-  local apt_dir=$CACHE/apt-trixie deb mirror opts
+# A package from Debian trixie, downloaded (not installed) through a private apt configuration under
+# .cache/apt-trixie: the machine's own apt sources and package database stay as they are. Prints the .deb path.
+trixie_deb() {
+  local pkg=$1 apt_dir=$CACHE/apt-trixie deb mirror opts
+  deb=$(ls "$apt_dir"/debs/"${pkg}"_*.deb 2>/dev/null | head -n1)
+  if [ -n "$deb" ]; then echo "$deb"; return; fi
   mirror=$(debian_mirror)
-  [ -n "$mirror" ] || { fail "buildx: no Debian mirror in this machine's apt sources"; return; }
+  [ -n "$mirror" ] || { log "no Debian mirror in this machine's apt sources"; return 1; }
   mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial" "$apt_dir/debs"
   echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $mirror trixie main" > "$apt_dir/sources.list"
   opts=(-o "Dir::Etc::SourceList=$apt_dir/sources.list" -o Dir::Etc::SourceParts=/dev/null
         -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir/cache" -o APT::Sandbox::User=root)
-  deb=$(ls "$apt_dir"/debs/docker-buildx_*.deb 2>/dev/null | head -n1)
-  if [ -z "$deb" ]; then
-    if ! (apt-get "${opts[@]}" update -q && cd "$apt_dir/debs" && apt-get "${opts[@]}" download docker-buildx) \
-        >"$CACHE/apt-trixie.log" 2>&1; then
-      fail "buildx: download of trixie's docker-buildx (see .cache/apt-trixie.log)"; return
-    fi
-    deb=$(ls "$apt_dir"/debs/docker-buildx_*.deb | head -n1)
+  if [ ! -s "$apt_dir/lists/updated" ]; then
+    apt-get "${opts[@]}" update -q >>"$CACHE/apt-trixie.log" 2>&1 || return 1
+    date > "$apt_dir/lists/updated"
   fi
-  local tmp; tmp=$(mktemp -d)
+  (cd "$apt_dir/debs" && apt-get "${opts[@]}" download "$pkg") >>"$CACHE/apt-trixie.log" 2>&1 || return 1
+  ls "$apt_dir"/debs/"${pkg}"_*.deb | head -n1
+}
+
+install_buildx() {
+  if docker buildx version >/dev/null 2>&1; then return; fi
+  local deb tmp
+  deb=$(trixie_deb docker-buildx) || { fail "buildx: download of trixie's docker-buildx (see .cache/apt-trixie.log)"; return; }
+  tmp=$(mktemp -d)
   dpkg-deb -x "$deb" "$tmp" && mkdir -p "$PLUGINS" \
     && install -m 0755 "$tmp/usr/libexec/docker/cli-plugins/docker-buildx" "$PLUGINS/docker-buildx"
   rm -rf "$tmp"
   docker buildx version >/dev/null 2>&1 || fail "buildx: $PLUGINS/docker-buildx does not run"
 }
 
+# The daemon: trixie's dockerd 26.1 (BuildKit 0.13: named build contexts, and with the containerd image store
+# multi-platform images and cache export) runs on bookworm's libc with bookworm's containerd, runc and tini
+# (installed with docker.io). Only its two binaries are unpacked, into .cache/engine/. Bookworm's dockerd 20.10
+# (BuildKit 0.8: none of those) is the fallback when trixie's package cannot be had.
+install_engine() {  # sets ENGINE_BIN
+  local deb
+  ENGINE_BIN=$CACHE/engine/usr/sbin
+  [ -x "$ENGINE_BIN/dockerd" ] && return
+  if deb=$(trixie_deb docker.io) && mkdir -p "$CACHE/engine" && dpkg-deb -x "$deb" "$CACHE/engine" \
+      && "$ENGINE_BIN/dockerd" --version >/dev/null 2>&1; then
+    return
+  fi
+  fail "dockerd 26 from trixie (see .cache/apt-trixie.log): using bookworm's dockerd 20.10 (no named contexts, no multi-platform)"
+  ENGINE_BIN=$(dirname "$(command -v dockerd || echo /usr/sbin/dockerd)")
+}
+
 start_dockerd() {
   if engine_up; then return; fi
-  command -v dockerd >/dev/null || { fail "dockerd: not installed"; return; }
+  install_engine
+  local bin=$ENGINE_BIN
+  [ -x "$bin/dockerd" ] || { fail "dockerd: not installed"; return; }
   # A stale pidfile from a killed run makes dockerd refuse to start.
   if [ -s "$PIDFILE" ] && ! kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then rm -f "$PIDFILE"; fi
-  log "starting dockerd on $DOCKER_HOST_URL (log: .cache/dockerd.log)"
-  setsid dockerd --host "$DOCKER_HOST_URL" --data-root "$DATA_ROOT" --exec-root /run/g5g-docker \
-    --pidfile "$PIDFILE" --storage-driver overlay2 ${G5G_DOCKERD_ARGS:-} \
+  local config=()
+  if "$bin/dockerd" --version | grep -qv ' 20\.'; then
+    echo '{"features": {"containerd-snapshotter": true}}' >"$CACHE/daemon.json"
+    config=(--config-file "$CACHE/daemon.json")
+  fi
+  log "starting $("$bin/dockerd" --version | cut -d, -f1) on $DOCKER_HOST_URL (log: .cache/dockerd.log)"
+  # $bin first in PATH: dockerd runs the docker-proxy of its own version.
+  PATH="$bin:$PATH" setsid "$bin/dockerd" "${config[@]}" --host "$DOCKER_HOST_URL" --data-root "$DATA_ROOT" \
+    --exec-root /run/g5g-docker --pidfile "$PIDFILE" ${G5G_DOCKERD_ARGS:-} \
     </dev/null >>"$CACHE/dockerd.log" 2>&1 &
   for _ in $(seq 60); do engine_up && return; sleep 0.5; done
   fail "dockerd: no answer on $DOCKER_HOST_URL after 30 s; last log lines:"
