@@ -1,0 +1,41 @@
+"""The cross-platform path: a linux/arm64 image built on an x86 host under QEMU (binfmt), pushed, read back
+and run. The jax CPU image is the small one: its wheels exist for aarch64 on PyPI."""
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e import oci
+from tests.e2e.conftest import plan_tag
+
+BASE = "g5g-local/bookworm:arm64"
+
+
+def test_arm64_build_under_qemu(engine, registry, tmp_path):
+    binfmt = "/proc/sys/fs/binfmt_misc/qemu-aarch64"
+    try:
+        enabled = open(binfmt).read().startswith("enabled")
+    except OSError:
+        enabled = False
+    if not enabled:
+        pytest.skip(f"{binfmt} is not enabled: install qemu-user-static (scripts/provision.sh does)")
+    if engine.docker("image", "inspect", BASE).returncode != 0:
+        pytest.skip(f"no local base {BASE}: bash scripts/base-images.sh arm64")
+
+    args = ["--runtime", "jax", "--profile", "cpu", "--platform", "linux/arm64",
+            "--set", f"profile.base_image={BASE}", "--registry", f"{registry.host}/arm64"]
+    ref = plan_tag(engine, *args)
+    run = engine.cli(*args, "--push", log="build-jax-arm64", timeout=2400)
+    assert run.rc == 0, run.why()
+
+    assert list(oci.platform_manifests(ref)) == ["linux/arm64"]
+    cfg = oci.config(ref, "linux/arm64")
+    assert cfg["architecture"] == "arm64" and cfg["config"]["Labels"]["io.g5g.runtime"] == "jax"
+
+    inspected = engine.cli("inspect", ref, "--json", "--backend", "http", "--insecure", log="inspect-jax-arm64")
+    assert list(inspected.json()["platforms"]) == ["linux/arm64"], inspected.why()
+
+    # The image really is aarch64 and its Python stack imports under emulation.
+    probe = engine.docker("run", "--rm", "--platform", "linux/arm64", "--entrypoint", "python3", ref, "-c",
+                          "import platform, jax; print(platform.machine(), jax.__version__)", timeout=600)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    assert probe.stdout.split()[0] == "aarch64", probe.stdout
