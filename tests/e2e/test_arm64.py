@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e import oci
-from tests.e2e.conftest import plan_tag
+from tests.e2e.harness import plan_tag, unavailable
 
 BASE = "g5g-local/bookworm:arm64"
 
@@ -17,9 +17,9 @@ def test_arm64_build_under_qemu(engine, registry, tmp_path):
     except OSError:
         enabled = False
     if not enabled:
-        pytest.skip(f"{binfmt} is not enabled: install qemu-user-static (scripts/provision.sh does)")
+        unavailable(f"{binfmt} is not enabled: install qemu-user-static (scripts/provision.sh does)")
     if engine.docker("image", "inspect", BASE).returncode != 0:
-        pytest.skip(f"no local base {BASE}: bash scripts/base-images.sh arm64")
+        unavailable(f"no local base {BASE}: bash scripts/base-images.sh arm64")
 
     args = ["--runtime", "jax", "--profile", "cpu", "--platform", "linux/arm64",
             "--set", f"profile.base_image={BASE}", "--registry", f"{registry.host}/arm64"]

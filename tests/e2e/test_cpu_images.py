@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e import oci
-from tests.e2e.conftest import ROOT, plan_tag
+from tests.e2e.harness import ROOT, plan_tag, unavailable
 
 RUNTIMES = ("jax", "pytorch")
 HOST_CA = Path(os.environ.get("SSL_CERT_FILE") or "/etc/ssl/certs/ca-certificates.crt")
@@ -35,7 +35,7 @@ HOST_CA = Path(os.environ.get("SSL_CERT_FILE") or "/etc/ssl/certs/ca-certificate
 def canaries(tmp_path_factory) -> dict:
     """A fake HF token and a CA bundle carrying a unique marker; both must stay out of the image."""
     if not HOST_CA.is_file():
-        pytest.skip(f"no host CA bundle at {HOST_CA}: builds cannot reach PyPI")
+        unavailable(f"no host CA bundle at {HOST_CA}: builds cannot reach PyPI")
     tag = secrets.token_hex(12)
     ca_marker = f"g5g-canary-ca-{tag}"
     ca = tmp_path_factory.mktemp("secrets") / "ca-bundle.pem"
@@ -52,7 +52,7 @@ def cpu_wheels() -> Path:
         sources = [Path(p) for p in os.environ.get("PIP_FIND_LINKS", "").split() if p] + [Path("/opt/wheels")]
         found = next((d / wanted for d in sources if (d / wanted).is_file()), None)
         if found is None:
-            pytest.skip(f"{wanted} not in .whl/ nor in {', '.join(map(str, sources))}: the pytorch cpu image needs it")
+            unavailable(f"{wanted} not in .whl/ nor in {', '.join(map(str, sources))}: the pytorch cpu image needs it")
         wheels.mkdir(exist_ok=True)
         try:
             os.link(found, wheels / wanted)

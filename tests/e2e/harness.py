@@ -1,0 +1,94 @@
+"""The end-to-end harness: the engine the tests talk to, and `python build.py …` runs with their logs kept."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKER_ENV = ROOT / ".cache" / "docker.env"
+
+
+def engine_env() -> dict[str, str]:
+    """os.environ plus what provision.sh wrote into .cache/docker.env (unless already set)."""
+    env = dict(os.environ)
+    if DOCKER_ENV.exists():
+        for line in DOCKER_ENV.read_text().splitlines():
+            if line.startswith("export ") and "=" in line:
+                key, value = line[len("export "):].split("=", 1)
+                env.setdefault(key.strip(), value.strip().strip("'\""))
+    return env
+
+
+@dataclass
+class Engine:
+    env: dict[str, str]
+    logs: Path
+
+    def cli(self, *args: str, log: str, timeout: float = 1800, extra_env: dict | None = None) -> "Run":
+        """Run `python build.py ARGS…` in the repo root; output goes to a log file."""
+        path = self.logs / f"{log}.log"
+        env = {**self.env, **(extra_env or {})}
+        start = time.monotonic()
+        with open(path, "w") as out:
+            out.write(f"$ build.py {' '.join(args)}\n")
+            out.flush()
+            try:
+                proc = subprocess.run([sys.executable, "build.py", *args], cwd=ROOT, env=env, stdout=out,
+                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=timeout)
+                rc = proc.returncode
+            except subprocess.TimeoutExpired:
+                rc = -9
+        return Run(args=list(args), rc=rc, log=path, seconds=time.monotonic() - start)
+
+    def docker(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run(["docker", *args], env=self.env, capture_output=True, text=True, timeout=timeout)
+
+
+@dataclass
+class Run:
+    args: list[str]
+    rc: int
+    log: Path
+    seconds: float
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def why(self) -> str:
+        return f"build.py {' '.join(self.args)} exited {self.rc} after {self.seconds:.0f} s; " \
+               f"log {self.log}, last lines:\n{self.output[-4000:]}"
+
+    def json(self):
+        """The JSON document the command printed (the last top-level object or list in its output)."""
+        text = self.output
+        for start in [i for i, c in enumerate(text) if c in "{[" and (i == 0 or text[i - 1] == "\n")][::-1]:
+            try:
+                return json.JSONDecoder().raw_decode(text[start:])[0]
+            except json.JSONDecodeError:
+                continue
+        raise AssertionError(f"no JSON in the output of {self.why()}")
+
+
+def unavailable(reason: str):
+    """Skip (saying why), or fail where end-to-end tests are required (.ci/run sets G5G_REQUIRE_E2E=1)."""
+    if os.environ.get("G5G_REQUIRE_E2E") == "1":
+        pytest.fail(f"G5G_REQUIRE_E2E=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def plan_tag(engine: Engine, *args: str) -> str:
+    """The first full tag the build command would push, read from its own --dry-run --json plan."""
+    run = engine.cli(*args, "--dry-run", "--json", log="plan-" + "-".join(a.strip("-").replace("/", "_") for a in args[:4]))
+    assert run.rc == 0, run.why()
+    plan = run.json()
+    images = plan.get("images", plan) if isinstance(plan, dict) else plan
+    runtime = args[args.index("--runtime") + 1]
+    return next(i for i in images if i["runtime"] == runtime)["tags"][0]
