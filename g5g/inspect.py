@@ -115,16 +115,32 @@ def via_http(ref: registry.Reference, platform: str | None, insecure: bool) -> t
     return image.digest, image.configs, image.platforms
 
 
-def _imagetools(ref: str, fmt: str) -> object:
-    argv = [*IMAGETOOLS, "--format", fmt, ref]
+def _imagetools_error(ref: registry.Reference, stderr: str, rc: int) -> UserError:
+    """buildx's last error line, phrased like the HTTP backend's errors where we recognise it."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    msg = (lines[-1] if lines else f"exit status {rc}").removeprefix("ERROR: ")
+    low = msg.lower()
+    if low.endswith(": not found"):
+        return UserError(f"{ref}: tag {ref.tag!r} not found in {ref.registry}/{ref.repository} (imagetools: not found)"
+                         if ref.tag and not ref.digest else f"{ref}: not found in {ref.registry} (imagetools)")
+    if "connection refused" in low or "no such host" in low or "i/o timeout" in low:
+        reason = "Connection refused" if "connection refused" in low else msg.rsplit(": ", 1)[-1]
+        return UserError(f"registry {ref.registry} unreachable: {reason} (imagetools)")
+    if "authorization" in low or "401" in low or "403" in low or "denied" in low:
+        return UserError(f"registry {ref.registry} refused to let us read {ref.repository}: {msg}")
+    if "unexpected digest" in low or "digest mismatch" in low:
+        return UserError(f"{ref}: content from {ref.registry} is corrupt: {msg}")
+    return UserError(f"{ref}: docker buildx imagetools inspect failed: {msg}")
+
+
+def _imagetools(ref: registry.Reference, fmt: str) -> object:
+    argv = [*IMAGETOOLS, "--format", fmt, str(ref)]
     try:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired:
         raise UserError(f"{ref}: `docker buildx imagetools inspect` timed out after 300 s") from None
     if out.returncode != 0:
-        lines = [ln.strip() for ln in out.stderr.splitlines() if ln.strip()]
-        msg = lines[-1] if lines else f"exit status {out.returncode}"
-        raise UserError(f"{ref}: docker buildx imagetools inspect failed: {msg.removeprefix('ERROR: ')}")
+        raise _imagetools_error(ref, out.stderr, out.returncode)
     try:
         return json.loads(out.stdout)
     except ValueError:
@@ -133,8 +149,8 @@ def _imagetools(ref: str, fmt: str) -> object:
 
 def via_imagetools(ref: registry.Reference, platform: str | None) -> tuple[str, dict[str, dict], list[str]]:
     """`{{json .Image}}` is a map keyed by platform for an index of several platforms, else a bare config."""
-    manifest = _imagetools(str(ref), "{{json .Manifest}}")
-    images = _imagetools(str(ref), "{{json .Image}}")
+    manifest = _imagetools(ref, "{{json .Manifest}}")
+    images = _imagetools(ref, "{{json .Image}}")
     if not isinstance(manifest, dict) or not isinstance(images, dict):
         raise UserError(f"{ref}: unexpected output from docker buildx imagetools inspect")
     if "rootfs" in images or "architecture" in images:  # one config

@@ -17,23 +17,8 @@ def inspect_http(ref, **kw):
 
 
 @pytest.fixture(scope="module")
-def images(registry):
-    """Every shape of image the backends must read, pushed once per module."""
-    return {
-        "oci_index": push_image(registry, "vllm/vllm-openai", "v0.33.0", [
-            Platform("linux/amd64", env={"TORCH_CUDA_ARCH_LIST": VLLM_AMD64}),
-            Platform("linux/arm64/v8", env={"TORCH_CUDA_ARCH_LIST": VLLM_ARM64})], index="oci", attestations=True),
-        "docker_list": push_image(registry, "nvidia/cuda-like", "13.2", [
-            Platform("linux/amd64", env={"TORCH_CUDA_ARCH_LIST": "7.5;8.0;8.6+PTX"}),
-            Platform("linux/arm64", env={"CUDA_ARCH_LIST": "sm_80 sm_90"})], index="docker"),
-        "ours": push_image(registry, "g5g/vllm", "0.33.0", [
-            Platform("linux/arm64", env={"TORCH_CUDA_ARCH_LIST": "7.5"},
-                     labels={"io.g5g.cuda-archs": "7.5", "io.g5g.runtime": "vllm", "io.g5g.profile": "g5g"})],
-            index=None),
-        "cpu": push_image(registry, "g5g/jax", "cpu", [
-            Platform("linux/amd64", labels={"io.g5g.cuda-archs": "", "io.g5g.profile": "cpu"})], index=None),
-        "torch_base": push_image(registry, "library/torch-base", "2.14.0", [Platform("linux/arm64")], index="docker"),
-    }
+def images(registry_images):
+    return registry_images
 
 
 def test_oci_index_with_attestations(registry, images):

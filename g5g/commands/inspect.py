@@ -9,6 +9,8 @@ from rich.table import Table
 from g5g import inspect as inspector
 
 console = Console(highlight=False)
+if not console.is_terminal:  # piped or logged: don't wrap arch lists and digests at 80 columns
+    console = Console(highlight=False, width=160)
 err_console = Console(stderr=True, highlight=False)
 
 
