@@ -182,6 +182,10 @@ def parse_probe(stdout: str) -> archlist.Found:
     return archlist.Found(archlist.parse(" ".join(archs)), "probe:torch", raw)
 
 
+class ProbeFailed(Exception):
+    """The image ran but could not answer (no python3, no torch): the platform stays "could not tell"."""
+
+
 def probe(image: str, platform: str) -> archlist.Found:
     """Run the image (pulling it; under QEMU for a foreign platform) and read torch.cuda.get_arch_list()."""
     import docker  # only --probe needs the SDK and an engine
@@ -196,10 +200,13 @@ def probe(image: str, platform: str) -> archlist.Found:
                                     remove=True, stdout=True, stderr=False, network_disabled=True)
     except docker.errors.ContainerError as e:
         err = (e.stderr or b"").decode(errors="replace").strip().splitlines()
-        raise UserError(f"{image} ({platform}): probe failed: {err[-1] if err else e}") from None
-    except (docker.errors.ImageNotFound, docker.errors.APIError) as e:
-        raise UserError(f"{image} ({platform}): probe could not run the image: {e.explanation or e}") from None
-    return parse_probe(out.decode(errors="replace"))
+        raise ProbeFailed(err[-1] if err else f"exit status {e.exit_status}") from None
+    except docker.errors.APIError as e:  # ImageNotFound included; "python3": executable file not found
+        raise ProbeFailed(str(e.explanation or e).splitlines()[0][:300]) from None
+    try:
+        return parse_probe(out.decode(errors="replace"))
+    except UserError as e:
+        raise ProbeFailed(str(e)) from None
 
 
 # -- the command's core ------------------------------------------------------------------------------
@@ -225,5 +232,8 @@ def inspect(image: str, *, arch: str = "7.5", platform: str | None = None, backe
         for p, entry in out["platforms"].items():
             if entry["source"] is None:
                 say(f"probing {image} ({p}): no CUDA info in its config, running it to ask torch (slow)")
-                out["platforms"][p] = entry_from(probe(pinned, p), arch)
+                try:
+                    out["platforms"][p] = entry_from(probe(pinned, p), arch)
+                except ProbeFailed as e:
+                    entry["probe_error"] = str(e)
     return out

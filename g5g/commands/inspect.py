@@ -31,6 +31,9 @@ def table(r: dict) -> Table:
         archs = " ".join(e["cuda_archs"]) if e["cuda_archs"] else ("none" if e["cuda_archs"] == [] else "-")
         t.add_row(platform, archs, " ".join(e["ptx"]) or "-", e["source"] or "-",
                   _covered(e["covered"], e["covered_by"]))
+    for platform, e in r["platforms"].items():
+        if e.get("probe_error"):
+            t.caption += f"\n[yellow]{platform}: probe failed: {e['probe_error']}[/]"
     return t
 
 
