@@ -256,3 +256,23 @@ def test_credentials_from_docker_config(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(UserError, match="config.json: not a readable docker config"):
         reg_client.credentials("ghcr.io", tmp_path)
+
+
+def test_credentials_from_a_credential_helper(auth_registry, tmp_path, monkeypatch):
+    """credHelpers/credsStore: the docker-credential-<name> program on PATH is asked, as the docker CLI does."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    helper = bin_dir / "docker-credential-g5gtest"
+    helper.write_text("#!/bin/sh\nread server\n"
+                      f"[ \"$server\" = \"{auth_registry.host}\" ] || exit 1\n"
+                      f"echo '{{\"Username\": \"{auth_registry.username}\", \"Secret\": \"{auth_registry.password}\"}}'\n")
+    helper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+    config = tmp_path / "docker"
+    config.mkdir()
+    (config / "config.json").write_text('{"credHelpers": {"%s": "g5gtest"}}' % auth_registry.host)
+    assert reg_client.credentials(auth_registry.host, config) == (auth_registry.username, auth_registry.password)
+    assert reg_client.credentials("other.example", config) is None
+    pushed = push_image(auth_registry, "private/helper", "1", [Platform("linux/arm64")], index=None)
+    monkeypatch.setenv("DOCKER_CONFIG", str(config))
+    assert inspect_http(pushed.ref)["digest"] == pushed.digest
