@@ -235,6 +235,7 @@ class Client:
             except (requests.ConnectionError, requests.Timeout) as e:
                 raise UserError(f"registry {ref.registry} unreachable at {url.split('/v2/')[0]}: {_reason(e)}") from None
             if r.status_code == 401 and attempt == 0 and self._authenticate(ref, r):
+                r.close()
                 continue
             break
         if r.status_code in (401, 403):
