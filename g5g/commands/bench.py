@@ -145,9 +145,9 @@ def result_table(result: dict) -> Table:
         t.add_column(f"server gauge ({gauge['source']})", justify="right")
         t.add_column("wire/gauge", justify="right")
     for key, label in ROWS:
-        if key not in result:
+        if key not in result and key not in (gauge or {}):
             continue
-        row = [label, _fmt(result[key])]
+        row = [label, _fmt(result.get(key))]
         if gauge:
             metric = key.split("_")[1] if key.startswith("mean_") and key.endswith("_ms") else None
             ratio = (gauge.get("ratio_stream_to_gauge") or {}).get(metric)
