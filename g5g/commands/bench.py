@@ -50,7 +50,7 @@ def run(args) -> int:
         if not report["ok"]:
             err.print(f"[bold red]bench: {args.image} failed before the benchmark:[/] {report['reason']}")
             for line in report.get("logs") or []:
-                err.print(f"  {line}", markup=False)
+                err.print(f"  {line}", markup=False, soft_wrap=True)
             return FAILED
         result = report["after"] | {"image": args.image, "runtime": report["runtime"], "boot": report["boot"]}
         result["label"] = args.label or report["runtime"]

@@ -108,11 +108,11 @@ def _print(report: dict, as_json: bool) -> None:
     if report["ok"]:
         console.print("[bold green]smoke: ok[/]")
     else:
-        err.print(f"[bold red]smoke failed:[/] {report['reason']}")
+        err.print(f"[bold red]smoke failed:[/] {report['reason']}", soft_wrap=True)
         if report.get("logs"):
             err.print(f"[dim]last {len(report['logs'])} log lines of the container:[/]")
             for line in report["logs"]:
-                err.print(f"  {line}", markup=False)
+                err.print(f"  {line}", markup=False, soft_wrap=True)
 
 
 def image_runtime(dc, image: str, runtime: str | None, profile: str | None) -> tuple[str, str]:
