@@ -22,7 +22,7 @@ import requests
 
 from g5g.errors import UserError
 
-PORT = 8000  # the port servers listen on inside the container
+PORT = 8000  # the port servers listen on inside the container (a runtime manifest's `port` overrides it)
 MODEL_MOUNT = "/models"
 HF_MOUNT = "/hf-cache"
 TOKEN_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
@@ -89,14 +89,14 @@ def model_mount(model: str | None, runtime: str) -> tuple[dict, dict, str | None
     return {str(cache.resolve()): {"bind": HF_MOUNT, "mode": "rw"}}, {"HF_HOME": HF_MOUNT}, model, model
 
 
-def server_command(runtime: str, model_arg: str | None, served_name: str | None) -> list[str] | None:
-    """Arguments for the image's entrypoint (`python -m serving …` for jax/pytorch, `vllm serve` for vllm)."""
+def server_command(runtime: str, model_arg: str | None, served_name: str | None, port: int = PORT) -> list[str] | None:
+    """Arguments after the image's entrypoint, which is `python3 -m serving --runtime R --host … --port …` for
+    jax/pytorch and `vllm serve <serve_args> --host … --port …` for vllm (dockerfiles/*.j2): the model, its name.
+    Host and port are repeated so that an image with another entrypoint still listens where we look."""
     if model_arg is None:
         return None  # the image's own CMD
-    if runtime == "vllm":
-        cmd = [model_arg, "--host", "0.0.0.0", "--port", str(PORT), "--dtype", "float16", "--kv-cache-dtype", "auto"]
-    else:
-        cmd = ["--runtime", runtime, "--model", model_arg, "--host", "0.0.0.0", "--port", str(PORT)]
+    listen = ["--host", "0.0.0.0", "--port", str(port)]
+    cmd = [model_arg, *listen] if runtime == "vllm" else ["--model", model_arg, *listen]
     return cmd + (["--served-model-name", served_name] if served_name else [])
 
 
@@ -125,16 +125,17 @@ def _port_open(port: int) -> bool:
         return False
 
 
-def _published_port(container) -> int:
+def _published_port(container, port: int) -> int:
     container.reload()
-    bindings = (container.attrs.get("NetworkSettings", {}).get("Ports") or {}).get(f"{PORT}/tcp") or []
+    bindings = (container.attrs.get("NetworkSettings", {}).get("Ports") or {}).get(f"{port}/tcp") or []
     for b in bindings:
         if b.get("HostIp") in ("127.0.0.1", "") and b.get("HostPort"):
             return int(b["HostPort"])
-    raise ContainerFailed(f"port {PORT} was not published", last_logs(container))
+    raise ContainerFailed(f"port {port} was not published", last_logs(container))
 
 
-def wait_ready(container, timeout: float, t0: float | None = None, poll: float = 0.25) -> tuple[str, dict]:
+def wait_ready(container, timeout: float, t0: float | None = None, port: int = PORT,
+               poll: float = 0.25) -> tuple[str, dict]:
     """Wait for port open then /health 200, watching the container; return (url, boot timings in seconds from
     t0, the container's start)."""
     t0 = time.perf_counter() if t0 is None else t0
@@ -148,8 +149,7 @@ def wait_ready(container, timeout: float, t0: float | None = None, poll: float =
             code = container.attrs.get("State", {}).get("ExitCode")
             raise ContainerFailed(f"container exited (code {code}) during start-up", last_logs(container))
         if url is None and container.status == "running":
-            port = _published_port(container)
-            url = f"http://127.0.0.1:{port}"
+            url = f"http://127.0.0.1:{_published_port(container, port)}"
         if url and "port_open_s" not in boot and _port_open(int(url.rsplit(":", 1)[1])):
             boot["port_open_s"] = time.perf_counter() - t0
         if "port_open_s" in boot:
@@ -160,14 +160,14 @@ def wait_ready(container, timeout: float, t0: float | None = None, poll: float =
             except requests.RequestException:
                 pass
         if time.perf_counter() > deadline:
-            stage = "/health 200" if "port_open_s" in boot else f"port {PORT} open"
+            stage = "/health 200" if "port_open_s" in boot else f"port {port} open"
             raise ContainerFailed(f"not ready after {timeout:.0f} s (waiting for {stage})", last_logs(container))
         time.sleep(poll)
 
 
 @contextlib.contextmanager
 def serve_image(image: str, *, runtime: str, profile: str, model: str | None = None,
-                served_model_name: str | None = None, timeout: float = 900.0,
+                served_model_name: str | None = None, timeout: float = 900.0, port: int = PORT,
                 command: list[str] | None = None, docker_client=None) -> Iterator[Server]:
     """Run `image`, wait until ready, yield a Server; the container is removed whatever happens."""
     import docker
@@ -176,12 +176,12 @@ def serve_image(image: str, *, runtime: str, profile: str, model: str | None = N
     volumes, env, model_arg, name = model_mount(model, runtime)
     name = served_model_name or name
     env |= token_env()
-    kwargs: dict = dict(detach=True, environment=env, volumes=volumes, ports={f"{PORT}/tcp": ("127.0.0.1",)},
+    kwargs: dict = dict(detach=True, environment=env, volumes=volumes, ports={f"{port}/tcp": ("127.0.0.1",)},
                         labels={"io.g5g.smoke": "1"})
     if profile == "g5g":
         kwargs["device_requests"] = [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])]
         kwargs["shm_size"] = "2g"  # NCCL/torch workers need more than docker's 64 MiB default
-    cmd = command if command is not None else server_command(runtime, model_arg, name)
+    cmd = command if command is not None else server_command(runtime, model_arg, name, port)
     try:
         container = dc.containers.create(image, command=cmd, **kwargs)
     except docker.errors.ImageNotFound:
@@ -195,7 +195,7 @@ def serve_image(image: str, *, runtime: str, profile: str, model: str | None = N
         except docker.errors.APIError as e:
             hint = " (no GPU runtime? the g5g profile needs the NVIDIA container toolkit)" if profile == "g5g" else ""
             raise ContainerFailed(f"container did not start: {e.explanation or e}{hint}", last_logs(container))
-        url, boot = wait_ready(container, timeout, t0=started)
+        url, boot = wait_ready(container, timeout, t0=started, port=port)
         yield Server(url=url, container=container, model_name=name, started=started, boot=boot)
     finally:
         with contextlib.suppress(Exception):

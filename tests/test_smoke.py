@@ -127,9 +127,11 @@ def test_model_dir_is_mounted_read_only_under_its_basename(tmp_path):
     assert volumes == {str(d): {"bind": "/models/gemma-4-E2B-it", "mode": "ro"}}
     assert (arg, name, env) == ("/models/gemma-4-E2B-it", "gemma-4-E2B-it", {})
     assert containers.server_command("pytorch", arg, name) == [
-        "--runtime", "pytorch", "--model", "/models/gemma-4-E2B-it", "--host", "0.0.0.0", "--port", "8000",
+        "--model", "/models/gemma-4-E2B-it", "--host", "0.0.0.0", "--port", "8000",
         "--served-model-name", "gemma-4-E2B-it"]
-    assert containers.server_command("vllm", arg, None)[:1] == ["/models/gemma-4-E2B-it"]
+    assert containers.server_command("vllm", arg, None, 8001) == [  # after `vllm serve <serve_args>`
+        "/models/gemma-4-E2B-it", "--host", "0.0.0.0", "--port", "8001"]
+    assert containers.server_command("jax", None, None) is None  # the image's own CMD
 
 
 def test_repo_id_mounts_the_hf_cache(tmp_path, monkeypatch):

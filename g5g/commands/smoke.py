@@ -27,28 +27,25 @@ err = Console(stderr=True, highlight=False)
 
 
 def manifest_defaults(runtime: str | None, manifest_dir: Path = MANIFESTS) -> dict:
-    """The runtime manifest's `smoke: {prompt, expect}` ({} when there is none)."""
+    """From the runtime manifest: `smoke: {prompt, expect}` and `port` ({} when there is no manifest)."""
     if not runtime or not manifest_dir.is_dir():
         return {}
     try:
         from g5g import manifest
     except ImportError:  # the manifest loader is not in this checkout
         return {}
-    loaded = manifest.load(manifest_dir)
-    runtimes = getattr(loaded, "runtimes", None)
-    if runtimes is None and isinstance(loaded, dict):
-        runtimes = loaded.get("runtimes")
-    rt = (runtimes or {}).get(runtime)
-    block = rt.get("smoke") if isinstance(rt, dict) else getattr(rt, "smoke", None)
-    if block is None:
+    rt = manifest.load(manifest_dir).runtimes.get(runtime)
+    if rt is None:
         return {}
-    if not isinstance(block, dict):
-        block = {k: getattr(block, k, None) for k in ("prompt", "expect")}
-    return {k: v for k, v in block.items() if k in ("prompt", "expect") and v}
+    out = {"port": rt.port}
+    if rt.smoke is not None:
+        out |= {"prompt": rt.smoke.prompt, "expect": rt.smoke.expect}
+    return out
 
 
-def resolve_check(runtime: str | None, prompt: str | None, expect: str | None) -> tuple[str, str]:
-    defaults = manifest_defaults(runtime)
+def resolve_check(runtime: str | None, prompt: str | None, expect: str | None,
+                  defaults: dict | None = None) -> tuple[str, str]:
+    defaults = manifest_defaults(runtime) if defaults is None else defaults
     prompt = prompt or defaults.get("prompt") or DEFAULT_PROMPT
     expect = expect or defaults.get("expect")
     if not expect:
@@ -133,11 +130,13 @@ def smoke_image(image: str, *, runtime: str | None, profile: str | None, model: 
     that passed. `after_ready(server)` runs on the live server after a passing check (bench uses it)."""
     dc = containers.client()
     runtime, profile = image_runtime(dc, image, runtime, profile)
-    prompt, expect = resolve_check(runtime, prompt, expect)
+    defaults = manifest_defaults(runtime)
+    prompt, expect = resolve_check(runtime, prompt, expect, defaults)
     base = {"image": image, "runtime": runtime, "profile": profile, "url": None, "checks": {}, "answers": {}}
     try:
         with containers.serve_image(image, runtime=runtime, profile=profile, model=model,
-                                    served_model_name=served_model_name, timeout=timeout, docker_client=dc) as srv:
+                                    served_model_name=served_model_name, timeout=timeout,
+                                    port=defaults.get("port", containers.PORT), docker_client=dc) as srv:
             report = base | check_server(srv.url, srv.model_name, prompt, expect)
             if report["ok"]:
                 srv.boot["first_answer_s"] = time.perf_counter() - srv.started
