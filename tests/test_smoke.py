@@ -261,3 +261,20 @@ def test_bench_image_records_boot_then_measures(timed_images, tmp_path):
     r = json.loads(out.read_text())
     assert r["label"] == "pytorch" and r["completed"] == 2 and r["mode"] == "stream"
     assert set(r["boot"]) == {"port_open_s", "health_s", "first_answer_s"}
+
+
+def test_prompt_and_expect_default_to_the_runtime_manifest(timed_server, capsys):
+    pytest.importorskip("g5g.manifest", reason="the driver's manifest loader (issue 2) is not merged here yet")
+    import re
+
+    from g5g.commands.smoke import manifest_defaults
+
+    defaults = manifest_defaults("pytorch")
+    assert defaults["prompt"] and defaults["port"]
+    if not re.search(defaults["expect"], "Paris"):
+        pytest.skip(f"the pytorch manifest no longer expects Paris ({defaults['expect']})")
+    good = timed_server(answer="Paris", ttft=0.01, gap=0.002)
+    wrong = timed_server(answer="Lyon", ttft=0.01, gap=0.002)
+    assert main(["smoke", "--url", good.url, "--runtime", "pytorch"]) == 0
+    assert main(["smoke", "--url", wrong.url, "--runtime", "pytorch"]) == 1
+    assert "expected" in err_text(capsys)
