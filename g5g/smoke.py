@@ -22,8 +22,8 @@ _THOUGHT = re.compile(r"<(think|thought)>.*?(</\1>|$)|<\|channel\>.*?(<channel\|
 # Special tokens: <pad>, <eos>, <bos>, <unk>, <mask>, <s>, </s>, <start_of_turn>, <end_of_turn>, <|…|>, <|turn>, <turn|>…
 _SPECIAL = re.compile(
     r"<\|[^<>\s]{0,40}\|>|<\|[a-z_]{1,30}>|<[a-z_]{1,30}\|>|</?s>|"
-    r"<(?:pad|eos|bos|unk|mask|start_of_turn|end_of_turn|start_of_image|end_of_image|image_soft_token)>|\[PAD\]",
-    re.I)
+    r"<(?:pad|eos|bos|unk|mask|start_of_turn|end_of_turn|start_of_image|end_of_image|image_soft_token)>|"
+    r"<unused\d+>|\[PAD\]", re.I)
 # A short unit repeated 3+ times in a row, or a longer one (a phrase, a sentence) 2+ times.
 _REPEATS = (re.compile(r"(.{1,40}?)\1{2,}", re.S), re.compile(r"(.{8,200}?)\1+", re.S))
 
