@@ -159,6 +159,22 @@ def test_auto_finds_the_gauge_and_reports_both(timed_server, tmp_path):
         assert key in r
 
 
+def test_a_biased_gauge_changes_its_ratio_never_the_wire_figure(timed_server, tmp_path):
+    """Seed 004: stream/gauge was 0.9799 on JAX and 0.9543 on PyTorch. Each ratio belongs to its server; the
+    comparable figure is the wire one, which a server's gauge cannot move."""
+    cfg = dict(ttft=0.05, gap=0.02, tokens=12, tokens_per_chunk=1, metrics=True)
+    t = truth(cfg["ttft"], cfg["gap"], cfg["tokens"], 1)
+    runs = {}
+    for scale in (1.0, 0.8):
+        srv = timed_server(gauge_scale=scale, **cfg)
+        out = tmp_path / f"{scale}.json"
+        assert run_cli("bench", "--url", srv.url, "--requests", "2", "--warmup", "0", "--json", str(out)) == 0
+        runs[scale] = json.loads(out.read_text())
+    for scale, r in runs.items():
+        assert close(r["mean_tpot_ms"], t["tpot"], abs_s=0.001)  # the wire figure is the truth, whatever the gauge
+        assert r["gauge"]["ratio_stream_to_gauge"]["tpot"] == pytest.approx(1 / scale, rel=0.05)
+
+
 def test_auto_without_gauge_is_stream_and_gauge_mode_refuses(timed_server, capsys):
     srv = timed_server(ttft=0.01, gap=0.005, tokens=4)
     assert run_cli("bench", "--url", srv.url, "--requests", "1", "--warmup", "0", "--mode", "gauge") == 2
