@@ -6,6 +6,7 @@ container's last log lines); 2 for bad input (no engine, unknown image, no expec
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -20,21 +21,27 @@ MAX_TOKENS = 256
 REQUEST_TIMEOUT = 300.0
 DEFAULT_PROMPT = "What does the abbreviation SRE stand for? Answer in one short sentence."
 RUNTIMES = ("vllm", "jax", "pytorch")
-MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
 
 console = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
 
-def manifest_defaults(runtime: str | None, manifest_dir: Path = MANIFESTS) -> dict:
+def manifest_dir() -> Path | None:
+    """As the build command: ./manifests, else the checkout this package runs from."""
+    return next((p for p in (Path("manifests"), Path(__file__).resolve().parents[2] / "manifests") if p.is_dir()),
+                None)
+
+
+def manifest_defaults(runtime: str | None) -> dict:
     """From the runtime manifest: `smoke: {prompt, expect}` and `port` ({} when there is no manifest)."""
-    if not runtime or not manifest_dir.is_dir():
+    root = manifest_dir()
+    if not runtime or root is None:
         return {}
     try:
         from g5g import manifest
     except ImportError:  # the manifest loader is not in this checkout
         return {}
-    rt = manifest.load(manifest_dir).runtimes.get(runtime)
+    rt = manifest.load(root).runtimes.get(runtime)
     if rt is None:
         return {}
     out = {"port": rt.port}
@@ -52,7 +59,6 @@ def resolve_check(runtime: str | None, prompt: str | None, expect: str | None,
         where = f"manifests/runtimes/{runtime}.yaml has no smoke.expect" if runtime else "the runtime is unknown"
         raise UserError(f"nothing to check the answer against: {where}; pass --expect REGEX")
     try:
-        import re
         re.compile(expect)
     except re.error as e:
         raise UserError(f"--expect {expect!r} is not a valid regex: {e}") from None
