@@ -76,20 +76,33 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for readiness")
     s.add_argument("--json", action="store_true")
 
-    be = sub.add_parser("bench", help="client-side benchmark on the wire (TTFT, TPOT, ITL), same for every runtime")
-    be.add_argument("compare", nargs="*", metavar="compare A.json B.json",
-                    help="`bench compare A.json B.json …`: one table across runtimes")
+    be = sub.add_parser("bench", help="client-side benchmark on the wire (TTFT, TPOT, ITL), same for every runtime",
+                        description="bench --url URL | --image IMAGE  (or: bench compare A.json B.json … [--plot PNG])")
     be.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8000")
-    be.add_argument("--image", help="boot this image and record boot time, then bench it")
-    be.add_argument("--model", help="model directory to mount (with --image)")
-    be.add_argument("--mode", choices=("auto", "stream", "gauge", "both"), default="auto")
-    be.add_argument("--requests", type=int, default=16)
-    be.add_argument("--concurrency", type=int, default=1)
+    be.add_argument("--image", help="boot this image (boot time recorded, smoke-checked), then bench it")
+    be.add_argument("--model", help="model directory or Hugging Face repo id to mount (with --image)")
+    be.add_argument("--runtime", choices=("vllm", "jax", "pytorch"), help="runtime of IMAGE (default: its label)")
+    be.add_argument("--profile", default=None, help="g5g (GPU) or cpu (default: IMAGE's label)")
+    be.add_argument("--expect", help="regex the first answer must match (with --image; default: the manifest's)")
+    be.add_argument("--boot-timeout", type=float, default=900.0, help="seconds to wait for IMAGE to be ready")
+    be.add_argument("--mode", choices=("auto", "stream", "gauge", "both"), default="auto",
+                    help="stream: wire timings; gauge: the server's /metrics; both: side by side with their ratio; "
+                         "auto: both when the server has a gauge, else stream")
+    be.add_argument("--requests", type=int, default=16, help="timed requests (default: 16)")
+    be.add_argument("--concurrency", type=int, default=1, help="requests in flight at once (default: 1)")
     be.add_argument("--max-tokens", type=int, default=128)
-    be.add_argument("--warmup", type=int, default=1)
+    be.add_argument("--warmup", type=int, default=1, help="untimed requests first (default: 1)")
     be.add_argument("--prompt", help="prompt to send (default: a fixed one)")
+    be.add_argument("--tokenizer", help="tokenizer.json (or model dir) to count tokens when the server sends no usage")
+    be.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take (default: 300)")
+    be.add_argument("--time-limit", type=float, default=1800.0,
+                    help="no request starts after this many seconds of the run (default: 1800)")
+    be.add_argument("--label", help="name of this run in compare tables (default: runtime or model)")
     be.add_argument("--json", dest="json_file", metavar="FILE", help="write the result as JSON")
-    be.add_argument("--plot", metavar="PNG", help="with compare: write a PNG plot")
+    bsub = be.add_subparsers(dest="bench_command", metavar="compare")
+    bc = bsub.add_parser("compare", help="one table across bench results, optionally a PNG plot")
+    bc.add_argument("files", nargs="+", metavar="RESULT.json")
+    bc.add_argument("--plot", metavar="PNG", help="write a PNG plot")
 
     sv = sub.add_parser("serve", help="run the jax or pytorch server locally, as the image does")
     sv.add_argument("--runtime", choices=("jax", "pytorch"), required=True)
