@@ -1,2 +1,2 @@
 """Shared test fixtures live in tests/fixtures/ and are registered here."""
-pytest_plugins: list[str] = ["tests.fixtures.registry", "tests.fixtures.timed_server"]
+pytest_plugins: list[str] = ["tests.fixtures.registry", "tests.fixtures.timed_server", "tests.fixtures.tiny_gemma4"]
