@@ -1,2 +1,5 @@
 """Shared test fixtures live in tests/fixtures/ and are registered here."""
-pytest_plugins: list[str] = ["tests.fixtures.timed_server"]
+pytest_plugins: list[str] = [
+    "tests.fixtures.tiny_gemma4",
+    "tests.fixtures.timed_server",
+]
