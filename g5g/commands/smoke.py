@@ -106,18 +106,18 @@ def _table(report: dict) -> Table:
 
 
 def _print(report: dict, as_json: bool) -> None:
-    if as_json:
+    if as_json:  # the report on stdout; a failure still says why on stderr, for CI logs
         print(json.dumps(report, indent=2))
-        return
-    if report["checks"]:
-        console.print(_table(report))
-    for mode, a in report["answers"].items():
-        console.print(f"[dim]{mode} answer:[/] {a['text'][:300]!r}")
-    if report.get("boot"):
-        console.print("boot: " + ", ".join(f"{k} {v:.2f} s" for k, v in report["boot"].items()))
-    if report["ok"]:
-        console.print("[bold green]smoke: ok[/]")
     else:
+        if report["checks"]:
+            console.print(_table(report))
+        for mode, a in report["answers"].items():
+            console.print(f"[dim]{mode} answer:[/] {a['text'][:300]!r}")
+        if report.get("boot"):
+            console.print("boot: " + ", ".join(f"{k} {v:.2f} s" for k, v in report["boot"].items()))
+        if report["ok"]:
+            console.print("[bold green]smoke: ok[/]")
+    if not report["ok"]:
         err.print(f"[bold red]smoke failed:[/] {report['reason']}", soft_wrap=True)
         if report.get("logs"):
             err.print(f"[dim]last {len(report['logs'])} log lines of the container:[/]")
