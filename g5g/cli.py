@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", help="model name to ask for (default: the server's first model)")
     s.add_argument("--prompt", help="chat prompt (default: the runtime's from the manifest)")
     s.add_argument("--expect", help="regex the answer must match (default: the runtime's from the manifest)")
+    s.add_argument("--max-tokens", type=int, help="answer length limit (default: 256, or half a shorter context)")
     s.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for readiness")
     s.add_argument("--json", action="store_true")
 

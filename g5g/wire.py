@@ -158,9 +158,14 @@ def chat(session: requests.Session, url: str, payload: dict, timeout: float) -> 
 
 def first_model(session: requests.Session, url: str, timeout: float = 10.0) -> str:
     """The id of the server's first model (GET /v1/models)."""
+    return model_card(session, url, timeout)["id"]
+
+
+def model_card(session: requests.Session, url: str, timeout: float = 10.0, model: str | None = None) -> dict:
+    """The server's card for `model` (default: its first), e.g. {"id": …, "max_model_len": …}."""
     resp = session.get(f"{url}/v1/models", timeout=timeout)
     resp.raise_for_status()
     models = resp.json().get("data") or []
     if not models:
         raise ValueError(f"{url}/v1/models lists no model")
-    return models[0]["id"]
+    return next((m for m in models if m.get("id") == model), models[0] if model is None else {"id": model})

@@ -235,3 +235,76 @@ def test_bad_flags_are_one_line_errors(capsys):
     assert "--url URL or --image IMAGE" in err_text(capsys)
     assert run_cli("bench", "--url", "http://127.0.0.1:9", "--requests", "0") == 2
     assert "--requests must be at least 1" in err_text(capsys)
+
+
+# ---- against the project's own PyTorch server (serving/) with the tiny Gemma 4 fixture ----
+
+@pytest.fixture(scope="module")
+def pytorch_server(tiny_gemma4):
+    """`python -m serving --runtime pytorch` on 127.0.0.1:<free port>, as the image runs it."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import requests
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "serving", "--runtime", "pytorch", "--model", str(tiny_gemma4),
+                             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        else:
+            proc.kill()
+            pytest.fail(f"the PyTorch server did not come up: {proc.communicate(timeout=10)[0][-2000:]}")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_smoke_passes_on_the_pytorch_server_with_the_fixed_answer(pytorch_server, capsys):
+    from g5g.commands.smoke import check_server
+    from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
+
+    report = check_server(pytorch_server, None, QUESTION, "Site Reliability Engineering")
+    assert report["ok"], report.get("reason")
+    assert report["answers"]["stream"]["text"] == report["answers"]["non-stream"]["text"] == ANSWER
+    assert report["max_tokens"] <= 128  # the tiny model's context is short: half of it at most
+    # The same server fails the check when the expectation is wrong: the check can fail.
+    assert main(["smoke", "--url", pytorch_server, "--prompt", QUESTION, "--expect", "Paris"]) == 1
+    assert "expected" in err_text(capsys)
+
+
+@pytest.mark.slow
+def test_bench_on_the_pytorch_server_agrees_with_its_own_counters(pytorch_server, tmp_path):
+    from tests.fixtures.tiny_gemma4 import QUESTION
+
+    out = tmp_path / "pytorch.json"
+    assert run_cli("bench", "--url", pytorch_server, "--requests", "3", "--concurrency", "2", "--max-tokens", "24",
+                   "--warmup", "1", "--prompt", QUESTION, "--label", "pytorch", "--json", str(out)) == 0
+    r = json.loads(out.read_text())
+    assert r["mode"] == "both" and r["completed"] == 3 and r["output_len_source"] == "usage"
+    assert r["output_lens"] == [24, 24, 24]  # the fixed answer is longer than 24 tokens
+    g = r["gauge"]
+    assert g["generation_tokens"] == r["total_output_tokens"]  # the server counted what the usage chunks said
+    assert g["ttft_count"] == g["e2el_count"] == 3  # warm-up excluded
+    assert r["mean_tokens_per_chunk"] == pytest.approx(1.0)  # one token per chunk from our server
+    assert all(g["ratio_stream_to_gauge"][k] > 0 for k in ("ttft", "tpot", "e2el"))
+    assert len(r["itls"][0]) == 23

@@ -208,7 +208,9 @@ def timed_images(docker_client):
 
 
 def _leftovers(dc) -> list:
-    return dc.containers.list(all=True, filters={"label": "io.g5g.smoke=1"})
+    """Our smoke containers still there (the engine is shared: others' smoke runs are not ours to count)."""
+    return [c for c in dc.containers.list(all=True, filters={"label": "io.g5g.smoke=1"})
+            if any(t.startswith("g5g-test/timed-server:") for t in c.image.tags)]
 
 
 @pytest.mark.e2e
@@ -278,3 +280,14 @@ def test_prompt_and_expect_default_to_the_runtime_manifest(timed_server, capsys)
     assert main(["smoke", "--url", good.url, "--runtime", "pytorch"]) == 0
     assert main(["smoke", "--url", wrong.url, "--runtime", "pytorch"]) == 1
     assert "expected" in err_text(capsys)
+
+
+@pytest.mark.e2e
+def test_readiness_is_bounded_and_reports_the_stage_and_logs(timed_images, docker_client):
+    with pytest.raises(containers.ContainerFailed) as failed:
+        with containers.serve_image(timed_images["good"], runtime="pytorch", profile="cpu", timeout=3,
+                                    command=["--health-delay", "600"], docker_client=docker_client):
+            pytest.fail("a server whose /health says 503 for 10 minutes was reported ready")
+    assert "not ready after 3 s (waiting for /health 200)" in str(failed.value)
+    assert any("timed_server: listening" in line for line in failed.value.logs)
+    assert not _leftovers(docker_client)

@@ -65,20 +65,27 @@ def resolve_check(runtime: str | None, prompt: str | None, expect: str | None,
     return prompt, expect
 
 
-def check_server(url: str, model: str | None, prompt: str, expect: str, timeout: float = REQUEST_TIMEOUT) -> dict:
-    """Ask `url` twice (streamed, then not) and check both answers. Returns the report (JSON-ready)."""
+def check_server(url: str, model: str | None, prompt: str, expect: str, max_tokens: int | None = None,
+                 timeout: float = REQUEST_TIMEOUT) -> dict:
+    """Ask `url` twice (streamed, then not) and check both answers. Returns the report (JSON-ready).
+
+    max_tokens defaults to 256, or half the model's context when the server says it is shorter (a request for
+    more than the context is refused, by vLLM as by ours)."""
     session = requests.Session()
-    if model is None:
-        try:
-            model = wire.first_model(session, url)
-        except (requests.RequestException, ValueError, KeyError) as e:
-            return {"ok": False, "url": url, "reason": f"GET /v1/models failed: {e}", "failed_check": "request",
-                    "checks": {}, "answers": {}}
-    report: dict = {"ok": True, "url": url, "model": model, "prompt": prompt, "expect": expect, "checks": {},
-                    "answers": {}}
+    try:
+        card = wire.model_card(session, url, model=model)
+    except (requests.RequestException, ValueError, KeyError) as e:
+        return {"ok": False, "url": url, "reason": f"GET /v1/models failed: {e}", "failed_check": "request",
+                "checks": {}, "answers": {}}
+    model = card["id"]
+    if max_tokens is None:
+        context = card.get("max_model_len")
+        max_tokens = min(MAX_TOKENS, context // 2) if isinstance(context, int) and context > 1 else MAX_TOKENS
+    report: dict = {"ok": True, "url": url, "model": model, "prompt": prompt, "expect": expect,
+                    "max_tokens": max_tokens, "checks": {}, "answers": {}}
     for mode, send in (("stream", wire.stream_chat), ("non-stream", wire.chat)):
-        ans = send(session, url, wire.chat_payload(model, prompt, MAX_TOKENS, stream=mode == "stream"), timeout)
-        checks = smoke.check_answer(ans, expect, MAX_TOKENS)
+        ans = send(session, url, wire.chat_payload(model, prompt, max_tokens, stream=mode == "stream"), timeout)
+        checks = smoke.check_answer(ans, expect, max_tokens)
         report["checks"][mode] = [c.__dict__ for c in checks]
         report["answers"][mode] = {"text": ans.text, "finish_reason": ans.finish_reason, "usage": ans.usage,
                                    "latency_s": ans.latency, "error": ans.error or None}
@@ -99,18 +106,18 @@ def _table(report: dict) -> Table:
 
 
 def _print(report: dict, as_json: bool) -> None:
-    if as_json:
+    if as_json:  # the report on stdout; a failure still says why on stderr, for CI logs
         print(json.dumps(report, indent=2))
-        return
-    if report["checks"]:
-        console.print(_table(report))
-    for mode, a in report["answers"].items():
-        console.print(f"[dim]{mode} answer:[/] {a['text'][:300]!r}")
-    if report.get("boot"):
-        console.print("boot: " + ", ".join(f"{k} {v:.2f} s" for k, v in report["boot"].items()))
-    if report["ok"]:
-        console.print("[bold green]smoke: ok[/]")
     else:
+        if report["checks"]:
+            console.print(_table(report))
+        for mode, a in report["answers"].items():
+            console.print(f"[dim]{mode} answer:[/] {a['text'][:300]!r}")
+        if report.get("boot"):
+            console.print("boot: " + ", ".join(f"{k} {v:.2f} s" for k, v in report["boot"].items()))
+        if report["ok"]:
+            console.print("[bold green]smoke: ok[/]")
+    if not report["ok"]:
         err.print(f"[bold red]smoke failed:[/] {report['reason']}", soft_wrap=True)
         if report.get("logs"):
             err.print(f"[dim]last {len(report['logs'])} log lines of the container:[/]")
@@ -131,7 +138,7 @@ def image_runtime(dc, image: str, runtime: str | None, profile: str | None) -> t
 
 def smoke_image(image: str, *, runtime: str | None, profile: str | None, model: str | None,
                 served_model_name: str | None, prompt: str | None, expect: str | None, timeout: float,
-                after_ready=None) -> dict:
+                max_tokens: int | None = None, after_ready=None) -> dict:
     """Boot `image`, check it, remove it. Boot timings: container start → port open → /health 200 → first answer
     that passed. `after_ready(server)` runs on the live server after a passing check (bench uses it)."""
     dc = containers.client()
@@ -143,7 +150,7 @@ def smoke_image(image: str, *, runtime: str | None, profile: str | None, model: 
         with containers.serve_image(image, runtime=runtime, profile=profile, model=model,
                                     served_model_name=served_model_name, timeout=timeout,
                                     port=defaults.get("port", containers.PORT), docker_client=dc) as srv:
-            report = base | check_server(srv.url, srv.model_name, prompt, expect)
+            report = base | check_server(srv.url, srv.model_name, prompt, expect, max_tokens)
             if report["ok"]:
                 srv.boot["first_answer_s"] = time.perf_counter() - srv.started
             report |= {"image": image, "boot": srv.boot}
@@ -163,11 +170,11 @@ def run(args) -> int:
         url = args.url.rstrip("/")
         runtime = args.runtime or _runtime_from_server(url)
         prompt, expect = resolve_check(runtime, args.prompt, args.expect)
-        report = check_server(url, args.served_model_name, prompt, expect)
+        report = check_server(url, args.served_model_name, prompt, expect, args.max_tokens)
     else:
         report = smoke_image(args.image, runtime=args.runtime, profile=args.profile, model=args.model,
                              served_model_name=args.served_model_name, prompt=args.prompt, expect=args.expect,
-                             timeout=args.timeout)
+                             timeout=args.timeout, max_tokens=args.max_tokens)
     _print(report, args.json)
     return OK if report["ok"] else FAILED
 
