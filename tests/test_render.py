@@ -182,3 +182,18 @@ def test_existing_torch_base_image_variant(tmp_path):
     path.write_text(text)
     r = subprocess.run([HADOLINT, "--config", str(REPO / ".hadolint.yaml"), str(path)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout
+
+
+def test_sm75_check_refuses_a_torch_without_sm75():
+    """The torch-base check, run with this machine's torch (a CPU build: no CUDA arch flags), fails and says why."""
+    pytest.importorskip("torch")
+    _, files = rendered("g5g")
+    text = files["build/torch-base/Dockerfile"].replace("\\\n", "")
+    line = next(ln for ln in text.splitlines() if "_cuda_getArchFlags" in ln)
+    code = line.removeprefix('RUN python3 -c "').removesuffix('"')
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    import torch
+    if "sm_75" in (getattr(torch._C, "_cuda_getArchFlags", str)() or ""):
+        assert r.returncode == 0, r.stderr
+    else:
+        assert r.returncode == 1 and "lacks sm_75" in r.stderr, r.stderr
