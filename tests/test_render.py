@@ -126,9 +126,10 @@ def test_patch_step_applies_in_order_and_names_the_failing_patch(tmp_path):
     _, files = rendered("g5g")
     text = files["build/vllm/Dockerfile"].replace("\\\n", "")
     step = next(ln for ln in text.splitlines() if ln.startswith("RUN { git apply --check"))[4:]
-    sdist = Path(os.environ.get("G5G_VLLM_SDIST", "/tmp/vllm-sdist/vllm-0.33.0.tar.gz"))
+    # The sdist g5g.patches caches (.cache/vllm-sdist/, `build.py patches verify` fills it), or G5G_VLLM_SDIST.
+    sdist = Path(os.environ.get("G5G_VLLM_SDIST", REPO / ".cache/vllm-sdist/vllm-0.33.0.tar.gz"))
     if not sdist.is_file():
-        pytest.skip(f"vLLM 0.33.0 sdist not cached at {sdist} (set G5G_VLLM_SDIST)")
+        pytest.skip(f"vLLM 0.33.0 sdist not cached at {sdist} (run `build.py patches verify` or set G5G_VLLM_SDIST)")
     src = tmp_path / "patches"
     shutil.copytree(REPO / "patches/vllm/0.33.0", src)
     step = step.replace("/src/patches/", f"{src}/")
