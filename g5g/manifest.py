@@ -206,6 +206,9 @@ def _profile(file: str, data: Any) -> Profile:
         if nvcc_threads < 1:
             b.fail("must be at least 1", "nvcc_threads")
         b.done()
+    wheels = r.get("wheels", str, required=False)
+    if wheels is not None and (wheels.startswith("/") or ".." in Path(wheels).parts):
+        r.fail(f"{wheels!r} must be a directory inside the repository (it is a build context)", "wheels")
     registry = r.get("registry", str)
     if not IMAGE_RE.match(registry) or registry.endswith("/"):
         r.fail(f"{registry!r} is not a registry/namespace like ghcr.io/me", "registry")
@@ -213,7 +216,7 @@ def _profile(file: str, data: Any) -> Profile:
         name=name, description=r.get("description", str), platforms=platforms, registry=registry,
         python=r.get("python", str), dtype=r.get("dtype", str), cuda=cuda,
         cpu_baseline=r.get("cpu_baseline", str, required=False), base_image=base_image,
-        wheels=r.get("wheels", str, required=False), max_jobs=max_jobs, nvcc_threads=nvcc_threads, source=file)
+        wheels=wheels, max_jobs=max_jobs, nvcc_threads=nvcc_threads, source=file)
     r.done()
     return profile
 

@@ -58,7 +58,7 @@ class Plan:
     push: bool
     sequential: bool
     secrets: tuple[str, ...]  # bake secret specs, e.g. "id=ca-cert,src=/etc/ssl/certs/ca.pem"
-    all_images: tuple[ImagePlan, ...]  # every image of the profile (the bake file holds them all)
+    all_images: tuple[ImagePlan, ...]  # the selected images and what they are built FROM (the bake file's targets)
 
     @property
     def bake_file(self) -> str:
@@ -261,4 +261,5 @@ def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", 
     if not selected:
         raise UserError(f"--runtime {runtime}: unknown runtime (known: {', '.join(names)}, all)")
     return Plan(profile=prof, images=selected, out=out, push=push, sequential=sequential,
-                secrets=tuple(secrets), all_images=every)
+                secrets=tuple(secrets),
+                all_images=tuple(i for i in every if i in selected or any(i.target in s.depends_on for s in selected)))

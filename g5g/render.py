@@ -7,6 +7,7 @@ Dockerfile and serving/), so no build sends the whole repository to the builder.
 from __future__ import annotations
 
 import json
+import posixpath
 import shutil
 from pathlib import Path, PurePosixPath
 
@@ -48,7 +49,7 @@ def bake(plan: Plan) -> dict:
         ctx = context_dir(plan, img)
         t: dict = {
             "context": ctx,
-            "dockerfile": str(PurePosixPath(_relpath(img.dockerfile, ctx))),
+            "dockerfile": posixpath.relpath(img.dockerfile, ctx),
             "target": img.target,
             "platforms": list(img.platforms),
             "tags": list(img.tags),
@@ -60,11 +61,6 @@ def bake(plan: Plan) -> dict:
             t["contexts"] = links
         targets[img.target] = t
     return {"group": {"default": {"targets": [i.target for i in plan.all_images]}}, "target": targets}
-
-
-def _relpath(path: str, start: str) -> str:
-    import posixpath
-    return posixpath.relpath(path, start)
 
 
 def render(plan: Plan) -> dict[str, str]:

@@ -95,6 +95,7 @@ BROKEN = [
     ("profiles/g5g.yaml", _set("name", "g4dn"), ["profiles/g5g.yaml", "name", "file name"]),
     ("profiles/cpu.yaml", _del("base_image"), ["profiles/cpu.yaml", "base_image"]),
     ("profiles/cpu.yaml", _set("registry", "http://x/"), ["profiles/cpu.yaml", "registry"]),
+    ("profiles/cpu.yaml", _set("wheels", "/opt/wheels"), ["profiles/cpu.yaml", "wheels", "inside the repository"]),
 ]
 
 

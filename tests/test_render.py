@@ -126,9 +126,10 @@ def test_patch_step_applies_in_order_and_names_the_failing_patch(tmp_path):
     _, files = rendered("g5g")
     text = files["build/vllm/Dockerfile"].replace("\\\n", "")
     step = next(ln for ln in text.splitlines() if ln.startswith("RUN { git apply --check"))[4:]
-    sdist = Path(os.environ.get("G5G_VLLM_SDIST", "/tmp/vllm-sdist/vllm-0.33.0.tar.gz"))
+    # The sdist g5g.patches caches (.cache/vllm-sdist/, `build.py patches verify` fills it), or G5G_VLLM_SDIST.
+    sdist = Path(os.environ.get("G5G_VLLM_SDIST", REPO / ".cache/vllm-sdist/vllm-0.33.0.tar.gz"))
     if not sdist.is_file():
-        pytest.skip(f"vLLM 0.33.0 sdist not cached at {sdist} (set G5G_VLLM_SDIST)")
+        pytest.skip(f"vLLM 0.33.0 sdist not cached at {sdist} (run `build.py patches verify` or set G5G_VLLM_SDIST)")
     src = tmp_path / "patches"
     shutil.copytree(REPO / "patches/vllm/0.33.0", src)
     step = step.replace("/src/patches/", f"{src}/")
@@ -147,3 +148,53 @@ def test_patch_step_applies_in_order_and_names_the_failing_patch(tmp_path):
     again = subprocess.run(["bash", "-c", step], cwd=tree, capture_output=True, text=True, env=env)
     assert again.returncode == 1
     assert "patch 0001-triton-attn-turing-smem.patch does not apply to vLLM 0.33.0" in again.stderr
+
+
+def test_selection_renders_the_image_and_its_base_only():
+    plan = make_plan(manifest.load(REPO / "manifests", profile="g5g"), runtime="pytorch")
+    files = render.render(plan)
+    assert sorted(files) == ["build/docker-bake.json", "build/pytorch/Dockerfile", "build/torch-base/Dockerfile"]
+    assert json.loads(files["build/docker-bake.json"])["group"]["default"]["targets"] == ["torch-base", "pytorch"]
+    jax = make_plan(manifest.load(REPO / "manifests", profile="g5g"), runtime="jax")
+    assert sorted(render.render(jax)) == ["build/docker-bake.json", "build/jax/Dockerfile"]
+
+
+def test_sequential_bake_has_no_named_contexts():
+    plan = make_plan(manifest.load(REPO / "manifests", profile="cpu"), profile="cpu", sequential=True)
+    bake = json.loads(render.render(plan)["build/docker-bake.json"])
+    assert all("contexts" not in t for t in bake["target"].values())
+    # the images still find the base by its tag
+    assert bake["target"]["pytorch"]["args"]["TORCH_BASE"] == bake["target"]["torch-base"]["tags"][0]
+
+
+def test_existing_torch_base_image_variant(tmp_path):
+    """torch-base from an existing image (e.g. captured from a DLAMI host): parses, lints, still checks sm_75."""
+    m = manifest.load(REPO / "manifests", profile="g5g",
+                      overrides=["torch-base.source=image", "torch-base.image=registry.example/dlami-pytorch:2.14.0"])
+    plan = make_plan(m, runtime="torch-base")
+    img = plan.images[0]
+    text = render.render(plan)[img.dockerfile]
+    assert img.build_args == {"TORCH_BASE_IMAGE": "registry.example/dlami-pytorch:2.14.0", "TORCH_VERSION": "2.14.0"}
+    assert img.upstream["base_image"] == "registry.example/dlami-pytorch:2.14.0"
+    cmds = dockerfile.parse_string(text)
+    assert {c.value[0].split("=", 1)[0] for c in cmds if c.cmd == "ARG"} == set(img.build_args)
+    assert "'sm_75' in flags" in text and "git clone" not in text
+    path = tmp_path / "Dockerfile"
+    path.write_text(text)
+    r = subprocess.run([HADOLINT, "--config", str(REPO / ".hadolint.yaml"), str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout
+
+
+def test_sm75_check_refuses_a_torch_without_sm75():
+    """The torch-base check, run with this machine's torch (a CPU build: no CUDA arch flags), fails and says why."""
+    pytest.importorskip("torch")
+    _, files = rendered("g5g")
+    text = files["build/torch-base/Dockerfile"].replace("\\\n", "")
+    line = next(ln for ln in text.splitlines() if "_cuda_getArchFlags" in ln)
+    code = line.removeprefix('RUN python3 -c "').removesuffix('"')
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    import torch
+    if "sm_75" in (getattr(torch._C, "_cuda_getArchFlags", str)() or ""):
+        assert r.returncode == 0, r.stderr
+    else:
+        assert r.returncode == 1 and "lacks sm_75" in r.stderr, r.stderr

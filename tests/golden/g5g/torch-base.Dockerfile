@@ -59,9 +59,9 @@ RUN --mount=type=bind,from=torch-wheel,target=/tmp/wheels --mount=type=cache,tar
 ENV TORCH_CUDA_ARCH_LIST="7.5"
 # The build fails unless torch carries sm_75 kernels. get_arch_list() is empty without a GPU (none during a build),
 # so read the list it is built on: the arch flags torch was compiled with.
-RUN python3 -c "import sys, torch; flags = torch._C._cuda_getArchFlags().split(); \
+RUN python3 -c "import sys, torch; flags = (getattr(torch._C, '_cuda_getArchFlags', str)() or '').split(); \
 print('torch', torch.__version__, 'arch list:', *flags); \
-sys.exit(0 if 'sm_75' in flags else 'torch ' + torch.__version__ + ' lacks sm_75: ' + ' '.join(flags))"
+sys.exit(0 if 'sm_75' in flags else 'torch ' + torch.__version__ + ' lacks sm_75: [' + ' '.join(flags) + ']')"
 # Non-root at run time; uid 1000 with a writable home for caches (Hugging Face, Triton, JAX).
 RUN (userdel -r ubuntu 2>/dev/null || true) \
  && useradd --create-home --uid 1000 --shell /bin/bash g5g

@@ -42,11 +42,12 @@ FROM toolchain AS vllm-source
 ARG VLLM_VERSION=0.33.0
 ARG VLLM_SDIST_SHA256=f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112
 WORKDIR /src
-# pip checks the pinned hash itself (--require-hashes); sha256sum checks the file we unpack.
+# pip checks the pinned hash itself (--require-hashes); sha256sum checks the file we unpack. pip prepares the
+# sdist's metadata with our torch: VLLM_SKIP_VERSION_SUFFIX keeps it 0.33.0, not 0.33.0+cu132 (pip refuses that).
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert; fi; \
     echo "vllm==${VLLM_VERSION} --hash=sha256:${VLLM_SDIST_SHA256}" > /tmp/vllm-sdist.txt \
- && pip download --no-deps --no-binary :all: --no-build-isolation --require-hashes -r /tmp/vllm-sdist.txt -d /src \
+ && VLLM_SKIP_VERSION_SUFFIX=1 pip download --no-deps --no-binary :all: --no-build-isolation --require-hashes -r /tmp/vllm-sdist.txt -d /src \
  && echo "${VLLM_SDIST_SHA256}  /src/vllm-${VLLM_VERSION}.tar.gz" > /tmp/vllm-sdist.sha256 \
  && sha256sum --check --strict /tmp/vllm-sdist.sha256 \
  && tar -xzf "/src/vllm-${VLLM_VERSION}.tar.gz" -C /src \
