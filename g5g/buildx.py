@@ -168,8 +168,11 @@ def run_bake(argv: list[str], cwd: str | Path, log_path: Path, targets: list[str
         for line in proc.stdout:
             log.write(line)
             m = STEP_RE.match(line.rstrip())
-            if on_event and m and m.group("target") in targets:
-                on_event(m.group("target"), f"{m.group('step') or ''} {m.group('what')}".strip())
+            # Several targets: BuildKit prefixes the target name; one target: only its stage names appear.
+            target = (m.group("target") if m and m.group("target") in targets else
+                      targets[0] if m and len(targets) == 1 and m.group("target") != "internal" else None)
+            if on_event and m and target:
+                on_event(target, f"{m.group('step') or ''} {m.group('what')}".strip())
             elif on_event and ERROR_RE.search(line):
                 on_event("", line.strip())
         return proc.wait()

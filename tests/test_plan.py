@@ -156,6 +156,10 @@ def test_run_bake_streams_progress_and_keeps_the_log(tmp_path: Path):
     assert ("vllm", "2/6 RUN apt-get update") in events and ("jax", "3/5 RUN pip install jax") in events
     assert ("", "ERROR: failed to solve: boom") in events
     assert "failed to solve: boom" in (tmp_path / "logs" / "b.log").read_text()
+    one = []  # a single target: BuildKit names only its stages ([toolchain 2/6]), still that target's progress
+    buildx.run_bake([sys.executable, "-c", "print('#4 [toolchain 2/6] RUN rustup'); print('#1 [internal] load x')"],
+                    tmp_path, tmp_path / "logs" / "c.log", ["vllm"], lambda t, s: one.append((t, s)))
+    assert one == [("vllm", "2/6 RUN rustup")]
 
 
 def test_metadata_digests(tmp_path: Path):

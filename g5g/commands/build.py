@@ -102,7 +102,7 @@ def execute(plan: Plan, repo_root: Path, as_json: bool = False) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     log_path = out / "logs" / f"bake-{stamp}.log"
     meta_rel = f"{plan.out}/logs/bake-{stamp}.metadata.json"
-    targets = [i.target for i in plan.images] + (["torch-base"] if plan.sequential else [])
+    known = {i.target for i in plan.all_images}
     state = {i.target: "waiting" for i in plan.images}
     started = time.monotonic()
 
@@ -120,7 +120,7 @@ def execute(plan: Plan, repo_root: Path, as_json: bool = False) -> int:
                 live.update(table())
 
         for argv in plan.commands(metadata=meta_rel):
-            rc = buildx.run_bake(argv, repo_root, log_path, targets, on_event)
+            rc = buildx.run_bake(argv, repo_root, log_path, [a for a in argv if a in known], on_event)
             if rc != 0:
                 break
         for name in state:
