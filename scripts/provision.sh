@@ -102,7 +102,11 @@ trixie_deb() {
     apt-get "${opts[@]}" update -q >>"$CACHE/apt-trixie.log" 2>&1 || return 1
     date > "$apt_dir/lists/updated"
   fi
-  (cd "$apt_dir/debs" && apt-get "${opts[@]}" download "$pkg") >>"$CACHE/apt-trixie.log" 2>&1 || return 1
+  if ! (cd "$apt_dir/debs" && apt-get "${opts[@]}" download "$pkg") >>"$CACHE/apt-trixie.log" 2>&1; then
+    # A stale index names a file the mirror no longer has: refresh once and retry.
+    apt-get "${opts[@]}" update -q >>"$CACHE/apt-trixie.log" 2>&1 || return 1
+    (cd "$apt_dir/debs" && apt-get "${opts[@]}" download "$pkg") >>"$CACHE/apt-trixie.log" 2>&1 || return 1
+  fi
   ls "$apt_dir"/debs/"${pkg}"_*.deb | head -n1
 }
 
