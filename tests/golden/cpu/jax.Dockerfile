@@ -7,6 +7,8 @@ ARG JAX_VERSION=0.10.2
 # Install steps run as root; every image ends with USER 1000 (DL3002 also flags root in build stages).
 # hadolint ignore=DL3002
 USER 0:0
+# root's own HOME, so pip finds its cache mount (/root/.cache/pip) and nothing lands in the user's home.
+ENV HOME=/root
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH VIRTUAL_ENV=/opt/venv

@@ -6,6 +6,8 @@ FROM ${TORCH_BASE} AS pytorch
 # Install steps run as root; every image ends with USER 1000 (DL3002 also flags root in build stages).
 # hadolint ignore=DL3002
 USER 0:0
+# root's own HOME, so pip finds its cache mount (/root/.cache/pip) and nothing lands in the user's home.
+ENV HOME=/root
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert; fi; \

@@ -8,6 +8,8 @@ ARG JAX_EXTRA=cuda13
 # Install steps run as root; every image ends with USER 1000 (DL3002 also flags root in build stages).
 # hadolint ignore=DL3002
 USER 0:0
+# root's own HOME, so pip finds its cache mount (/root/.cache/pip) and nothing lands in the user's home.
+ENV HOME=/root
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \

@@ -36,7 +36,7 @@ RUN --mount=type=cache,target=/root/.ccache \
     fi; \
     export MAX_JOBS TORCH_CUDA_ARCH_LIST USE_CUDA=1 USE_CUDNN=1 USE_SYSTEM_NCCL=1 USE_CUSPARSELT=0 USE_CUDSS=0 \
       USE_CUFILE=0 BUILD_TEST=0 PYTORCH_BUILD_VERSION="${TORCH_VERSION}" PYTORCH_BUILD_NUMBER=1 \
-      CFLAGS="-mcpu=${CPU_BASELINE}" CXXFLAGS="-mcpu=${CPU_BASELINE}" CMAKE_CUDA_FLAGS="--threads=${NVCC_THREADS}"; \
+      CFLAGS="-mcpu=${CPU_BASELINE}" CXXFLAGS="-mcpu=${CPU_BASELINE}" TORCH_NVCC_FLAGS="--threads=${NVCC_THREADS}"; \
     echo "building torch ${TORCH_VERSION} for ${TORCH_CUDA_ARCH_LIST} with MAX_JOBS=${MAX_JOBS}"; \
     pip wheel --no-build-isolation --no-deps --wheel-dir /wheels .
 
