@@ -185,3 +185,12 @@ def read_metadata(path: Path) -> dict[str, str]:
     except (OSError, ValueError):
         return {}
     return {t: v.get("containerimage.digest", "") for t, v in data.items() if isinstance(v, dict)}
+
+
+def last_error(log_path: Path) -> str:
+    """The last `ERROR: …` line BuildKit wrote, for a one-line reason on failure."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return next((ln.strip() for ln in reversed(lines) if ln.startswith("ERROR:")), "")

@@ -127,7 +127,8 @@ def execute(plan: Plan, repo_root: Path, as_json: bool = False) -> int:
             state[name] = "[green]done[/]" if rc == 0 else "[red]failed or not built[/]"
         live.update(table())
     digests = buildx.read_metadata(repo_root / meta_rel)
-    result = {"ok": rc == 0, "pushed": plan.push and rc == 0, "log": str(log_path),
+    error = buildx.last_error(log_path) if rc else ""
+    result = {"ok": rc == 0, "pushed": plan.push and rc == 0, "log": str(log_path), "error": error,
               "seconds": round(time.monotonic() - started, 1),
               "images": [{"runtime": i.runtime, "tags": list(i.tags), "digest": digests.get(i.target, "")}
                          for i in plan.images]}
@@ -140,6 +141,8 @@ def execute(plan: Plan, repo_root: Path, as_json: bool = False) -> int:
         for img in result["images"]:
             t.add_row(img["runtime"], "\n".join(img["tags"]), img["digest"] or "-")
         console.print(t)
+        if error:
+            err.print(f"[bold red]build failed:[/] {error}", markup=True, highlight=False)
         console.print(f"log: {log_path}" + ("" if rc == 0 else f" (docker buildx bake exited {rc})"))
         if plan.push and rc != 0:
             console.print("nothing was pushed: the push runs only after every image built")

@@ -12,8 +12,9 @@ RUN --mount=type=bind,target=/tmp/wheels --mount=type=cache,target=/root/.cache/
     pip install --find-links /tmp/wheels "torch==${TORCH_VERSION}"
 RUN python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 # Non-root at run time; uid 1000 with a writable home for caches (Hugging Face, Triton, JAX).
-RUN (userdel -r ubuntu 2>/dev/null || true) \
- && useradd --create-home --uid 1000 --shell /bin/bash g5g
+# Images FROM torch-base already have it; Ubuntu's images ship user `ubuntu` on uid 1000.
+RUN id -u g5g >/dev/null 2>&1 \
+ || { (userdel -r ubuntu 2>/dev/null || true) && useradd --create-home --uid 1000 --shell /bin/bash g5g; }
 ENV HOME=/home/g5g HF_HOME=/home/g5g/.cache/huggingface
 WORKDIR /home/g5g
 USER 1000:1000

@@ -6,6 +6,8 @@ FROM ${TORCH_BASE} AS pytorch
 # Install steps run as root; every image ends with USER 1000 (DL3002 also flags root in build stages).
 # hadolint ignore=DL3002
 USER 0:0
+# root's own HOME, so pip finds its cache mount (/root/.cache/pip) and nothing lands in the user's home.
+ENV HOME=/root
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert; fi; \
@@ -13,8 +15,9 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,re
 COPY serving/ /opt/g5g/serving/
 ENV PYTHONPATH=/opt/g5g PYTHONUNBUFFERED=1
 # Non-root at run time; uid 1000 with a writable home for caches (Hugging Face, Triton, JAX).
-RUN (userdel -r ubuntu 2>/dev/null || true) \
- && useradd --create-home --uid 1000 --shell /bin/bash g5g
+# Images FROM torch-base already have it; Ubuntu's images ship user `ubuntu` on uid 1000.
+RUN id -u g5g >/dev/null 2>&1 \
+ || { (userdel -r ubuntu 2>/dev/null || true) && useradd --create-home --uid 1000 --shell /bin/bash g5g; }
 ENV HOME=/home/g5g HF_HOME=/home/g5g/.cache/huggingface
 WORKDIR /home/g5g
 USER 1000:1000

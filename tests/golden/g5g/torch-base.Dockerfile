@@ -36,7 +36,7 @@ RUN --mount=type=cache,target=/root/.ccache \
     fi; \
     export MAX_JOBS TORCH_CUDA_ARCH_LIST USE_CUDA=1 USE_CUDNN=1 USE_SYSTEM_NCCL=1 USE_CUSPARSELT=0 USE_CUDSS=0 \
       USE_CUFILE=0 BUILD_TEST=0 PYTORCH_BUILD_VERSION="${TORCH_VERSION}" PYTORCH_BUILD_NUMBER=1 \
-      CFLAGS="-mcpu=${CPU_BASELINE}" CXXFLAGS="-mcpu=${CPU_BASELINE}" CMAKE_CUDA_FLAGS="--threads=${NVCC_THREADS}"; \
+      CFLAGS="-mcpu=${CPU_BASELINE}" CXXFLAGS="-mcpu=${CPU_BASELINE}" TORCH_NVCC_FLAGS="--threads=${NVCC_THREADS}"; \
     echo "building torch ${TORCH_VERSION} for ${TORCH_CUDA_ARCH_LIST} with MAX_JOBS=${MAX_JOBS}"; \
     pip wheel --no-build-isolation --no-deps --wheel-dir /wheels .
 
@@ -63,8 +63,9 @@ RUN python3 -c "import sys, torch; flags = (getattr(torch._C, '_cuda_getArchFlag
 print('torch', torch.__version__, 'arch list:', *flags); \
 sys.exit(0 if 'sm_75' in flags else 'torch ' + torch.__version__ + ' lacks sm_75: [' + ' '.join(flags) + ']')"
 # Non-root at run time; uid 1000 with a writable home for caches (Hugging Face, Triton, JAX).
-RUN (userdel -r ubuntu 2>/dev/null || true) \
- && useradd --create-home --uid 1000 --shell /bin/bash g5g
+# Images FROM torch-base already have it; Ubuntu's images ship user `ubuntu` on uid 1000.
+RUN id -u g5g >/dev/null 2>&1 \
+ || { (userdel -r ubuntu 2>/dev/null || true) && useradd --create-home --uid 1000 --shell /bin/bash g5g; }
 ENV HOME=/home/g5g HF_HOME=/home/g5g/.cache/huggingface
 WORKDIR /home/g5g
 USER 1000:1000

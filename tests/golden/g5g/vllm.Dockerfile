@@ -12,6 +12,8 @@ ARG RUST_VERSION=1.95
 # Install steps run as root; every image ends with USER 1000 (DL3002 also flags root in build stages).
 # hadolint ignore=DL3002
 USER 0:0
+# root's own HOME, so pip finds its cache mount (/root/.cache/pip) and nothing lands in the user's home.
+ENV HOME=/root
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV DEBIAN_FRONTEND=noninteractive
 RUN --mount=type=secret,id=ca-cert,required=false \
@@ -25,7 +27,8 @@ RUN --mount=type=secret,id=ca-cert,required=false \
  && rm -rf /var/lib/apt/lists/* \
  && gcc_major=$(gcc -dumpversion | cut -d. -f1) \
  && if [ "$gcc_major" -lt 13 ]; then echo "GCC >= 13 is required to build vLLM (found $(gcc -dumpversion))" >&2; exit 1; fi
-ENV CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:/root/.cargo/bin:$PATH
+ENV CUDA_HOME=/usr/local/cuda RUSTUP_HOME=/opt/rustup CARGO_HOME=/opt/cargo \
+    PATH=/usr/local/cuda/bin:/opt/cargo/bin:$PATH
 RUN --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert; fi; \
     curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs \
@@ -93,6 +96,8 @@ ARG TRANSFORMERS_VERSION=5.20.2
 # Install steps run as root; every image ends with USER 1000 (DL3002 also flags root in build stages).
 # hadolint ignore=DL3002
 USER 0:0
+# root's own HOME, so pip finds its cache mount (/root/.cache/pip) and nothing lands in the user's home.
+ENV HOME=/root
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV DEBIAN_FRONTEND=noninteractive
 # Triton JIT-compiles its small launcher with the system C compiler at first use: gcc and Python headers stay.
@@ -107,8 +112,9 @@ RUN --mount=type=bind,from=vllm-build,source=/wheels,target=/tmp/wheels --mount=
  && pip install --no-deps "torchvision==${TORCHVISION_VERSION}" \
  && python3 -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 # Non-root at run time; uid 1000 with a writable home for caches (Hugging Face, Triton, JAX).
-RUN (userdel -r ubuntu 2>/dev/null || true) \
- && useradd --create-home --uid 1000 --shell /bin/bash g5g
+# Images FROM torch-base already have it; Ubuntu's images ship user `ubuntu` on uid 1000.
+RUN id -u g5g >/dev/null 2>&1 \
+ || { (userdel -r ubuntu 2>/dev/null || true) && useradd --create-home --uid 1000 --shell /bin/bash g5g; }
 ENV HOME=/home/g5g HF_HOME=/home/g5g/.cache/huggingface
 WORKDIR /home/g5g
 USER 1000:1000
