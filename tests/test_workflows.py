@@ -99,6 +99,12 @@ def test_images_workflow_shape():
     assert "smoke" not in smoke["permissions"] and smoke["permissions"].get("packages") == "read"
 
 
+def test_shell_steps_fail_on_pipe_errors():
+    """GitHub's implicit shell is `bash -e` (no pipefail): `smoke … | tee` would pass on a failed smoke."""
+    for path in WORKFLOWS:
+        assert _load(path).get("defaults", {}).get("run", {}).get("shell") == "bash", path.name
+
+
 def test_manifest_runtimes_are_all_built():
     runtime_dir = ROOT / "manifests" / "runtimes"
     if not runtime_dir.is_dir():
