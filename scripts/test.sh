@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # The test command: a virtualenv with the pinned dependencies, the Docker engine and registry when we can
-# provision them (root on Debian), then pytest. End-to-end tests skip with a reason when no engine is reachable
-# (with G5G_REQUIRE_E2E=1, as .ci/run sets, they fail instead).
-# As root, provisioning (apt, dockerd, base images under QEMU) runs in the background while pip installs;
-# its output is in .cache/provision.log and is printed before the tests start. Timings go to stderr.
+# provision them (root on Debian), then pytest. End-to-end tests (marker e2e) skip with a reason when no engine
+# is reachable; with G5G_REQUIRE_E2E=1, as .ci/run sets, they fail instead.
+#
+# Order, for a cold machine with 2 cores: as root, scripts/provision.sh (apt, dockerd, base images — arm64 under
+# QEMU is the long part) runs in the background from the start; pip installs meanwhile, then the unit tests run
+# (`-m "not e2e"`), and only the end-to-end tests wait for provisioning. With arguments, one pytest run with
+# them, after provisioning. Provisioning output: .cache/provision.log. Timings go to stderr.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .cache
 t0=$SECONDS
-stamp() { printf 'test.sh: %-34s %4d s\n' "$1" $((SECONDS - t0)) >&2; }
+stamp() { printf 'test.sh: %-36s at %4d s\n' "$1" $((SECONDS - t0)) >&2; }
 
 provision_pid=
 if [ "$(id -u)" = 0 ] && [ -x scripts/provision.sh ]; then
@@ -18,16 +21,37 @@ fi
 
 python3 -m venv .venv
 .venv/bin/pip install -q -e '.[dev]'
-stamp "venv + pip install -e .[dev]"
+stamp "venv + pip install -e .[dev] done"
 
-if [ -n "$provision_pid" ]; then
+provisioned() {
+  [ -n "$provision_pid" ] || return 0
   wait "$provision_pid" || echo "provision: some parts failed (see above); end-to-end tests will say what they skip"
+  provision_pid=
   cat .cache/provision.log
-  stamp "provision (in parallel)"
-fi
-[ -f .cache/docker.env ] && . .cache/docker.env
+  stamp "provisioning done"
+}
+
 set +e
-.venv/bin/python -m pytest -ra "$@"
-rc=$?
-stamp "pytest (rc $rc)"
-exit $rc
+if [ $# -gt 0 ]; then
+  provisioned
+  [ -f .cache/docker.env ] && . .cache/docker.env
+  .venv/bin/python -m pytest -ra "$@"
+  rc=$?
+  stamp "pytest done (exit $rc)"
+  exit $rc
+fi
+
+.venv/bin/python -m pytest -ra -m "not e2e"
+unit=$?
+stamp "unit tests done (exit $unit)"
+provisioned
+[ -f .cache/docker.env ] && . .cache/docker.env
+.venv/bin/python -m pytest -ra -m e2e
+e2e=$?
+stamp "end-to-end tests done (exit $e2e)"
+# pytest's 5 is "no tests collected": fine for one half, not for both.
+[ $unit = 5 ] && [ $e2e = 5 ] && exit 5
+[ $unit = 5 ] && unit=0
+[ $e2e = 5 ] && e2e=0
+stamp "exit codes: unit $unit, e2e $e2e"
+[ $unit = 0 ] && [ $e2e = 0 ]

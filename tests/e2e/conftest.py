@@ -1,24 +1,17 @@
 """End-to-end tests on a real Docker engine (scripts/provision.sh starts one; .ci/run always does).
 
-Every test here is marked `e2e`. Without a reachable engine and buildx they are skipped, saying why.
+Every module here sets `pytestmark = pytest.mark.e2e`. Without a reachable engine and buildx they are
+skipped, saying why.
 Builds go through `python build.py …` exactly as a user types it; logs of every command are kept under
 pytest's tmp dir and their tails are shown on failure.
 """
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
 
 import pytest
 
 from tests.e2e.harness import Engine, engine_env, unavailable
-
-
-def pytest_collection_modifyitems(config, items):
-    here = Path(__file__).parent
-    for item in items:
-        if here in Path(item.fspath).parents:
-            item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,8 @@ import pytest
 from tests.e2e import oci
 from tests.e2e.harness import plan_tag, unavailable
 
+pytestmark = pytest.mark.e2e
+
 BASE = "g5g-local/bookworm:arm64"
 
 

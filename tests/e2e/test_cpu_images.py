@@ -27,6 +27,8 @@ import pytest
 from tests.e2e import oci
 from tests.e2e.harness import ROOT, plan_tag, unavailable
 
+pytestmark = pytest.mark.e2e
+
 RUNTIMES = ("jax", "pytorch")
 HOST_CA = Path(os.environ.get("SSL_CERT_FILE") or "/etc/ssl/certs/ca-certificates.crt")
 
