@@ -198,3 +198,29 @@ def test_sm75_check_refuses_a_torch_without_sm75():
         assert r.returncode == 0, r.stderr
     else:
         assert r.returncode == 1 and "lacks sm_75" in r.stderr, r.stderr
+
+
+def test_buildx_reads_the_bake_file_and_our_secret_flags(tmp_path):
+    """`docker buildx bake --print` (no engine needed) accepts the generated file and the argv the build runs."""
+    if shutil.which("docker") is None or subprocess.run(["docker", "buildx", "version"], capture_output=True,
+                                                        timeout=30).returncode != 0:
+        pytest.skip("docker buildx not installed")
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    root = tmp_path / "repo"
+    shutil.copytree(REPO / "serving", root / "serving", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "patches", root / "patches")
+    plan = make_plan(manifest.load(REPO / "manifests", profile="g5g"), runtime="vllm",
+                     secrets=(f"id=ca-cert,src={ca}", "id=hf-token,env=HF_TOKEN"))
+    render.write(plan, root)
+    argv = plan.commands()[-1]
+    env = {k: v for k, v in os.environ.items() if k != "DOCKER_HOST"}
+    r = subprocess.run([*argv[:-1], "--print", *argv[-1:]], cwd=root, capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    targets = json.loads(r.stdout)["target"]
+    assert set(targets) == {"torch-base", "vllm"}  # the linked base comes along
+    vllm = targets["vllm"]
+    assert vllm["secret"] == [f"id=ca-cert,src={ca}", "id=hf-token,env=HF_TOKEN"]
+    assert vllm["contexts"] == {plan.images[0].build_args["TORCH_BASE"]: "target:torch-base"}
+    assert vllm["tags"] == list(plan.images[0].tags) and vllm["args"] == plan.images[0].build_args

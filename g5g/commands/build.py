@@ -22,7 +22,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 CA_ENV = ("REQUESTS_CA_BUNDLE", "SSL_CERT_FILE", "PIP_CERT")
 
 console = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def ca_cert_path(flag: str | None, environ: dict[str, str] | None = None) -> str | None:

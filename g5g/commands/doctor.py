@@ -7,7 +7,7 @@ from g5g import buildx
 from g5g.commands.build import plan_from_args
 from g5g.errors import FAILED, OK
 
-console = Console(highlight=False)
+console = Console(highlight=False, soft_wrap=True)
 
 
 def run(args) -> int:

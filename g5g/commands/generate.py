@@ -7,7 +7,7 @@ from g5g import render
 from g5g.commands.build import REPO_ROOT, plan_from_args
 from g5g.errors import OK
 
-console = Console(highlight=False)
+console = Console(highlight=False, soft_wrap=True)
 
 
 def run(args) -> int:
