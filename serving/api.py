@@ -85,6 +85,7 @@ class ChatRequest(_Strict):
     n: int | None = None
     ignore_eos: bool = False
     logprobs: bool | None = None
+    tools: list | None = None
 
 
 def _parse(body: bytes) -> ChatRequest:
@@ -104,6 +105,8 @@ def _parse(body: bytes) -> ChatRequest:
         raise APIError(400, "n > 1 is not supported (one choice per request)", param="n")
     if req.logprobs:
         raise APIError(400, "logprobs are not supported", param="logprobs")
+    if req.tools:
+        raise APIError(400, "tools are not supported by this server", param="tools")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     return req
