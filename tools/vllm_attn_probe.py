@@ -243,7 +243,9 @@ def bind(fn, kwargs: dict, target):
     from triton.runtime.jit import create_function_from_signature
 
     backend = make_backend(target)
-    kwargs = dict(kwargs, debug=False, instrumentation_mode=knobs.compilation.instrumentation_mode)
+    kwargs = dict(kwargs, debug=False)
+    if hasattr(knobs.compilation, "instrumentation_mode"):  # Triton >= 3.7 passes it with every launch
+        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound_args, specialization, options = binder(**kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)
