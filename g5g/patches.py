@@ -159,7 +159,7 @@ def _git_apply(patch: Path, root: Path, *flags: str) -> subprocess.CompletedProc
 
 
 def _resolve(patches: list[tuple[str, str | None]]) -> list[Path]:
-    """Patch files (repo-relative paths), each checked against its pinned sha256 when one is given."""
+    """Patch files (paths relative to the repo root, or absolute), each checked against its sha256 if given."""
     paths = []
     for rel, sha in patches:
         p = REPO_ROOT / rel
@@ -252,25 +252,26 @@ def probe(unpatched: Path, patched: Path, smem_limit: int = TURING_SMEM_OPTIN) -
     return json.loads(out.stdout)
 
 
-def verify(version: str | None = None) -> dict:
+def verify(version: str | None = None, patches: list[tuple[str, str | None]] | None = None) -> dict:
     """Apply our patches to the pinned (or given) vLLM and compile every Gemma 4 attention launch for sm_75.
 
     The report (the probe's JSON plus version, patches and `ok`) says, per launch, the unpatched and patched
-    tiles, stages and shared memory, and whether sm_80 launches are unchanged.
+    tiles, stages and shared memory, and whether sm_80 launches are unchanged. `patches` defaults to
+    `patches_for(version)`.
     """
     pin = manifest_pin()
     if version is None:
         if pin is None:
             raise UserError("patches verify: no manifests/runtimes/vllm.yaml to read the vLLM pin from; pass --version")
         version = pin[0]
-    patches = patches_for(version)
+    patches = patches_for(version) if patches is None else patches
     sdist = fetch_sdist(version, _sdist_sha_for(version))
     with tempfile.TemporaryDirectory(prefix="g5g-patches-") as tmp:
         unpatched, patched = apply_all(patches, sdist, Path(tmp), PROBE_FILES)
         report = probe(unpatched, patched)
     report.update(vllm=version, sdist_sha256=sdist.sha256,
-                  patches=[{"path": rel, "sha256": hashlib.sha256((REPO_ROOT / rel).read_bytes()).hexdigest()}
-                           for rel, _ in patches])
+                  patches=[{"path": rel, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+                           for (rel, _), p in zip(patches, _resolve(patches))])
     report["ok"] = all(r["patched"]["fits"] and r["reference"]["unchanged"] for r in report["launches"])
     return report
 
