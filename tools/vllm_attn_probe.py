@@ -295,8 +295,7 @@ def probe(unpatched: Path, patched: Path, smem_limit: int = 65536, capability: i
                          "fits": ck.metadata.shared <= smem_limit}
                 rule = getattr(mod, "_pre_ampere_shared_mem_bytes", None)
                 if rule is not None:
-                    entry["estimate"] = rule(kw["TILE_SIZE"], kw["HEAD_SIZE_PADDED"], kw["BLOCK_M"],
-                                             args["q"].element_size())
+                    entry["estimate"] = rule(kw["TILE_SIZE"], kw["HEAD_SIZE_PADDED"], kw["BLOCK_M"])
                 row[name] = entry
             if row["patched"]["tile"] < row["unpatched"]["tile"]:
                 _, kw = record_launch(mods["patched"], args, capability, smem_limit)
