@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -79,6 +80,11 @@ class _Links(HTMLParser):
             self._href = None
 
 
+def _shown(url: str) -> str:
+    """A URL fit for messages: no user:password@."""
+    return re.sub(r"//[^/@]*@", "//", url)
+
+
 def _sdist_entry(version: str) -> tuple[str, str | None]:
     """(url, sha256 the index publishes or None) of vllm-<version>.tar.gz."""
     base = index_url()
@@ -87,9 +93,9 @@ def _sdist_entry(version: str) -> tuple[str, str | None]:
         r = requests.get(page, timeout=60, headers={
             "Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"})
     except requests.RequestException as e:
-        raise UserError(f"package index {base}: unreachable ({type(e).__name__})") from None
+        raise UserError(f"package index {_shown(base)}: unreachable ({type(e).__name__})") from None
     if r.status_code != 200:
-        raise UserError(f"package index {base}: HTTP {r.status_code} for {page}")
+        raise UserError(f"package index {_shown(base)}: HTTP {r.status_code} for {_shown(page)}")
     name = f"vllm-{version}.tar.gz"
     if r.headers.get("content-type", "").startswith("application/vnd.pypi.simple.v1+json"):
         files = [(f["filename"], f["url"], f.get("hashes", {}).get("sha256")) for f in r.json()["files"]]
@@ -103,7 +109,7 @@ def _sdist_entry(version: str) -> tuple[str, str | None]:
     for fname, url, sha in files:
         if fname == name:
             return requests.compat.urljoin(page, url), sha
-    raise UserError(f"vLLM {version}: no sdist {name} on package index {base}")
+    raise UserError(f"vLLM {version}: no sdist {name} on package index {_shown(base)}")
 
 
 def fetch_sdist(version: str, expected_sha256: str | None = None) -> Sdist:
@@ -116,7 +122,7 @@ def fetch_sdist(version: str, expected_sha256: str | None = None) -> Sdist:
         try:
             with requests.get(url, stream=True, timeout=300) as r:
                 if r.status_code != 200:
-                    raise UserError(f"package index: HTTP {r.status_code} for {url}")
+                    raise UserError(f"package index: HTTP {r.status_code} for {_shown(url)}")
                 h = hashlib.sha256()
                 with open(tmp, "wb") as f:
                     for chunk in r.iter_content(1 << 20):
@@ -155,6 +161,8 @@ def _git_apply(patch: Path, root: Path, *flags: str) -> subprocess.CompletedProc
     # A ceiling stops git from finding an enclosing repository (ours: .cache/ lives in it), which would make
     # `git apply` resolve paths against that repository and silently skip them.
     env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(root.parent))
+    if shutil.which("git") is None:
+        raise UserError("git not found: checking our vLLM patches needs `git apply`")
     return subprocess.run(["git", "apply", *flags, str(patch)], cwd=root, env=env, capture_output=True, text=True)
 
 

@@ -11,7 +11,7 @@ import tarfile
 
 import pytest
 
-from g5g import patches
+from g5g import cli, patches
 from g5g.commands.patches import print_report
 from g5g.errors import UserError
 
@@ -72,6 +72,12 @@ def test_missing_release_names_the_index():
     with pytest.raises(UserError) as e:
         patches.fetch_sdist("0.0.0.dev424242")
     assert _one_line(e).startswith("vLLM 0.0.0.dev424242: no sdist vllm-0.0.0.dev424242.tar.gz on package index ")
+
+
+def test_cli_verify_unknown_version_is_one_line_exit_2(capsys):
+    assert cli.main(["patches", "verify", "--version", "0.0.1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: vLLM 0.0.1: no patches under patches/vllm/0.0.1/"
 
 
 @pytest.fixture(scope="module")
