@@ -1,2 +1,2 @@
 """Shared test fixtures live in tests/fixtures/ and are registered here."""
-pytest_plugins: list[str] = []
+pytest_plugins: list[str] = ["tests.fixtures.registry"]
