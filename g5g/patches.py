@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -79,6 +80,11 @@ class _Links(HTMLParser):
             self._href = None
 
 
+def _shown(url: str) -> str:
+    """A URL fit for messages: no user:password@."""
+    return re.sub(r"//[^/@]*@", "//", url)
+
+
 def _sdist_entry(version: str) -> tuple[str, str | None]:
     """(url, sha256 the index publishes or None) of vllm-<version>.tar.gz."""
     base = index_url()
@@ -87,9 +93,9 @@ def _sdist_entry(version: str) -> tuple[str, str | None]:
         r = requests.get(page, timeout=60, headers={
             "Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"})
     except requests.RequestException as e:
-        raise UserError(f"package index {base}: unreachable ({type(e).__name__})") from None
+        raise UserError(f"package index {_shown(base)}: unreachable ({type(e).__name__})") from None
     if r.status_code != 200:
-        raise UserError(f"package index {base}: HTTP {r.status_code} for {page}")
+        raise UserError(f"package index {_shown(base)}: HTTP {r.status_code} for {_shown(page)}")
     name = f"vllm-{version}.tar.gz"
     if r.headers.get("content-type", "").startswith("application/vnd.pypi.simple.v1+json"):
         files = [(f["filename"], f["url"], f.get("hashes", {}).get("sha256")) for f in r.json()["files"]]
@@ -103,7 +109,7 @@ def _sdist_entry(version: str) -> tuple[str, str | None]:
     for fname, url, sha in files:
         if fname == name:
             return requests.compat.urljoin(page, url), sha
-    raise UserError(f"vLLM {version}: no sdist {name} on package index {base}")
+    raise UserError(f"vLLM {version}: no sdist {name} on package index {_shown(base)}")
 
 
 def fetch_sdist(version: str, expected_sha256: str | None = None) -> Sdist:
@@ -116,7 +122,7 @@ def fetch_sdist(version: str, expected_sha256: str | None = None) -> Sdist:
         try:
             with requests.get(url, stream=True, timeout=300) as r:
                 if r.status_code != 200:
-                    raise UserError(f"package index: HTTP {r.status_code} for {url}")
+                    raise UserError(f"package index: HTTP {r.status_code} for {_shown(url)}")
                 h = hashlib.sha256()
                 with open(tmp, "wb") as f:
                     for chunk in r.iter_content(1 << 20):
@@ -155,11 +161,13 @@ def _git_apply(patch: Path, root: Path, *flags: str) -> subprocess.CompletedProc
     # A ceiling stops git from finding an enclosing repository (ours: .cache/ lives in it), which would make
     # `git apply` resolve paths against that repository and silently skip them.
     env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(root.parent))
+    if shutil.which("git") is None:
+        raise UserError("git not found: checking our vLLM patches needs `git apply`")
     return subprocess.run(["git", "apply", *flags, str(patch)], cwd=root, env=env, capture_output=True, text=True)
 
 
 def _resolve(patches: list[tuple[str, str | None]]) -> list[Path]:
-    """Patch files (repo-relative paths), each checked against its pinned sha256 when one is given."""
+    """Patch files (paths relative to the repo root, or absolute), each checked against its sha256 if given."""
     paths = []
     for rel, sha in patches:
         p = REPO_ROOT / rel
@@ -252,25 +260,26 @@ def probe(unpatched: Path, patched: Path, smem_limit: int = TURING_SMEM_OPTIN) -
     return json.loads(out.stdout)
 
 
-def verify(version: str | None = None) -> dict:
+def verify(version: str | None = None, patches: list[tuple[str, str | None]] | None = None) -> dict:
     """Apply our patches to the pinned (or given) vLLM and compile every Gemma 4 attention launch for sm_75.
 
     The report (the probe's JSON plus version, patches and `ok`) says, per launch, the unpatched and patched
-    tiles, stages and shared memory, and whether sm_80 launches are unchanged.
+    tiles, stages and shared memory, and whether sm_80 launches are unchanged. `patches` defaults to
+    `patches_for(version)`.
     """
     pin = manifest_pin()
     if version is None:
         if pin is None:
             raise UserError("patches verify: no manifests/runtimes/vllm.yaml to read the vLLM pin from; pass --version")
         version = pin[0]
-    patches = patches_for(version)
+    patches = patches_for(version) if patches is None else patches
     sdist = fetch_sdist(version, _sdist_sha_for(version))
     with tempfile.TemporaryDirectory(prefix="g5g-patches-") as tmp:
         unpatched, patched = apply_all(patches, sdist, Path(tmp), PROBE_FILES)
         report = probe(unpatched, patched)
     report.update(vllm=version, sdist_sha256=sdist.sha256,
-                  patches=[{"path": rel, "sha256": hashlib.sha256((REPO_ROOT / rel).read_bytes()).hexdigest()}
-                           for rel, _ in patches])
+                  patches=[{"path": rel, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+                           for (rel, _), p in zip(patches, _resolve(patches))])
     report["ok"] = all(r["patched"]["fits"] and r["reference"]["unchanged"] for r in report["launches"])
     return report
 

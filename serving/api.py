@@ -85,6 +85,7 @@ class ChatRequest(_Strict):
     n: int | None = None
     ignore_eos: bool = False
     logprobs: bool | None = None
+    tools: list | None = None
 
 
 def _parse(body: bytes) -> ChatRequest:
@@ -104,6 +105,8 @@ def _parse(body: bytes) -> ChatRequest:
         raise APIError(400, "n > 1 is not supported (one choice per request)", param="n")
     if req.logprobs:
         raise APIError(400, "logprobs are not supported", param="logprobs")
+    if req.tools:
+        raise APIError(400, "tools are not supported by this server", param="tools")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     return req
@@ -230,9 +233,11 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         while True:
             job = await self.queue.get()
-            if job.cancelled.is_set():      # the client left while queued
+            if job.cancelled.is_set():      # the client left while queued: skip it, end its handler
+                fin = Finish("abort", len(job.prompt_ids), 0, [])
                 self.metrics.set_queue(self.queue.qsize())
-                self.metrics.finished(job.arrival, Finish("abort", len(job.prompt_ids), 0, []))
+                self.metrics.finished(job.arrival, fin)
+                job.events.put_nowait(fin)
                 continue
             self.metrics.set_queue(self.queue.qsize(), running=1)
             self.current = job
@@ -282,6 +287,8 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
             await sched.call(lambda: sched.engine.step(int(sched.engine.start(warm).argmax())))
             log.info("model %s ready in %.1fs (context %d)", name, time.monotonic() - t0, sched.engine.max_context)
             state["ready"] = True
+        except asyncio.CancelledError:    # shut down while loading
+            raise
         except BaseException as e:
             log.exception("loading %s failed", model_dir)
             state["error"] = f"{type(e).__name__}: {e}"

@@ -339,6 +339,17 @@ def test_disconnect_mid_stream_frees_the_slot(paced_server):
     assert metrics(paced_server)["vllm:e2e_request_latency_seconds_count"] == 1   # the aborted one is not a success
 
 
+def test_non_streaming_client_that_gives_up_frees_the_slot(paced_server):
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(f"{paced_server}/v1/chat/completions", timeout=(5, 0.5),
+                      json={"messages": ASK, "max_tokens": 200, "ignore_eos": True})
+    wait_until(lambda: metrics(paced_server)["vllm:num_requests_running"] == 0, timeout=10,
+               what="the abandoned generation to stop")
+    m = metrics(paced_server)
+    assert 0 < m["vllm:generation_tokens_total"] < 100
+    assert m["vllm:request_success_total{finished_reason=abort}"] == 1
+
+
 def test_disconnect_while_queued_is_skipped(paced_server):
     c = client(paced_server)
     t = threading.Thread(target=lambda: c.chat.completions.create(model="tiny-gemma4", messages=ASK, max_tokens=30))
@@ -350,8 +361,10 @@ def test_disconnect_while_queued_is_skipped(paced_server):
         assert metrics(paced_server)["vllm:num_requests_waiting"] == 1
     t.join(timeout=60)
     wait_until(lambda: _in_flight(paced_server) == 0, what="queue to drain")
-    # Only the first request generated anything.
-    assert metrics(paced_server)["vllm:generation_tokens_total"] == 30
+    # Only the first request generated anything; the second is counted as aborted.
+    m = metrics(paced_server)
+    assert m["vllm:generation_tokens_total"] == 30
+    assert m["vllm:request_success_total{finished_reason=abort}"] == 1
 
 
 # ------------------------------------------------------------------------------------------------- health

@@ -165,3 +165,17 @@ def test_runtime_loads_text_weights_only(engine, tiny_gemma4):
     assert not any("tower" in n for n in names)       # ... the served model does not
     assert engine.model.dtype.is_floating_point and str(engine.model.dtype) == "torch.float32"
     assert engine.max_context == 256
+
+
+def test_nucleus_is_exact_when_it_is_wide():
+    """top_p over a flat 5000-token distribution: the nucleus outgrows the first 256 candidates."""
+    logits = np.random.default_rng(3).standard_normal(5000) * 0.5
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    nucleus = set(order[: int(np.searchsorted(np.cumsum(p[order]), 0.9)) + 1].tolist())
+    assert len(nucleus) > 1000
+    sampler = Sampler(SamplingParams(temperature=1.0, top_p=0.9, seed=5))
+    drawn = {sampler(logits) for _ in range(3000)}
+    assert drawn <= nucleus
+    assert len(drawn & set(order[256:].tolist())) > 100

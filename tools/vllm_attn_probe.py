@@ -243,7 +243,9 @@ def bind(fn, kwargs: dict, target):
     from triton.runtime.jit import create_function_from_signature
 
     backend = make_backend(target)
-    kwargs = dict(kwargs, debug=False, instrumentation_mode=knobs.compilation.instrumentation_mode)
+    kwargs = dict(kwargs, debug=False)
+    if hasattr(knobs.compilation, "instrumentation_mode"):  # Triton >= 3.7 passes it with every launch
+        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound_args, specialization, options = binder(**kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)
@@ -293,8 +295,7 @@ def probe(unpatched: Path, patched: Path, smem_limit: int = 65536, capability: i
                          "fits": ck.metadata.shared <= smem_limit}
                 rule = getattr(mod, "_pre_ampere_shared_mem_bytes", None)
                 if rule is not None:
-                    entry["estimate"] = rule(kw["TILE_SIZE"], kw["HEAD_SIZE_PADDED"], kw["BLOCK_M"],
-                                             args["q"].element_size())
+                    entry["estimate"] = rule(kw["TILE_SIZE"], kw["HEAD_SIZE_PADDED"], kw["BLOCK_M"])
                 row[name] = entry
             if row["patched"]["tile"] < row["unpatched"]["tile"]:
                 _, kw = record_launch(mods["patched"], args, capability, smem_limit)
