@@ -225,9 +225,9 @@ def write_plot(results: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.4), squeeze=False)
     labels = [str(r["label"]) for r in results]
     for ax, (key, title) in zip(axes[0], panels):
-        values = [_get(r, key) or 0.0 for r in results]
-        bars = ax.bar(labels, values, color=[f"C{i}" for i in range(len(results))])
-        ax.bar_label(bars, fmt="%.1f", fontsize=8)
+        values = [_get(r, key) for r in results]
+        bars = ax.bar(labels, [v or 0.0 for v in values], color=[f"C{i}" for i in range(len(results))])
+        ax.bar_label(bars, labels=["n/a" if v is None else f"{v:.1f}" for v in values], fontsize=8)
         ax.set_title(title, fontsize=9)
         ax.tick_params(axis="x", labelrotation=30, labelsize=8)
     fig.suptitle("g5g-images bench (on the wire)", fontsize=10)
