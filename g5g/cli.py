@@ -16,7 +16,7 @@ from g5g.errors import UserError
 SUBCOMMANDS = ("build", "generate", "doctor", "inspect", "smoke", "bench", "serve", "patches")
 RUNTIMES = ("vllm", "jax", "pytorch", "torch-base", "all")
 
-err_console = Console(stderr=True, highlight=False)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _add_plan_options(p: argparse.ArgumentParser) -> None:
