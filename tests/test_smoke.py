@@ -256,8 +256,8 @@ def test_container_dying_in_start_up_is_reported_with_its_logs(timed_images, doc
 @pytest.mark.e2e
 def test_bench_image_records_boot_then_measures(timed_images, tmp_path):
     out = tmp_path / "boot.json"
-    assert main(["bench", "--image", timed_images["good"], "--expect", EXPECT, "--requests", "2", "--warmup", "0",
-                 "--boot-timeout", "60", "--json", str(out)]) == 0
+    assert main(["bench", "--image", timed_images["good"], "--prompt", "What is SRE?", "--expect", EXPECT,
+                 "--requests", "2", "--warmup", "0", "--boot-timeout", "60", "--json", str(out)]) == 0
     import json
 
     r = json.loads(out.read_text())

@@ -45,7 +45,9 @@ def run(args) -> int:
         from g5g.commands.smoke import smoke_image
 
         report = smoke_image(args.image, runtime=args.runtime, profile=args.profile, model=args.model,
-                             served_model_name=None, prompt=None, expect=args.expect, timeout=args.boot_timeout,
+                             served_model_name=None, timeout=args.boot_timeout,
+                             # --expect pairs with --prompt; alone, neither replaces the manifest's smoke pair
+                             prompt=args.prompt if args.expect else None, expect=args.expect,
                              after_ready=lambda srv: measure(args, srv.url, srv.model_name, count_tokens))
         if not report["ok"]:
             err.print(f"[bold red]bench: {args.image} failed before the benchmark:[/] {report['reason']}")
