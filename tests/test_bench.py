@@ -11,6 +11,7 @@ import random
 
 import numpy as np
 import pytest
+import requests
 
 from g5g import bench, wire
 from g5g.cli import main
@@ -204,7 +205,7 @@ def test_load_is_bounded_in_time(timed_server):
 
 def test_a_slow_request_is_cut_at_its_timeout(timed_server):
     srv = timed_server(ttft=0.05, gap=0.4, tokens=10)
-    ans = wire.stream_chat(__import__("requests").Session(), srv.url, wire.chat_payload("timed", "hi", 32, True), 1.0)
+    ans = wire.stream_chat(requests.Session(), srv.url, wire.chat_payload("timed", "hi", 32, True), 1.0)
     assert not ans.success and "Timeout" in ans.error
 
 
@@ -246,8 +247,6 @@ def pytorch_server(tiny_gemma4):
     import subprocess
     import sys
     import time
-
-    import requests
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import tarfile
 from pathlib import Path
@@ -105,8 +106,6 @@ def test_cli_exit_codes(timed_server, capsys):
 
 
 def test_cli_json_report(timed_server, capsys):
-    import json
-
     srv = timed_server(answer=ANSWER, mode="truncated", ttft=0.01, gap=0.002)
     assert main(["smoke", "--url", srv.url, "--expect", EXPECT, "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
@@ -193,7 +192,7 @@ def timed_images(docker_client):
                                                 "RuntimeError: CUDA error: no kernel image is available"])):
         dockerfile = (f"FROM {base}\nCOPY timed_server.py /srv/timed_server.py\n"
                       "LABEL io.g5g.runtime=pytorch io.g5g.profile=cpu\n"
-                      f"ENTRYPOINT {__import__('json').dumps(entry + extra)}\n")
+                      f"ENTRYPOINT {json.dumps(entry + extra)}\n")
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:
             for arcname, data in (("Dockerfile", dockerfile.encode()), ("timed_server.py", TIMED.read_bytes())):
@@ -219,8 +218,6 @@ def test_image_smoke_passes_and_records_boot(timed_images, docker_client, tmp_pa
     model.mkdir()
     assert main(["smoke", timed_images["good"], "--model", str(model), "--expect", EXPECT, "--json",
                  "--timeout", "60"]) == 0
-    import json
-
     report = json.loads(capsys.readouterr().out)
     boot = report["boot"]
     assert 0 < boot["port_open_s"] <= boot["health_s"] <= boot["first_answer_s"]
@@ -258,8 +255,6 @@ def test_bench_image_records_boot_then_measures(timed_images, tmp_path):
     out = tmp_path / "boot.json"
     assert main(["bench", "--image", timed_images["good"], "--prompt", "What is SRE?", "--expect", EXPECT,
                  "--requests", "2", "--warmup", "0", "--boot-timeout", "60", "--json", str(out)]) == 0
-    import json
-
     r = json.loads(out.read_text())
     assert r["label"] == "pytorch" and r["completed"] == 2 and r["mode"] == "stream"
     assert set(r["boot"]) == {"port_open_s", "health_s", "first_answer_s"}
