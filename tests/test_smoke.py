@@ -286,3 +286,15 @@ def test_readiness_is_bounded_and_reports_the_stage_and_logs(timed_images, docke
     assert "not ready after 3 s (waiting for /health 200)" in str(failed.value)
     assert any("timed_server: listening" in line for line in failed.value.logs)
     assert not _leftovers(docker_client)
+
+
+@pytest.mark.e2e
+def test_g5g_profile_asks_the_engine_for_the_gpu(timed_images, docker_client):
+    """The g5g profile sends a GPU device request; an engine without the NVIDIA runtime refuses it at start, and
+    the error says so (on a G5g host the same request gives the container the T4G)."""
+    with pytest.raises(containers.ContainerFailed) as failed:
+        with containers.serve_image(timed_images["good"], runtime="pytorch", profile="g5g", timeout=10,
+                                    docker_client=docker_client):
+            pytest.skip("this engine has a GPU runtime: the request was granted")
+    assert "container did not start" in str(failed.value) and "gpu" in str(failed.value).lower()
+    assert not _leftovers(docker_client)
