@@ -10,6 +10,7 @@ import importlib
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 
 from g5g.errors import UserError
 
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return module.run(args)
     except UserError as e:
-        err_console.print(f"[bold red]error:[/] {e}")
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}")  # messages quote user text: no markup
         return e.exit_code
     except KeyboardInterrupt:
         err_console.print("[bold red]interrupted[/]")

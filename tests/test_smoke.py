@@ -292,9 +292,16 @@ def test_readiness_is_bounded_and_reports_the_stage_and_logs(timed_images, docke
 def test_g5g_profile_asks_the_engine_for_the_gpu(timed_images, docker_client):
     """The g5g profile sends a GPU device request; an engine without the NVIDIA runtime refuses it at start, and
     the error says so (on a G5g host the same request gives the container the T4G)."""
-    with pytest.raises(containers.ContainerFailed) as failed:
+    with pytest.raises(containers.UserError) as failed:
         with containers.serve_image(timed_images["good"], runtime="pytorch", profile="g5g", timeout=10,
                                     docker_client=docker_client):
             pytest.skip("this engine has a GPU runtime: the request was granted")
-    assert "container did not start" in str(failed.value) and "gpu" in str(failed.value).lower()
+    assert "could not start" in str(failed.value) and "NVIDIA container toolkit" in str(failed.value)
     assert not _leftovers(docker_client)
+
+
+def test_brackets_in_answers_and_regexes_are_printed_as_they_are(timed_server, capsys):
+    srv = timed_server(answer="[bold]Site Reliability Engineering[/bold]", ttft=0.01, gap=0.002)
+    assert main(["smoke", "--url", srv.url, "--expect", "[Rr]eliability"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "/[Rr]eliability/ matched" in out and "[bold]Site" in out

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import requests
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from g5g import bench, wire
@@ -50,7 +51,8 @@ def run(args) -> int:
                              prompt=args.prompt if args.expect else None, expect=args.expect,
                              after_ready=lambda srv: measure(args, srv.url, srv.model_name, count_tokens))
         if not report["ok"]:
-            err.print(f"[bold red]bench: {args.image} failed before the benchmark:[/] {report['reason']}")
+            err.print(f"[bold red]bench: {escape(args.image)} failed before the benchmark:[/] "
+                      f"{escape(report['reason'])}", soft_wrap=True)
             for line in report.get("logs") or []:
                 err.print(f"  {line}", markup=False, soft_wrap=True)
             return FAILED
@@ -139,7 +141,8 @@ def _get(result: dict, key: str):
 
 
 def result_table(result: dict) -> Table:
-    t = Table(title=f"bench {result.get('label') or result.get('url')} — mode {result['mode']}", title_justify="left")
+    t = Table(title=escape(f"bench {result.get('label') or result.get('url')} — mode {result['mode']}"),
+              title_justify="left")
     t.add_column("metric")
     t.add_column("on the wire", justify="right")
     gauge = result.get("gauge")
@@ -169,7 +172,7 @@ def finish(result: dict, json_file: str | None) -> int:
     if result["failed"]:
         first = next(e for e in result["errors"] if e)
         err.print(f"[bold red]bench: {result['failed']} of {result['failed'] + result['completed']} requests "
-                  f"failed;[/] first: {first}")
+                  f"failed;[/] first: {escape(first)}", soft_wrap=True)
         return FAILED
     return OK
 
@@ -198,7 +201,7 @@ def compare(files: list[str], plot: str | None) -> int:
     t = Table(title="bench compare (all figures on the wire unless marked gauge)", title_justify="left")
     t.add_column("metric")
     for r in results:
-        t.add_column(str(r["label"]), justify="right")
+        t.add_column(escape(str(r["label"])), justify="right")
     t.add_row("mode", *[str(r.get("mode")) for r in results])
     for key, label in ROWS + [(f"boot.{k}", v) for k, v in BOOT_ROWS]:
         values = [_get(r, key) for r in results]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import requests
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from g5g import containers, smoke, wire
@@ -96,12 +97,12 @@ def check_server(url: str, model: str | None, prompt: str, expect: str, max_toke
 
 
 def _table(report: dict) -> Table:
-    t = Table(title=f"smoke {report.get('image') or report['url']}", title_justify="left")
+    t = Table(title=escape(f"smoke {report.get('image') or report['url']}"), title_justify="left")
     for col in ("answer", "check", "", "detail"):
         t.add_column(col)
     for mode, checks in report["checks"].items():
         for c in checks:
-            t.add_row(mode, c["name"], "[green]ok[/]" if c["ok"] else "[bold red]FAIL[/]", c["detail"])
+            t.add_row(mode, c["name"], "[green]ok[/]" if c["ok"] else "[bold red]FAIL[/]", escape(c["detail"]))
     return t
 
 
@@ -112,13 +113,13 @@ def _print(report: dict, as_json: bool) -> None:
         if report["checks"]:
             console.print(_table(report))
         for mode, a in report["answers"].items():
-            console.print(f"[dim]{mode} answer:[/] {a['text'][:300]!r}")
+            console.print(f"[dim]{mode} answer:[/] {escape(repr(a['text'][:300]))}")
         if report.get("boot"):
             console.print("boot: " + ", ".join(f"{k} {v:.2f} s" for k, v in report["boot"].items()))
         if report["ok"]:
             console.print("[bold green]smoke: ok[/]")
     if not report["ok"]:
-        err.print(f"[bold red]smoke failed:[/] {report['reason']}", soft_wrap=True)
+        err.print(f"[bold red]smoke failed:[/] {escape(report['reason'])}", soft_wrap=True)
         if report.get("logs"):
             err.print(f"[dim]last {len(report['logs'])} log lines of the container:[/]")
             for line in report["logs"]:
