@@ -64,6 +64,7 @@ def test_a_good_answer_passes_streamed_and_not(timed_server):
     assert set(report["checks"]) == {"stream", "non-stream"}
     assert [c["name"] for c in report["checks"]["stream"]] == list(smoke.CHECKS)
     assert report["answers"]["stream"]["text"] == report["answers"]["non-stream"]["text"] == ANSWER
+    assert report["same_text"]
 
 
 @pytest.mark.parametrize("mode, reason", [("garbage", "not_degenerate"), ("pad", "not_degenerate"),
