@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--model", required=True, help="checkpoint directory")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--served-model-name", help="model id clients ask for (default: the model dir's name)")
 
     pa = sub.add_parser("patches", help="verify our vLLM patches against the pinned upstream release")
     pa.add_argument("action", choices=("verify",))
