@@ -85,6 +85,7 @@ class ChatRequest(_Strict):
     n: int | None = None
     ignore_eos: bool = False
     logprobs: bool | None = None
+    tools: list | None = None
 
 
 def _parse(body: bytes) -> ChatRequest:
@@ -104,6 +105,8 @@ def _parse(body: bytes) -> ChatRequest:
         raise APIError(400, "n > 1 is not supported (one choice per request)", param="n")
     if req.logprobs:
         raise APIError(400, "logprobs are not supported", param="logprobs")
+    if req.tools:
+        raise APIError(400, "tools are not supported by this server", param="tools")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     return req
@@ -160,23 +163,37 @@ class Metrics:
                              registry=r).labels(model_name)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests queued.", ln, registry=r).labels(model_name)
         self.model_name = model_name
+        self.lock = threading.Lock()
+
+    # Updates and scrapes hold one lock, so a scrape never sees a request both running and finished:
+    # running + waiting + request_success_total (all reasons) = requests accepted so far.
+    def set_queue(self, waiting: int, running: int | None = None) -> None:
+        with self.lock:
+            self.waiting.set(waiting)
+            if running is not None:
+                self.running.set(running)
 
     def finished(self, arrival: float, fin: Finish) -> None:
-        self.prompt_tokens.inc(fin.prompt_tokens)
-        self.generation_tokens.inc(fin.completion_tokens)
-        if fin.reason == "abort":
-            return
-        self.success.labels(self.model_name, fin.reason).inc()
-        times = fin.token_times
-        if not times:
-            return
-        ttft, e2e = times[0] - arrival, times[-1] - arrival
-        self.ttft.observe(ttft)
-        self.e2e.observe(e2e)
-        for a, b in zip(times, times[1:]):
-            self.itl.observe(b - a)
-        if len(times) > 1:
-            self.tpot.observe((e2e - ttft) / (len(times) - 1))
+        with self.lock:
+            self.running.set(0)
+            self.success.labels(self.model_name, fin.reason).inc()
+            prefilled = fin.completion_tokens > 0 or fin.reason != "abort"
+            self.prompt_tokens.inc(fin.prompt_tokens if prefilled else 0)
+            self.generation_tokens.inc(fin.completion_tokens)
+            times = fin.token_times
+            if fin.reason == "abort" or not times:
+                return
+            ttft, e2e = times[0] - arrival, times[-1] - arrival
+            self.ttft.observe(ttft)
+            self.e2e.observe(e2e)
+            for a, b in zip(times, times[1:]):
+                self.itl.observe(b - a)
+            if len(times) > 1:
+                self.tpot.observe((e2e - ttft) / (len(times) - 1))
+
+    def scrape(self) -> bytes:
+        with self.lock:
+            return generate_latest(self.registry)
 
 
 # ------------------------------------------------------------------------------------------- scheduling
@@ -203,38 +220,47 @@ class Scheduler:
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.engine: Engine | None = None
+        self.current: Job | None = None
         self.info: TokenizerInfo | None = None
 
     def submit(self, job: Job) -> None:
         if self.queue.qsize() >= self.max_waiting:
             raise QueueFull
         self.queue.put_nowait(job)
-        self.metrics.waiting.set(self.queue.qsize())
+        self.metrics.set_queue(self.queue.qsize())
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             job = await self.queue.get()
-            self.metrics.waiting.set(self.queue.qsize())
-            if job.cancelled.is_set():      # the client left while queued
+            if job.cancelled.is_set():      # the client left while queued: skip it, end its handler
+                fin = Finish("abort", len(job.prompt_ids), 0, [])
+                self.metrics.set_queue(self.queue.qsize())
+                self.metrics.finished(job.arrival, fin)
+                job.events.put_nowait(fin)
                 continue
-            self.metrics.running.set(1)
+            self.metrics.set_queue(self.queue.qsize(), running=1)
+            self.current = job
             try:
                 await loop.run_in_executor(self.executor, self._generate, job)
             finally:
-                self.metrics.running.set(0)
+                self.metrics.set_queue(self.queue.qsize(), running=0)
 
     def _generate(self, job: Job) -> None:
         """Engine thread: run the job, hand every event to the request's coroutine."""
         def emit(ev: Any) -> None:
-            job.loop.call_soon_threadsafe(job.events.put_nowait, ev)
+            try:
+                job.loop.call_soon_threadsafe(job.events.put_nowait, ev)
+            except RuntimeError:         # the server is shutting down: its loop is gone
+                job.cancelled.set()
         try:
             for ev in generate(self.engine, self.info, job.prompt_ids, job.params, job.cancelled.is_set):
                 if isinstance(ev, Finish):
-                    self.metrics.finished(job.arrival, ev)
+                    self.metrics.finished(job.arrival, ev)   # before the client can see the end
                 emit(ev)
         except Exception as e:           # a runtime bug must not kill the worker: report it to this request
             log.exception("generation failed")
+            self.metrics.finished(job.arrival, Finish("abort", len(job.prompt_ids), 0, []))
             emit(APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error"))
 
     def call(self, fn: Callable, *args):
@@ -261,6 +287,8 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
             await sched.call(lambda: sched.engine.step(int(sched.engine.start(warm).argmax())))
             log.info("model %s ready in %.1fs (context %d)", name, time.monotonic() - t0, sched.engine.max_context)
             state["ready"] = True
+        except asyncio.CancelledError:    # shut down while loading
+            raise
         except BaseException as e:
             log.exception("loading %s failed", model_dir)
             state["error"] = f"{type(e).__name__}: {e}"
@@ -278,6 +306,8 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
             yield
         finally:
             task.cancel()
+            if sched.current is not None:
+                sched.current.cancelled.set()
             sched.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="g5g serving", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -305,7 +335,7 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.scrape(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -7,6 +7,7 @@ PyTorch and JAX images answer the same request the same way.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,17 +48,32 @@ class Sampler:
         logits = np.asarray(logits, dtype=np.float64)
         if self.temperature <= 0.0:
             return int(np.argmax(logits))
-        order = np.argsort(-logits, kind="stable")
-        if self.top_k > 0:
-            order = order[: self.top_k]
-        scaled = logits[order] / self.temperature
-        probs = np.exp(scaled - scaled.max())
-        probs /= probs.sum()
-        if self.top_p < 1.0:
-            # Keep the smallest prefix whose mass reaches top_p (always at least the best token).
-            keep = int(np.searchsorted(np.cumsum(probs), self.top_p) + 1)
-            order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
-        return int(order[self.rng.choice(len(order), p=probs)])
+        # Gemma's vocabulary is 262k: select with argpartition, sort only the few candidates that matter.
+        if 0 < self.top_k < logits.size:
+            cand = np.argpartition(-logits, self.top_k - 1)[: self.top_k]
+        else:
+            cand = np.arange(logits.size)
+        x = logits[cand] / self.temperature
+        p = np.exp(x - x.max())
+        p /= p.sum()
+        if self.top_p >= 1.0:
+            return int(cand[self._draw(p)])
+        # Nucleus: the smallest set of most likely tokens whose mass reaches top_p (at least one token).
+        k = min(p.size, 256)
+        while True:
+            top = np.argpartition(-p, k - 1)[:k] if k < p.size else np.arange(p.size)
+            top = top[np.argsort(-p[top], kind="stable")]
+            mass = np.cumsum(p[top])
+            if mass[-1] >= self.top_p or k == p.size:
+                break
+            k = min(p.size, k * 8)
+        top = top[: int(np.searchsorted(mass, self.top_p)) + 1]
+        return int(cand[top[self._draw(p[top])]])
+
+    def _draw(self, weights: np.ndarray) -> int:
+        """Index drawn with probability proportional to `weights` (inverse CDF, one uniform per token)."""
+        cdf = np.cumsum(weights)
+        return min(int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right")), weights.size - 1)
 
 
 # ------------------------------------------------------------------------------------------ tokenisation
@@ -70,6 +86,9 @@ class TokenizerInfo:
     thought_start: int | None
     thought_end: int | None
     default_sampling: dict = field(default_factory=dict)
+    # transformers' fast tokenizer reconfigures its Rust backend on every encode; concurrent use from the event
+    # loop (prompts) and the engine thread (detokenising) can fail with "Already borrowed". One lock for both.
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "TokenizerInfo":
@@ -103,8 +122,9 @@ class TokenizerInfo:
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of the conversation rendered with the checkpoint's own chat template."""
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        with self.lock:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)
 
 
 class Detokenizer:
@@ -119,7 +139,8 @@ class Detokenizer:
         self.in_thought = False
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.info.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        with self.info.lock:
+            return self.info.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def push(self, token_id: int) -> str:
         if token_id == self.info.thought_start:
