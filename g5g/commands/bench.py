@@ -211,6 +211,11 @@ def compare(files: list[str], plot: str | None) -> int:
         values = [(r.get("gauge") or {}).get(key) for r in results]
         if any(v is not None for v in values):
             t.add_row(f"gauge {key} (server's own, this run only)", *map(_fmt, values))
+    for m in bench.METRICS:
+        values = [((r.get("gauge") or {}).get("ratio_stream_to_gauge") or {}).get(m) for r in results]
+        if any(v is not None for v in values):
+            t.add_row(f"wire/gauge {m.upper()} (that server's own ratio)", *(_fmt(v) if v is None else f"{v:.4f}"
+                                                                             for v in values))
     console.print(t)
     if plot:
         write_plot(results, plot)
