@@ -43,10 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ca-cert", help="CA bundle passed to the build as a secret "
                    "(default: REQUESTS_CA_BUNDLE, SSL_CERT_FILE or PIP_CERT when set)")
     b.add_argument("--skip-patch-check", action="store_true", help=argparse.SUPPRESS)
+    b.add_argument("--sequential", action="store_true",
+                   help="build torch-base first and load it, then the images FROM it by tag (engines whose "
+                        "BuildKit lacks named contexts, e.g. Docker 20.10's built-in builder)")
 
     g = sub.add_parser("generate", help="write Dockerfiles and docker-bake.json, build nothing")
     _add_plan_options(g)
     g.add_argument("--out", default="build", help="output directory (default: build)")
+    g.add_argument("--sequential", action="store_true", help="bake file without named contexts (see build --help)")
 
     d = sub.add_parser("doctor", help="check docker, buildx, binfmt and the registry; say how to fix what is missing")
     _add_plan_options(d)
