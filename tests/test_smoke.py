@@ -100,7 +100,7 @@ def test_cli_exit_codes(timed_server, capsys):
     assert main(["smoke", "--url", bad.url, "--expect", EXPECT]) == 1
     assert "smoke failed: stream: not_degenerate: repetition ': ok'" in err_text(capsys)
     assert main(["smoke", "--url", good.url]) == 2  # no manifest default for an unknown runtime
-    assert "pass --expect REGEX" in err_text(capsys)
+    assert "the runtime is unknown; pass --runtime R" in err_text(capsys)
     assert main(["smoke", "--url", good.url, "--expect", "(unclosed"]) == 2
     assert main(["smoke", "img:tag", "--url", good.url, "--expect", "x"]) == 2
     assert "not both" in err_text(capsys)

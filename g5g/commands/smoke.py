@@ -57,8 +57,11 @@ def resolve_check(runtime: str | None, prompt: str | None, expect: str | None,
     prompt = prompt or defaults.get("prompt") or DEFAULT_PROMPT
     expect = expect or defaults.get("expect")
     if not expect:
-        where = f"manifests/runtimes/{runtime}.yaml has no smoke.expect" if runtime else "the runtime is unknown"
-        raise UserError(f"nothing to check the answer against: {where}; pass --expect REGEX")
+        if runtime:
+            raise UserError(f"nothing to check the answer against: no smoke.expect for {runtime} in the runtime "
+                            "manifests; pass --expect REGEX")
+        raise UserError("nothing to check the answer against: the runtime is unknown; pass --runtime R (its "
+                        "manifest's smoke prompt and regex) or --expect REGEX")
     try:
         re.compile(expect)
     except re.error as e:
