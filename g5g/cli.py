@@ -10,6 +10,7 @@ import importlib
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 
 from g5g.errors import UserError
 
@@ -84,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--model", help="model directory or Hugging Face repo id to mount (with --image)")
     be.add_argument("--runtime", choices=("vllm", "jax", "pytorch"), help="runtime of IMAGE (default: its label)")
     be.add_argument("--profile", default=None, help="g5g (GPU) or cpu (default: IMAGE's label)")
-    be.add_argument("--expect", help="regex the first answer must match (with --image; default: the manifest's)")
+    be.add_argument("--expect", help="with --image: regex the answer to --prompt must match before the benchmark "
+                    "(default: the runtime manifest's smoke prompt and regex)")
     be.add_argument("--boot-timeout", type=float, default=900.0, help="seconds to wait for IMAGE to be ready")
     be.add_argument("--mode", choices=("auto", "stream", "gauge", "both"), default="auto",
                     help="stream: wire timings; gauge: the server's /metrics; both: side by side with their ratio; "
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return module.run(args)
     except UserError as e:
-        err_console.print(f"[bold red]error:[/] {e}")
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}")  # messages quote user text: no markup
         return e.exit_code
     except KeyboardInterrupt:
         err_console.print("[bold red]interrupted[/]")

@@ -194,7 +194,7 @@ def serve_image(image: str, *, runtime: str, profile: str, model: str | None = N
             container.start()
         except docker.errors.APIError as e:
             hint = " (no GPU runtime? the g5g profile needs the NVIDIA container toolkit)" if profile == "g5g" else ""
-            raise ContainerFailed(f"container did not start: {e.explanation or e}{hint}", last_logs(container))
+            raise UserError(f"docker could not start {image}: {e.explanation or e}{hint}") from None
         url, boot = wait_ready(container, timeout, t0=started, port=port)
         yield Server(url=url, container=container, model_name=name, started=started, boot=boot)
     finally:

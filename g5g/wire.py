@@ -68,13 +68,16 @@ def _note_server_metrics(ans: Answer, data: dict) -> None:
 def _sse_events(resp: requests.Response, deadline: float):
     """Yield (arrival time, data payload) per SSE event, timestamped when its bytes came off the socket.
 
-    read1 returns what one socket read (or one HTTP chunk) delivers, so no buffer waits to fill up.
+    read1 (urllib3 ≥ 2) returns what one socket read or one HTTP chunk delivers, so no buffer waits to fill up;
+    older urllib3 falls back to iter_content(None), which yields chunked bodies chunk by chunk.
     """
+    read1 = getattr(resp.raw, "read1", None)
+    pieces = None if read1 else resp.iter_content(chunk_size=None)
     buf = b""
     while True:
         if time.perf_counter() > deadline:
             raise TimeoutError("request exceeded its time limit")
-        data = resp.raw.read1(65536)
+        data = read1(65536) if read1 else next(pieces, b"")
         now = time.perf_counter()
         if not data:
             return

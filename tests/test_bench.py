@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import json
 import random
+import socket
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
+import requests
 
 from g5g import bench, wire
 from g5g.cli import main
@@ -204,7 +209,7 @@ def test_load_is_bounded_in_time(timed_server):
 
 def test_a_slow_request_is_cut_at_its_timeout(timed_server):
     srv = timed_server(ttft=0.05, gap=0.4, tokens=10)
-    ans = wire.stream_chat(__import__("requests").Session(), srv.url, wire.chat_payload("timed", "hi", 32, True), 1.0)
+    ans = wire.stream_chat(requests.Session(), srv.url, wire.chat_payload("timed", "hi", 32, True), 1.0)
     assert not ans.success and "Timeout" in ans.error
 
 
@@ -237,24 +242,19 @@ def test_bad_flags_are_one_line_errors(capsys):
     assert "--requests must be at least 1" in err_text(capsys)
 
 
-# ---- against the project's own PyTorch server (serving/) with the tiny Gemma 4 fixture ----
+# ---- against the project's own servers (serving/: PyTorch and JAX) with the tiny Gemma 4 fixture ----
 
-@pytest.fixture(scope="module")
-def pytorch_server(tiny_gemma4):
-    """`python -m serving --runtime pytorch` on 127.0.0.1:<free port>, as the image runs it."""
-    import socket
-    import subprocess
-    import sys
-    import time
-
-    import requests
-
+@pytest.fixture(scope="module", params=["pytorch", "jax"])
+def project_server(request, tiny_gemma4, tmp_path_factory):
+    """`python -m serving --runtime R` on 127.0.0.1:<free port>, as the images run it."""
+    runtime = request.param
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "serving", "--runtime", "pytorch", "--model", str(tiny_gemma4),
+    log = tmp_path_factory.mktemp(f"serve-{runtime}") / "server.log"
+    proc = subprocess.Popen([sys.executable, "-m", "serving", "--runtime", runtime, "--model", str(tiny_gemma4),
                              "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -267,8 +267,9 @@ def pytorch_server(tiny_gemma4):
             time.sleep(0.5)
         else:
             proc.kill()
-            pytest.fail(f"the PyTorch server did not come up: {proc.communicate(timeout=10)[0][-2000:]}")
-        yield url
+            proc.wait()
+            pytest.fail(f"the {runtime} server did not come up: {log.read_text()[-2000:]}")
+        yield runtime, url
     finally:
         proc.terminate()
         try:
@@ -279,26 +280,28 @@ def pytorch_server(tiny_gemma4):
 
 
 @pytest.mark.slow
-def test_smoke_passes_on_the_pytorch_server_with_the_fixed_answer(pytorch_server, capsys):
+def test_smoke_passes_on_the_project_server_with_the_fixed_answer(project_server, capsys):
     from g5g.commands.smoke import check_server
     from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
 
-    report = check_server(pytorch_server, None, QUESTION, "Site Reliability Engineering")
+    _, server_url = project_server
+    report = check_server(server_url, None, QUESTION, "Site Reliability Engineering")
     assert report["ok"], report.get("reason")
     assert report["answers"]["stream"]["text"] == report["answers"]["non-stream"]["text"] == ANSWER
     assert report["max_tokens"] <= 128  # the tiny model's context is short: half of it at most
     # The same server fails the check when the expectation is wrong: the check can fail.
-    assert main(["smoke", "--url", pytorch_server, "--prompt", QUESTION, "--expect", "Paris"]) == 1
+    assert main(["smoke", "--url", server_url, "--prompt", QUESTION, "--expect", "Paris"]) == 1
     assert "expected" in err_text(capsys)
 
 
 @pytest.mark.slow
-def test_bench_on_the_pytorch_server_agrees_with_its_own_counters(pytorch_server, tmp_path):
+def test_bench_on_the_project_server_agrees_with_its_own_counters(project_server, tmp_path):
     from tests.fixtures.tiny_gemma4 import QUESTION
 
-    out = tmp_path / "pytorch.json"
-    assert run_cli("bench", "--url", pytorch_server, "--requests", "3", "--concurrency", "2", "--max-tokens", "24",
-                   "--warmup", "1", "--prompt", QUESTION, "--label", "pytorch", "--json", str(out)) == 0
+    runtime, server_url = project_server
+    out = tmp_path / f"{runtime}.json"
+    assert run_cli("bench", "--url", server_url, "--requests", "3", "--concurrency", "2", "--max-tokens", "24",
+                   "--warmup", "1", "--prompt", QUESTION, "--label", runtime, "--json", str(out)) == 0
     r = json.loads(out.read_text())
     assert r["mode"] == "both" and r["completed"] == 3 and r["output_len_source"] == "usage"
     assert r["output_lens"] == [24, 24, 24]  # the fixed answer is longer than 24 tokens

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import tarfile
 from pathlib import Path
@@ -63,6 +64,7 @@ def test_a_good_answer_passes_streamed_and_not(timed_server):
     assert set(report["checks"]) == {"stream", "non-stream"}
     assert [c["name"] for c in report["checks"]["stream"]] == list(smoke.CHECKS)
     assert report["answers"]["stream"]["text"] == report["answers"]["non-stream"]["text"] == ANSWER
+    assert report["same_text"]
 
 
 @pytest.mark.parametrize("mode, reason", [("garbage", "not_degenerate"), ("pad", "not_degenerate"),
@@ -98,15 +100,13 @@ def test_cli_exit_codes(timed_server, capsys):
     assert main(["smoke", "--url", bad.url, "--expect", EXPECT]) == 1
     assert "smoke failed: stream: not_degenerate: repetition ': ok'" in err_text(capsys)
     assert main(["smoke", "--url", good.url]) == 2  # no manifest default for an unknown runtime
-    assert "pass --expect REGEX" in err_text(capsys)
+    assert "the runtime is unknown; pass --runtime R" in err_text(capsys)
     assert main(["smoke", "--url", good.url, "--expect", "(unclosed"]) == 2
     assert main(["smoke", "img:tag", "--url", good.url, "--expect", "x"]) == 2
     assert "not both" in err_text(capsys)
 
 
 def test_cli_json_report(timed_server, capsys):
-    import json
-
     srv = timed_server(answer=ANSWER, mode="truncated", ttft=0.01, gap=0.002)
     assert main(["smoke", "--url", srv.url, "--expect", EXPECT, "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
@@ -193,7 +193,7 @@ def timed_images(docker_client):
                                                 "RuntimeError: CUDA error: no kernel image is available"])):
         dockerfile = (f"FROM {base}\nCOPY timed_server.py /srv/timed_server.py\n"
                       "LABEL io.g5g.runtime=pytorch io.g5g.profile=cpu\n"
-                      f"ENTRYPOINT {__import__('json').dumps(entry + extra)}\n")
+                      f"ENTRYPOINT {json.dumps(entry + extra)}\n")
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:
             for arcname, data in (("Dockerfile", dockerfile.encode()), ("timed_server.py", TIMED.read_bytes())):
@@ -219,8 +219,6 @@ def test_image_smoke_passes_and_records_boot(timed_images, docker_client, tmp_pa
     model.mkdir()
     assert main(["smoke", timed_images["good"], "--model", str(model), "--expect", EXPECT, "--json",
                  "--timeout", "60"]) == 0
-    import json
-
     report = json.loads(capsys.readouterr().out)
     boot = report["boot"]
     assert 0 < boot["port_open_s"] <= boot["health_s"] <= boot["first_answer_s"]
@@ -256,10 +254,8 @@ def test_container_dying_in_start_up_is_reported_with_its_logs(timed_images, doc
 @pytest.mark.e2e
 def test_bench_image_records_boot_then_measures(timed_images, tmp_path):
     out = tmp_path / "boot.json"
-    assert main(["bench", "--image", timed_images["good"], "--expect", EXPECT, "--requests", "2", "--warmup", "0",
-                 "--boot-timeout", "60", "--json", str(out)]) == 0
-    import json
-
+    assert main(["bench", "--image", timed_images["good"], "--prompt", "What is SRE?", "--expect", EXPECT,
+                 "--requests", "2", "--warmup", "0", "--boot-timeout", "60", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["label"] == "pytorch" and r["completed"] == 2 and r["mode"] == "stream"
     assert set(r["boot"]) == {"port_open_s", "health_s", "first_answer_s"}
@@ -291,3 +287,22 @@ def test_readiness_is_bounded_and_reports_the_stage_and_logs(timed_images, docke
     assert "not ready after 3 s (waiting for /health 200)" in str(failed.value)
     assert any("timed_server: listening" in line for line in failed.value.logs)
     assert not _leftovers(docker_client)
+
+
+@pytest.mark.e2e
+def test_g5g_profile_asks_the_engine_for_the_gpu(timed_images, docker_client):
+    """The g5g profile sends a GPU device request; an engine without the NVIDIA runtime refuses it at start, and
+    the error says so (on a G5g host the same request gives the container the T4G)."""
+    with pytest.raises(containers.UserError) as failed:
+        with containers.serve_image(timed_images["good"], runtime="pytorch", profile="g5g", timeout=10,
+                                    docker_client=docker_client):
+            pytest.skip("this engine has a GPU runtime: the request was granted")
+    assert "could not start" in str(failed.value) and "NVIDIA container toolkit" in str(failed.value)
+    assert not _leftovers(docker_client)
+
+
+def test_brackets_in_answers_and_regexes_are_printed_as_they_are(timed_server, capsys):
+    srv = timed_server(answer="[bold]Site Reliability Engineering[/bold]", ttft=0.01, gap=0.002)
+    assert main(["smoke", "--url", srv.url, "--expect", "[Rr]eliability"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "/[Rr]eliability/ matched" in out and "[bold]Site" in out

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import requests
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from g5g import bench, wire
@@ -45,10 +46,13 @@ def run(args) -> int:
         from g5g.commands.smoke import smoke_image
 
         report = smoke_image(args.image, runtime=args.runtime, profile=args.profile, model=args.model,
-                             served_model_name=None, prompt=None, expect=args.expect, timeout=args.boot_timeout,
+                             served_model_name=None, timeout=args.boot_timeout,
+                             # --expect pairs with --prompt; alone, neither replaces the manifest's smoke pair
+                             prompt=args.prompt if args.expect else None, expect=args.expect,
                              after_ready=lambda srv: measure(args, srv.url, srv.model_name, count_tokens))
         if not report["ok"]:
-            err.print(f"[bold red]bench: {args.image} failed before the benchmark:[/] {report['reason']}")
+            err.print(f"[bold red]bench: {escape(args.image)} failed before the benchmark:[/] "
+                      f"{escape(report['reason'])}", soft_wrap=True)
             for line in report.get("logs") or []:
                 err.print(f"  {line}", markup=False, soft_wrap=True)
             return FAILED
@@ -137,7 +141,8 @@ def _get(result: dict, key: str):
 
 
 def result_table(result: dict) -> Table:
-    t = Table(title=f"bench {result.get('label') or result.get('url')} — mode {result['mode']}", title_justify="left")
+    t = Table(title=escape(f"bench {result.get('label') or result.get('url')} — mode {result['mode']}"),
+              title_justify="left")
     t.add_column("metric")
     t.add_column("on the wire", justify="right")
     gauge = result.get("gauge")
@@ -167,7 +172,7 @@ def finish(result: dict, json_file: str | None) -> int:
     if result["failed"]:
         first = next(e for e in result["errors"] if e)
         err.print(f"[bold red]bench: {result['failed']} of {result['failed'] + result['completed']} requests "
-                  f"failed;[/] first: {first}")
+                  f"failed;[/] first: {escape(first)}", soft_wrap=True)
         return FAILED
     return OK
 
@@ -196,7 +201,7 @@ def compare(files: list[str], plot: str | None) -> int:
     t = Table(title="bench compare (all figures on the wire unless marked gauge)", title_justify="left")
     t.add_column("metric")
     for r in results:
-        t.add_column(str(r["label"]), justify="right")
+        t.add_column(escape(str(r["label"])), justify="right")
     t.add_row("mode", *[str(r.get("mode")) for r in results])
     for key, label in ROWS + [(f"boot.{k}", v) for k, v in BOOT_ROWS]:
         values = [_get(r, key) for r in results]
@@ -206,6 +211,11 @@ def compare(files: list[str], plot: str | None) -> int:
         values = [(r.get("gauge") or {}).get(key) for r in results]
         if any(v is not None for v in values):
             t.add_row(f"gauge {key} (server's own, this run only)", *map(_fmt, values))
+    for m in bench.METRICS:
+        values = [((r.get("gauge") or {}).get("ratio_stream_to_gauge") or {}).get(m) for r in results]
+        if any(v is not None for v in values):
+            t.add_row(f"wire/gauge {m.upper()} (that server's own ratio)", *(_fmt(v) if v is None else f"{v:.4f}"
+                                                                             for v in values))
     console.print(t)
     if plot:
         write_plot(results, plot)
@@ -225,9 +235,9 @@ def write_plot(results: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.4), squeeze=False)
     labels = [str(r["label"]) for r in results]
     for ax, (key, title) in zip(axes[0], panels):
-        values = [_get(r, key) or 0.0 for r in results]
-        bars = ax.bar(labels, values, color=[f"C{i}" for i in range(len(results))])
-        ax.bar_label(bars, fmt="%.1f", fontsize=8)
+        values = [_get(r, key) for r in results]
+        bars = ax.bar(labels, [v or 0.0 for v in values], color=[f"C{i}" for i in range(len(results))])
+        ax.bar_label(bars, labels=["n/a" if v is None else f"{v:.1f}" for v in values], fontsize=8)
         ax.set_title(title, fontsize=9)
         ax.tick_params(axis="x", labelrotation=30, labelsize=8)
     fig.suptitle("g5g-images bench (on the wire)", fontsize=10)
