@@ -7,6 +7,7 @@ executables run; calling one with another shape raises instead of compiling.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -178,9 +179,15 @@ class JaxEngine:
         return np.array(logits, dtype=np.float32)  # a writable host copy: the sampler may scale it in place
 
 
-def load(model_dir: str | Path, settings: Settings | None = None) -> JaxEngine:
-    """Boot: read config and weights, compile the bucket ladder (persistent cache), return a ready engine."""
+def load(model_dir: str | Path, max_context: int | None = None, settings: Settings | None = None) -> JaxEngine:
+    """Boot: read config and weights, compile the bucket ladder (persistent cache), return a ready engine.
+
+    max_context (the server's --max-model-len) caps the ladder: buckets above it are dropped and it becomes the top.
+    """
     settings = settings or Settings.from_env()
+    if max_context:
+        settings = dataclasses.replace(
+            settings, buckets=tuple(b for b in settings.buckets if b < max_context) + (int(max_context),))
     t0 = time.perf_counter()
     _listen()
     configure_persistent_cache(settings.cache_dir)
