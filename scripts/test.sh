@@ -14,7 +14,7 @@ t0=$SECONDS
 stamp() { printf 'test.sh: %-36s at %4d s\n' "$1" $((SECONDS - t0)) >&2; }
 
 provision_pid=
-if [ "$(id -u)" = 0 ] && [ -x scripts/provision.sh ]; then
+if [ "$(id -u)" = 0 ] && [ -f scripts/provision.sh ]; then
   bash scripts/provision.sh >.cache/provision.log 2>&1 &
   provision_pid=$!
 fi
