@@ -179,7 +179,7 @@ class JaxEngine:
         return np.array(logits, dtype=np.float32)  # a writable host copy: the sampler may scale it in place
 
 
-def load(model_dir: str | Path, max_context: int | None = None, settings: Settings | None = None) -> JaxEngine:
+def load(model_dir: str | Path, settings: Settings | None = None, max_context: int | None = None) -> JaxEngine:
     """Boot: read config and weights, compile the bucket ladder (persistent cache), return a ready engine.
 
     max_context (the server's --max-model-len) caps the ladder: buckets above it are dropped and it becomes the top.
