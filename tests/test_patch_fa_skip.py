@@ -237,3 +237,37 @@ def test_patched_python_still_raises_without_cuda_torch(installed_7_5):
     r = fa_probe(installed_7_5, torch_cuda="none")
     assert not r["vllm_flash_attn"]["imported"]
     assert r["vllm_flash_attn"]["error"].startswith("ImportError: vllm.vllm_flash_attn requires")
+
+
+# --- the image build's check on the wheel ---------------------------------------------------------------------------
+
+def _wheel_check_step() -> str:
+    from g5g import manifest, render
+    from g5g.plan import make_plan
+
+    plan = make_plan(manifest.load(patches.REPO_ROOT / "manifests", profile="g5g"), profile="g5g")
+    text = render.render(plan)["build/vllm/Dockerfile"].replace("\\\n", "")
+    line = next(ln for ln in text.splitlines() if "FlashAttention extensions in the wheel" in ln)
+    return line[line.index("python3 -c"):]
+
+
+@pytest.mark.parametrize("members, ok, listed", [
+    (["vllm/vllm_flash_attn/layers/rotary.py"], True, "none"),
+    (["vllm/vllm_flash_attn/layers/rotary.py", "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so"], True,
+     "['vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so']"),
+    (["vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so"], False, None),
+])
+def test_rendered_wheel_check(tmp_path, members, ok, listed):
+    """The vLLM Dockerfile's step after `pip wheel`: lists FA extensions, fails without FA's rotary module."""
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "vllm-0.33.0-cp38-abi3-linux_aarch64.whl", "w") as z:
+        for m in members:
+            z.writestr(m, "")
+    step = _wheel_check_step().replace("/wheels/", f"{tmp_path}/").replace("python3 -c", f"{sys.executable} -c", 1)
+    r = subprocess.run(["bash", "-c", step], capture_output=True, text=True)
+    assert (r.returncode == 0) is ok, r.stderr
+    if ok:
+        assert r.stdout.strip() == f"FlashAttention extensions in the wheel: {listed}"
+    else:
+        assert "vllm/vllm_flash_attn/layers/rotary.py missing from the wheel" in r.stderr
