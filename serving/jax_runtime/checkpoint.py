@@ -1,0 +1,164 @@
+"""Read a Gemma 4 safetensors checkpoint into numpy parameter trees (no jax, no torch).
+
+Our own reader of the safetensors layout (8-byte header size, JSON header, raw little-endian data) because
+safetensors' numpy frontend cannot represent bfloat16, the dtype Gemma 4 checkpoints ship in; ml_dtypes can.
+Weights are taken from `model.language_model.*` (Gemma4ForConditionalGeneration, the Hub layout) or `model.*`
+(Gemma4ForCausalLM); vision and audio towers are never read.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from .config import CheckpointError, TextConfig
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+PREFIXES = ("model.language_model.", "model.")
+
+
+class SafetensorsDir:
+    """Tensor name -> numpy array (memory-mapped) over model.safetensors or a sharded index."""
+
+    def __init__(self, model_dir: Path):
+        model_dir = Path(model_dir)
+        index = model_dir / "model.safetensors.index.json"
+        single = model_dir / "model.safetensors"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index}: no readable 'weight_map' ({e})") from None
+            files = sorted({model_dir / f for f in weight_map.values()})
+        elif single.is_file():
+            files = [single]
+        else:
+            raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+        self._where: dict[str, tuple[Path, dict]] = {}
+        self._maps: dict[Path, mmap.mmap] = {}
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{index}: shard {f.name} not found")
+            header, base = self._header(f)
+            for name, meta in header.items():
+                if name != "__metadata__":
+                    self._where[name] = (f, {**meta, "base": base})
+
+    @staticmethod
+    def _header(path: Path) -> tuple[dict, int]:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) != 8:
+                raise CheckpointError(f"{path}: truncated safetensors file")
+            (size,) = struct.unpack("<Q", head)
+            try:
+                return json.loads(fh.read(size)), 8 + size
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise CheckpointError(f"{path}: unreadable safetensors header") from None
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def get(self, name: str) -> np.ndarray:
+        path, meta = self._where[name]
+        dtype = _DTYPES.get(meta["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {meta['dtype']}")
+        if path not in self._maps:
+            with open(path, "rb") as fh:
+                self._maps[path] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        start, end = meta["data_offsets"]
+        count = int(np.prod(meta["shape"], dtype=np.int64))
+        arr = np.frombuffer(self._maps[path], dtype=dtype, count=count, offset=meta["base"] + start)
+        if arr.nbytes != end - start:
+            raise CheckpointError(f"{path}: tensor {name} size does not match its shape {meta['shape']}")
+        return arr.reshape(meta["shape"])
+
+
+def _prefix(names: set[str], where: Path) -> str:
+    for p in PREFIXES:
+        if p + "embed_tokens.weight" in names:
+            return p
+    raise CheckpointError(f"{where}: no 'model.language_model.embed_tokens.weight' (nor 'model.embed_tokens.weight')")
+
+
+def load_params(model_dir: Path, cfg: TextConfig, dtype) -> dict:
+    """The parameter tree the model functions take, as numpy arrays of `dtype`, shapes checked against cfg.
+
+    Linear weights are stored transposed ([in, out]) so the model computes x @ W.
+    """
+    st = SafetensorsDir(model_dir)
+    names = st.names()
+    prefix = _prefix(names, Path(model_dir))
+
+    def get(key: str, shape: tuple | None = None, optional_default=None) -> np.ndarray:
+        full = prefix + key
+        if full not in names:
+            if optional_default is not None:
+                return np.asarray(optional_default, dtype)
+            raise CheckpointError(f"{model_dir}: tensor {full!r} missing from the checkpoint")
+        arr = st.get(full)
+        if shape is not None and tuple(arr.shape) != tuple(shape):
+            raise CheckpointError(f"{model_dir}: tensor {full!r} has shape {tuple(arr.shape)}, config says {shape}")
+        return np.asarray(arr, dtype=dtype)
+
+    def linear(key: str, n_in: int, n_out: int | None = None) -> np.ndarray:
+        w = get(key)
+        if w.ndim != 2 or w.shape[1] != n_in or (n_out is not None and w.shape[0] != n_out):
+            raise CheckpointError(f"{model_dir}: tensor {prefix + key!r} has shape {w.shape}, expected "
+                                  f"[{n_out if n_out is not None else 'N'}, {n_in}]")
+        return np.ascontiguousarray(w.T)
+
+    d, h, v = cfg.hidden_size, cfg.num_heads, cfg.vocab_size
+    embed = get("embed_tokens.weight", (v, d))
+    params: dict = {"embed": embed, "final_norm": get("norm.weight", (d,))}
+    if cfg.tie_word_embeddings or "lm_head.weight" not in names:
+        params["lm_head"] = None  # tied: logits = h @ embed.T
+    else:
+        lm = st.get("lm_head.weight")
+        if tuple(lm.shape) != (v, d):
+            raise CheckpointError(f"{model_dir}: tensor 'lm_head.weight' has shape {lm.shape}, expected {(v, d)}")
+        params["lm_head"] = np.ascontiguousarray(np.asarray(lm, dtype).T)
+    if cfg.ple_dim:
+        n, p = cfg.num_layers, cfg.ple_dim
+        params["ple_embed"] = get("embed_tokens_per_layer.weight", (cfg.ple_vocab_size, n * p))
+        params["ple_proj"] = linear("per_layer_model_projection.weight", d, n * p)
+        params["ple_norm"] = get("per_layer_projection_norm.weight", (p,))
+
+    layers = []
+    for i, spec in enumerate(cfg.layers):
+        pre = f"layers.{i}."
+        hd, kvh = spec.head_dim, spec.num_kv_heads
+        lp = {
+            "input_ln": get(pre + "input_layernorm.weight", (d,)),
+            "post_attn_ln": get(pre + "post_attention_layernorm.weight", (d,)),
+            "pre_ff_ln": get(pre + "pre_feedforward_layernorm.weight", (d,)),
+            "post_ff_ln": get(pre + "post_feedforward_layernorm.weight", (d,)),
+            "q": linear(pre + "self_attn.q_proj.weight", d, h * hd),
+            "q_norm": get(pre + "self_attn.q_norm.weight", (hd,)),
+            "o": linear(pre + "self_attn.o_proj.weight", h * hd, d),
+            "gate": linear(pre + "mlp.gate_proj.weight", d),
+            "layer_scalar": get(pre + "layer_scalar", (1,), optional_default=[1.0]),
+        }
+        ff = lp["gate"].shape[1]
+        lp["up"] = linear(pre + "mlp.up_proj.weight", d, ff)
+        lp["down"] = linear(pre + "mlp.down_proj.weight", ff, d)
+        if spec.kv_source == i:  # shared layers have no k/v weights of their own (any in the file are unused)
+            lp["k"] = linear(pre + "self_attn.k_proj.weight", d, kvh * hd)
+            lp["k_norm"] = get(pre + "self_attn.k_norm.weight", (hd,))
+            if not spec.k_eq_v:
+                lp["v"] = linear(pre + "self_attn.v_proj.weight", d, kvh * hd)
+        if cfg.ple_dim:
+            lp["ple_gate"] = linear(pre + "per_layer_input_gate.weight", d, cfg.ple_dim)
+            lp["ple_proj"] = linear(pre + "per_layer_projection.weight", cfg.ple_dim, d)
+            lp["ple_ln"] = get(pre + "post_per_layer_input_norm.weight", (d,))
+        layers.append(lp)
+    params["layers"] = layers
+    return params

@@ -1,0 +1,229 @@
+"""The JAX Gemma 4 port against transformers, on tiny random checkpoints we build here (CPU, float32).
+
+Tolerance: float32 logits (soft-capped, |logit| up to ~5 here) agree within ATOL = 5e-4 absolute at every
+position; greedy continuations are identical for 40 tokens.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("jax")
+
+from serving.jax_runtime import CheckpointError, Settings, compile_counts, load  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+ATOL = 5e-4
+BUCKETS = (16, 48)     # prompt buckets and full-attention capacities: decode below crosses 16 -> 48
+SEQ_LEN = 46           # longest sequence the tests run (prompt + teacher-forced tokens)
+S, F = "sliding_attention", "full_attention"
+
+# Each covers something the others don't; all have prompts longer than the sliding window and decode far past
+# a ring wrap-around (window 3..5, sequences of 46).
+CONFIGS = {
+    # E2B's shape in miniature: head dims 8 (sliding) / 16 (full), GQA 4:2, the last 3 layers KV-shared,
+    # per-layer embeddings, double-wide MLP on shared layers, proportional RoPE 0.25, soft-capping, tied.
+    "e2b_like": dict(layout="multimodal", text=dict(
+        vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, global_head_dim=16, sliding_window=5, layer_types=[S, S, F, S, S, F],
+        num_kv_shared_layers=3, hidden_size_per_layer_input=4, vocab_size_per_layer_input=128,
+        use_double_wide_mlp=True, final_logit_softcapping=30.0)),
+    # No sharing, no PLE, no soft-capping, MHA, full head dim smaller than sliding, RoPE 0.5 on full layers,
+    # untied lm_head, a sharded checkpoint.
+    "plain_untied_sharded": dict(layout="multimodal", untied=True, shard="20KB", text=dict(
+        vocab_size=96, hidden_size=24, intermediate_size=40, num_hidden_layers=5, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=16, global_head_dim=8, sliding_window=3, layer_types=[S, F, S, S, F],
+        hidden_size_per_layer_input=0, final_logit_softcapping=None,
+        rope_parameters={S: {"rope_type": "default", "rope_theta": 500.0},
+                         F: {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 20000.0}})),
+    # Text-only Gemma4ForCausalLM layout (weights under model.*), keys-equal-values on full layers with their own
+    # KV head count, and a shared full layer.
+    "causal_lm_k_eq_v": dict(layout="causal_lm", text=dict(
+        vocab_size=80, hidden_size=32, intermediate_size=32, num_hidden_layers=5, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, global_head_dim=16, attention_k_eq_v=True, num_global_key_value_heads=1,
+        sliding_window=4, layer_types=[S, S, F, S, F], num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=80, final_logit_softcapping=15.0)),
+}
+
+
+def _randomise(model, seed: int) -> None:
+    """Transformers' init leaves norms at 1 and scalars at 1; perturb everything so each weight matters."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if not t.is_floating_point() or "inv_freq" in name or "embed_scale" in name:
+                continue
+            if name.endswith("layer_scalar"):
+                t.copy_(torch.rand(t.shape, generator=gen) + 0.5)
+            elif "norm" in name:
+                t.copy_(1 + 0.3 * torch.randn(t.shape, generator=gen))
+            else:
+                t.copy_(torch.randn(t.shape, generator=gen) / t.shape[-1] ** 0.5)
+
+
+def build_checkpoint(name: str, out: Path):
+    """Save a random tiny Gemma 4 as transformers would; return the model (float32, eval)."""
+    from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
+
+    spec = CONFIGS[name]
+    text = dict(spec["text"], tie_word_embeddings=not spec.get("untied"), max_position_embeddings=1024)
+    if spec["layout"] == "causal_lm":
+        model = Gemma4ForCausalLM(Gemma4TextConfig(**text))
+    else:
+        cfg = Gemma4Config(text_config=text, vision_config=None, audio_config=None,
+                           tie_word_embeddings=not spec.get("untied"))
+        model = Gemma4ForConditionalGeneration(cfg)
+    _randomise(model, seed=len(name))
+    model.save_pretrained(out, max_shard_size=spec.get("shard", "5GB"))
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def pair(request, tmp_path_factory):
+    """(name, transformers model, JAX engine) over the same checkpoint directory."""
+    out = tmp_path_factory.mktemp(request.param)
+    ref = build_checkpoint(request.param, out)
+    engine = load(out, Settings(buckets=BUCKETS, dtype="float32", cache_dir=None))
+    return request.param, ref, engine, out
+
+
+def _sequence(vocab: int, n: int = SEQ_LEN, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
+
+
+def _reference_logits(ref, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return ref(input_ids=torch.tensor([ids])).logits[0].float().numpy()
+
+
+@pytest.mark.parametrize("prompt_len", [1, 4, 13, 16, 20])
+def test_teacher_forced_logits_match_transformers(pair, prompt_len):
+    name, ref, engine, _ = pair
+    seq = _sequence(engine.cfg.vocab_size)
+    want = _reference_logits(ref, seq)[prompt_len - 1:]
+    got = [engine.start(seq[:prompt_len])]
+    got += [engine.step(t) for t in seq[prompt_len:]]
+    got = np.stack(got)
+    assert got.shape == want.shape and got.dtype == np.float32
+    err = np.abs(got - want).max(axis=-1)
+    assert err.max() <= ATOL, f"{name}: worst position {int(err.argmax()) + prompt_len - 1}, |Δ| {err.max():.2e}"
+
+
+def test_greedy_continuation_matches_generate(pair):
+    name, ref, engine, _ = pair
+    prompt = _sequence(engine.cfg.vocab_size, 7, seed=1)
+    new = 40
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+    want = out[0, len(prompt):].tolist()
+    got, logits = [], engine.start(prompt)
+    for _ in range(new):
+        got.append(int(np.argmax(logits)))
+        logits = engine.step(got[-1])
+    assert got == want, name
+
+
+def test_no_compilation_after_boot(pair):
+    name, _, engine, _ = pair
+    assert engine.boot["executables"] == 2 * len(BUCKETS) + len(BUCKETS) - 1
+    before = compile_counts()
+    for n, steps in [(1, 3), (16, 2), (17, 20), (5, 43), (48, 0), (30, 18), (2, 0)]:
+        engine.start(_sequence(engine.cfg.vocab_size, n, seed=n))
+        for t in range(steps):
+            engine.step(t)
+    assert compile_counts() == before, f"{name}: something compiled or traced after boot"
+
+
+def test_limits_are_clear_errors(pair):
+    _, _, engine, _ = pair
+    assert engine.max_context == BUCKETS[-1]
+    with pytest.raises(ValueError, match="max_context 48"):
+        engine.start([1] * 49)
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.start([])
+    engine.start([1] * 48)
+    with pytest.raises(ValueError, match="max_context 48"):
+        engine.step(1)
+
+
+def test_float16_runs_close_to_float32(pair):
+    """The GPU dtype, checked for sanity on CPU: same shapes, finite, near the float32 logits."""
+    name, _, engine, ckpt = pair
+    if name != "e2b_like":
+        pytest.skip("one configuration is enough for the dtype check")
+    half = load(ckpt, Settings(buckets=(16,), dtype="float16", cache_dir=None))
+    seq = _sequence(engine.cfg.vocab_size, 12, seed=3)
+    a, b = [half.start(seq[:6])], [engine.start(seq[:6])]
+    for t in seq[6:]:
+        a.append(half.step(t))
+        b.append(engine.step(t))
+    a, b = np.stack(a), np.stack(b)
+    assert np.isfinite(a).all() and a.dtype == np.float32
+    assert np.abs(a - b).max() < 0.1
+
+
+def _drop_tensor(src: Path, dst: Path, key: str) -> None:
+    from safetensors.numpy import save_file
+    from serving.jax_runtime.checkpoint import SafetensorsDir
+
+    st = SafetensorsDir(src)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors*"))
+    save_file({k: np.array(st.get(k)) for k in st.names() if k != key}, str(dst / "model.safetensors"))
+
+
+def test_missing_tensor_names_the_key(pair, tmp_path):
+    name, _, _, ckpt = pair
+    if name != "e2b_like":
+        pytest.skip("one configuration is enough for input errors")
+    key = "model.language_model.layers.2.self_attn.k_norm.weight"
+    _drop_tensor(ckpt, tmp_path / "broken", key)
+    with pytest.raises(CheckpointError, match=f"'{key}' missing"):
+        load(tmp_path / "broken", Settings(buckets=(16,), cache_dir=None))
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    del cfg["text_config"]["layer_types"]
+    (tmp_path / "badcfg").mkdir()
+    (tmp_path / "badcfg" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="config.json text_config: missing key 'layer_types'"):
+        load(tmp_path / "badcfg", Settings(buckets=(16,), cache_dir=None))
+    with pytest.raises(CheckpointError, match="config.json: not found"):
+        load(tmp_path / "nothing-here", Settings(buckets=(16,), cache_dir=None))
+
+
+BOOT = """
+import json, sys
+from serving.jax_runtime import load
+e = load(sys.argv[1])
+print(json.dumps({"boot": e.boot, "logits": e.start([3, 1, 4, 1, 5, 9, 2, 6])[:8].tolist()}))
+"""
+
+
+@pytest.mark.slow
+def test_second_boot_loads_every_executable_from_the_persistent_cache(pair, tmp_path):
+    name, _, _, ckpt = pair
+    if name != "e2b_like":
+        pytest.skip("one configuration is enough for the cache")
+    env = {"G5G_JAX_CACHE_DIR": str(tmp_path / "jaxcache"), "G5G_JAX_BUCKETS": "16,32",
+           "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}
+
+    def boot():
+        out = subprocess.run([sys.executable, "-c", BOOT, str(ckpt)], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    cold, warm = boot(), boot()
+    assert cold["boot"]["executables"] == 5  # 2 prefill + 2 decode + 1 grow
+    assert cold["boot"]["boot_cache_hits"] == 0
+    assert warm["boot"]["boot_cache_hits"] == warm["boot"]["executables"] == 5
+    assert any((tmp_path / "jaxcache").iterdir())
+    np.testing.assert_array_equal(cold["logits"], warm["logits"])

@@ -1,0 +1,396 @@
+"""The OpenAI-compatible server, live on loopback, driven with the official `openai` client.
+
+The model is the tiny trained Gemma 4 fixture served by the PyTorch runtime (CPU). Where a test needs requests to
+pile up, the real engine is paced (a pause before each decode step): the seam is `create_app(load_engine=…)`.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+
+import openai
+import pytest
+import requests
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from serving.api import create_app
+from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
+
+ASK = [{"role": "user", "content": QUESTION}]
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def live_server(load_engine, model_dir, **kw):
+    """uvicorn on 127.0.0.1:<free port> in a thread; yields the base URL once it accepts connections."""
+    app = create_app(load_engine, model_dir, **kw)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+
+
+def wait_ready(url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while requests.get(f"{url}/health", timeout=5).status_code != 200:
+        assert time.monotonic() < deadline, "server never became ready"
+        time.sleep(0.05)
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Flat {sample name{labels}: value} of /metrics."""
+    out = {}
+    for fam in text_string_to_metric_families(requests.get(f"{url}/metrics", timeout=5).text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def wait_until(cond, timeout: float = 30, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+class Paced:
+    """The real engine with a pause before each decode step, so that requests pile up while a test watches."""
+
+    def __init__(self, engine, delay: float):
+        self.engine, self.delay = engine, delay
+        self.max_context = engine.max_context
+
+    def start(self, prompt_ids):
+        return self.engine.start(prompt_ids)
+
+    def step(self, token_id):
+        time.sleep(self.delay)
+        return self.engine.step(token_id)
+
+
+@pytest.fixture(scope="module")
+def torch_one_thread():
+    import torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)        # tiny matmuls: threads only add contention on a shared machine
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_gemma4, torch_one_thread):
+    from serving.pytorch_runtime import load
+    return load(tiny_gemma4)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_gemma4, engine):
+    with live_server(lambda: engine, tiny_gemma4, served_model_name="tiny-gemma4") as url:
+        wait_ready(url)
+        yield url
+
+
+# ------------------------------------------------------------------------------------------------- tests
+def test_models_lists_the_served_name(server):
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == ["tiny-gemma4"]
+
+
+def test_fixed_answer_verbatim(server):
+    r = client(server).chat.completions.create(model="tiny-gemma4", messages=ASK)   # greedy by generation_config
+    assert r.choices[0].message.content == ANSWER
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.object == "chat.completion" and r.model == "tiny-gemma4"
+
+
+def test_streaming_gives_the_same_text_and_usage(server):
+    c = client(server)
+    plain = c.chat.completions.create(model="tiny-gemma4", messages=ASK, temperature=0)
+    chunks = list(c.chat.completions.create(model="tiny-gemma4", messages=ASK, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    with_choices = [ch for ch in chunks if ch.choices]
+    text = "".join(ch.choices[0].delta.content or "" for ch in with_choices)
+    assert text == plain.choices[0].message.content == ANSWER
+    assert [ch.choices[0].finish_reason for ch in with_choices][-1] == "stop"
+    assert all(ch.choices[0].finish_reason is None for ch in with_choices[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
+    assert len({ch.id for ch in chunks}) == 1
+
+
+def test_stream_ends_with_done_and_no_usage_unless_asked(server):
+    with requests.post(f"{server}/v1/chat/completions", stream=True, timeout=60,
+                       json={"messages": ASK, "stream": True, "max_tokens": 3}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines(decode_unicode=True) if line]
+    assert events[-1] == "data: [DONE]"
+    bodies = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert all("usage" not in b for b in bodies)
+    assert bodies[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_max_tokens_and_max_completion_tokens(server):
+    c = client(server)
+    a = c.chat.completions.create(model="tiny-gemma4", messages=ASK, max_tokens=5)
+    b = c.chat.completions.create(model="tiny-gemma4", messages=ASK, max_completion_tokens=5)
+    assert a.choices[0].finish_reason == b.choices[0].finish_reason == "length"
+    assert a.usage.completion_tokens == b.usage.completion_tokens == 5
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert ANSWER.startswith(a.choices[0].message.content) and a.choices[0].message.content
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_cut_the_text(server, stream):
+    c = client(server)
+    for stop, expect in ((" Engineering", "Site Reliability"), (["zzz", "discipline"], ANSWER.split("discipline")[0])):
+        r = c.chat.completions.create(model="tiny-gemma4", messages=ASK, stop=stop, stream=stream)
+        if stream:
+            chunks = [ch for ch in r if ch.choices]
+            text, reason = "".join(ch.choices[0].delta.content or "" for ch in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            text, reason = r.choices[0].message.content, r.choices[0].finish_reason
+        assert (text, reason) == (expect, "stop")
+
+
+def test_seeded_sampling_is_reproducible_streamed_or_not(server):
+    c = client(server)
+    kw = dict(model="tiny-gemma4", messages=[{"role": "user", "content": "Tell me a story."}], temperature=1.5,
+              top_p=0.95, max_tokens=20, seed=1234)
+    a = c.chat.completions.create(**kw).choices[0].message.content
+    b = c.chat.completions.create(**kw).choices[0].message.content
+    s = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(stream=True, **kw) if ch.choices)
+    assert a == b == s
+
+
+BAD = [
+    (b'{"messages": [', 400, None),                                                   # malformed JSON
+    (b'[1, 2]', 400, None),                                                           # not an object
+    (json.dumps({"messages": "hi"}), 400, "messages"),
+    (json.dumps({"messages": []}), 400, "messages"),
+    (json.dumps({"messages": ASK, "temperature": "hot"}), 400, "temperature"),
+    (json.dumps({"messages": ASK, "temperature": 5}), 400, "temperature"),
+    (json.dumps({"messages": ASK, "max_tokens": 1.5}), 400, "max_tokens"),
+    (json.dumps({"messages": ASK, "max_tokens": 0}), 400, "max_tokens"),
+    (json.dumps({"messages": ASK, "stream": "yes"}), 400, "stream"),
+    (json.dumps({"messages": ASK, "stop": 3}), 400, None),
+    (json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}), 400, "messages.0.role"),
+    (json.dumps({"messages": [{"role": "tool", "content": "hi"}]}), 400, "messages.0.role"),
+    (json.dumps({"messages": [{"content": "hi"}]}), 400, "messages.0.role"),
+    (json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
+     400, "messages.0.content"),
+    (json.dumps({"messages": ASK, "n": 2}), 400, "n"),
+    (json.dumps({"messages": ASK, "max_tokens": 3, "stream_options": {"include_usage": True}}), 400,
+     "stream_options"),
+    (json.dumps({"messages": [{"role": "user", "content": "word " * 400}]}), 400, "messages"),   # > context
+    (json.dumps({"messages": ASK, "max_tokens": 250}), 400, "messages"),   # prompt + max_tokens > context
+    (json.dumps({"model": "gpt-4o", "messages": ASK}), 404, "model"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD, ids=[f"{i}" for i in range(len(BAD))])
+def test_bad_input_gets_an_openai_error_not_a_500(server, body, status, param):
+    r = requests.post(f"{server}/v1/chat/completions", data=body, headers={"content-type": "application/json"},
+                      timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param:
+        assert err["param"] == param, err
+    assert requests.get(f"{server}/health", timeout=5).status_code == 200
+
+
+def test_context_error_is_named_and_client_raises_bad_request(server):
+    with pytest.raises(openai.BadRequestError) as e:
+        client(server).chat.completions.create(model="tiny-gemma4",
+                                               messages=[{"role": "user", "content": "word " * 400}])
+    assert "maximum context length is 256 tokens" in str(e.value)
+    assert e.value.body["code"] == "context_length_exceeded"
+
+
+def test_unknown_route_is_an_openai_404(server):
+    r = requests.get(f"{server}/v1/nothing", timeout=5)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_metrics_count_the_requests_made(server):
+    before = metrics(server)
+    c = client(server)
+    rs = [c.chat.completions.create(model="tiny-gemma4", messages=ASK, max_tokens=n) for n in (4, 7)]
+    rs.append(c.chat.completions.create(model="tiny-gemma4", messages=ASK))
+    streamed = list(c.chat.completions.create(model="tiny-gemma4", messages=ASK, max_tokens=6, stream=True,
+                                              stream_options={"include_usage": True}))
+    usages = [r.usage for r in rs] + [streamed[-1].usage]
+    after = metrics(server)
+
+    def d(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert d("vllm:e2e_request_latency_seconds_count") == 4
+    assert d("vllm:time_to_first_token_seconds_count") == 4
+    assert d("vllm:request_time_per_output_token_seconds_count") == 4
+    assert d("vllm:generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    assert d("vllm:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert d("vllm:inter_token_latency_seconds_count") == sum(u.completion_tokens - 1 for u in usages)
+    assert d("vllm:request_success_total{finished_reason=length}") == 3
+    assert d("vllm:request_success_total{finished_reason=stop}") == 1
+    assert after["vllm:num_requests_running"] == 0 and after["vllm:num_requests_waiting"] == 0
+    text = requests.get(f"{server}/metrics", timeout=5).text
+    assert 'vllm:generation_tokens_total{model_name="tiny-gemma4"}' in text
+
+
+# ------------------------------------------------------------------------------- queueing, with a paced engine
+@pytest.fixture()
+def paced_server(tiny_gemma4, engine):
+    with live_server(lambda: Paced(engine, 0.03), tiny_gemma4, served_model_name="tiny-gemma4",
+                     max_waiting=3) as url:
+        wait_ready(url)
+        yield url
+
+
+def _in_flight(url: str) -> float:
+    m = metrics(url)
+    return m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"]
+
+
+def _arrived(url: str) -> float:
+    """Requests accepted so far: running + waiting + finished (any reason), read from one consistent scrape."""
+    m = metrics(url)
+    return (m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"] +
+            sum(v for k, v in m.items() if k.startswith("vllm:request_success_total")))
+
+
+def test_parallel_requests_answered_in_arrival_order(paced_server):
+    c = client(paced_server)
+    finished: list[int] = []
+    results: dict[int, str] = {}
+    lock = threading.Lock()
+
+    def ask(i: int) -> None:
+        r = c.chat.completions.create(model="tiny-gemma4", messages=ASK, max_tokens=8)
+        with lock:
+            finished.append(i)
+            results[i] = r.choices[0].message.content
+
+    threads = []
+    for i in range(4):                       # 1 running + 3 waiting: exactly the bound
+        threads.append(threading.Thread(target=ask, args=(i,)))
+        threads[-1].start()
+        wait_until(lambda: _arrived(paced_server) >= i + 1, what=f"request {i} queued")
+    for t in threads:
+        t.join(timeout=60)
+    assert finished == [0, 1, 2, 3]
+    assert len(set(results.values())) == 1 and ANSWER.startswith(results[0])
+
+
+def test_beyond_the_bound_is_429(paced_server):
+    c = client(paced_server)
+    done = []
+    threads = [threading.Thread(target=lambda: done.append(
+        c.chat.completions.create(model="tiny-gemma4", messages=ASK, max_tokens=40))) for _ in range(4)]
+    for i, t in enumerate(threads):
+        t.start()
+        wait_until(lambda: _in_flight(paced_server) >= i + 1, what=f"request {i} in flight")
+    with pytest.raises(openai.RateLimitError) as e:
+        c.chat.completions.create(model="tiny-gemma4", messages=ASK, max_tokens=2)
+    assert e.value.body["code"] == "rate_limit_exceeded"
+    for t in threads:
+        t.join(timeout=60)
+    assert len(done) == 4 and all(r.choices[0].finish_reason == "length" for r in done)
+
+
+def test_disconnect_mid_stream_frees_the_slot(paced_server):
+    before = metrics(paced_server)
+    with requests.post(f"{paced_server}/v1/chat/completions", stream=True, timeout=60,
+                       json={"messages": ASK, "stream": True, "max_tokens": 200, "ignore_eos": True}) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]        # role chunk + a few tokens, then hang up
+        assert got[0].startswith(b"data: ")
+    wait_until(lambda: metrics(paced_server)["vllm:num_requests_running"] == 0, timeout=10,
+               what="the abandoned generation to stop")
+    generated = metrics(paced_server)["vllm:generation_tokens_total"] - before.get("vllm:generation_tokens_total", 0)
+    assert 0 < generated < 100           # stopped early: 200 tokens would take 6 s at this pace
+    r = client(paced_server).chat.completions.create(model="tiny-gemma4", messages=ASK, max_tokens=3)
+    assert r.choices[0].finish_reason == "length"
+    assert metrics(paced_server)["vllm:e2e_request_latency_seconds_count"] == 1   # the aborted one is not a success
+
+
+def test_non_streaming_client_that_gives_up_frees_the_slot(paced_server):
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(f"{paced_server}/v1/chat/completions", timeout=(5, 0.5),
+                      json={"messages": ASK, "max_tokens": 200, "ignore_eos": True})
+    wait_until(lambda: metrics(paced_server)["vllm:num_requests_running"] == 0, timeout=10,
+               what="the abandoned generation to stop")
+    m = metrics(paced_server)
+    assert 0 < m["vllm:generation_tokens_total"] < 100
+    assert m["vllm:request_success_total{finished_reason=abort}"] == 1
+
+
+def test_disconnect_while_queued_is_skipped(paced_server):
+    c = client(paced_server)
+    t = threading.Thread(target=lambda: c.chat.completions.create(model="tiny-gemma4", messages=ASK, max_tokens=30))
+    t.start()
+    wait_until(lambda: _in_flight(paced_server) >= 1, what="first request running")
+    with requests.post(f"{paced_server}/v1/chat/completions", stream=True, timeout=60,
+                       json={"messages": ASK, "stream": True, "max_tokens": 50}) as r:
+        next(r.iter_lines())                          # the role chunk arrives at once, the request is queued
+        assert metrics(paced_server)["vllm:num_requests_waiting"] == 1
+    t.join(timeout=60)
+    wait_until(lambda: _in_flight(paced_server) == 0, what="queue to drain")
+    # Only the first request generated anything; the second is counted as aborted.
+    m = metrics(paced_server)
+    assert m["vllm:generation_tokens_total"] == 30
+    assert m["vllm:request_success_total{finished_reason=abort}"] == 1
+
+
+# ------------------------------------------------------------------------------------------------- health
+def test_health_is_503_until_loaded_and_warmed(tiny_gemma4, engine):
+    release = threading.Event()
+
+    def slow_load():
+        release.wait(30)
+        return engine
+
+    with live_server(slow_load, tiny_gemma4) as url:
+        r = requests.get(f"{url}/health", timeout=5)
+        assert r.status_code == 503 and r.json()["error"]["message"] == "model is loading"
+        r = requests.post(f"{url}/v1/chat/completions", json={"messages": ASK}, timeout=5)
+        assert r.status_code == 503
+        release.set()
+        wait_ready(url)
+        assert client(url).chat.completions.create(model=tiny_gemma4.name, messages=ASK).choices[0].message.content == ANSWER
+
+
+def test_health_reports_a_load_failure(tiny_gemma4):
+    def broken():
+        raise FileNotFoundError("model.safetensors")
+
+    failed = []
+    with live_server(broken, tiny_gemma4, on_load_error=failed.append) as url:
+        wait_until(lambda: failed, what="load failure")
+        r = requests.get(f"{url}/health", timeout=5)
+        assert r.status_code == 503 and "model.safetensors" in r.json()["error"]["message"]

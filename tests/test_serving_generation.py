@@ -1,0 +1,181 @@
+"""The shared generation loop (serving/generation.py) and the PyTorch runtime, on the tiny Gemma 4 checkpoint."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from serving.generation import (Delta, Detokenizer, Finish, Sampler, SamplingParams, StopStrings, TokenizerInfo,
+                                generate)
+from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
+
+
+@pytest.fixture(scope="module")
+def info(tiny_gemma4) -> TokenizerInfo:
+    return TokenizerInfo.load(tiny_gemma4)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_gemma4):
+    import torch
+    from serving.pytorch_runtime import load
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load(tiny_gemma4)
+    torch.set_num_threads(n)
+
+
+def run(engine, info, params, content=QUESTION, cancelled=lambda: False):
+    events = list(generate(engine, info, info.chat_prompt([{"role": "user", "content": content}]), params, cancelled))
+    *deltas, fin = events
+    assert all(isinstance(d, Delta) for d in deltas) and isinstance(fin, Finish)
+    return "".join(d.text for d in deltas), fin
+
+
+def feed(info, ids) -> str:
+    detok = Detokenizer(info)
+    deltas = [detok.push(i) for i in ids]
+    assert not any("\ufffd" in d for d in deltas), deltas
+    return "".join(deltas) + detok.flush()
+
+
+# ------------------------------------------------------------------------------------------ tokenizer info
+def test_stop_ids_come_from_generation_config_and_turn_end(info):
+    tok = info.tokenizer
+    assert info.stop_ids == {1, 106}
+    assert tok.convert_ids_to_tokens(106) == "<turn|>"
+    assert info.default_sampling == {"temperature": 0.0}      # do_sample: false in generation_config.json
+
+
+def test_chat_prompt_uses_the_checkpoints_template(info):
+    ids = info.chat_prompt([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                            {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}])
+    assert info.tokenizer.decode(ids) == ("<bos><|turn>system\nBe brief.<turn|>\n<|turn>user\nHi<turn|>\n"
+                                          "<|turn>model\nHello<turn|>\n<|turn>user\nBye<turn|>\n<|turn>model\n")
+
+
+# ---------------------------------------------------------------------------------------- detokenisation
+def test_multibyte_characters_never_split(info):
+    text = "héllo 🎉 wörld — ✓ 日本"
+    ids = info.tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text.split())              # byte-fallback pieces: a character spans several tokens
+    assert feed(info, ids) == text
+
+
+def test_special_tokens_never_reach_the_client(info):
+    ids = info.tokenizer.encode("<bos><|turn>model\nHi<turn|><eos>", add_special_tokens=False)
+    assert 106 in ids and 2 in ids
+    assert feed(info, ids) == "model\nHi"
+
+
+def test_thought_blocks_are_hidden(info):
+    ids = info.tokenizer.encode("<|channel>thought\nsecret plan<channel|>The answer", add_special_tokens=False)
+    assert feed(info, ids) == "The answer"
+    # A generation that ends inside a thought shows nothing of it.
+    assert feed(info, info.tokenizer.encode("Ok<|channel>thought\nhmm", add_special_tokens=False)) == "Ok"
+
+
+# ------------------------------------------------------------------------------------------- stop strings
+def test_stop_string_is_held_back_across_deltas_and_cut():
+    s = StopStrings(["Reliability"])
+    assert s.push("Site Rel") == ("Site ", False)
+    assert s.push("iab") == ("", False)
+    assert s.push("ility Eng") == ("", True)
+
+
+def test_held_back_text_is_released_when_it_is_not_a_stop():
+    s = StopStrings(["Relax"])
+    assert s.push("Site Rel") == ("Site ", False)
+    assert s.push("iability") == ("Reliability", False)
+    s = StopStrings(["xyz"])
+    assert s.push("abcx") == ("abc", False) and s.flush() == "x"
+
+
+# ------------------------------------------------------------------------------------------------ sampler
+def test_greedy_and_degenerate_filters_pick_the_argmax():
+    logits = np.array([0.1, 3.0, 2.9, -1.0], dtype=np.float32)
+    assert Sampler(SamplingParams(temperature=0.0))(logits) == 1
+    assert {Sampler(SamplingParams(temperature=1.0, top_p=1e-6, seed=s))(logits) for s in range(20)} == {1}
+    assert {Sampler(SamplingParams(temperature=1.0, top_k=1, seed=s))(logits) for s in range(20)} == {1}
+
+
+def test_sampling_follows_the_distribution_and_the_seed():
+    logits = np.array([0.0, np.log(3.0)])
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=7))
+    many = [sampler(logits) for _ in range(4000)]
+    assert 0.72 < np.mean(many) < 0.78             # p(1) = 3/4
+    again = Sampler(SamplingParams(temperature=1.0, seed=7))
+    assert [again(logits) for _ in range(4000)] == many
+    hot = Sampler(SamplingParams(temperature=4.0, seed=7))
+    assert 0.52 < np.mean([hot(logits) for _ in range(4000)]) < 0.62   # p(1) = 3^(1/4) / (1 + 3^(1/4)) = 0.568
+    top_p = Sampler(SamplingParams(temperature=1.0, top_p=0.7, seed=1))
+    assert {top_p(logits) for _ in range(200)} == {1}    # 0.75 alone reaches top_p
+
+
+# ------------------------------------------------------------------------------------ the loop, real engine
+def test_greedy_answer_stops_at_end_of_turn(engine, info):
+    text, fin = run(engine, info, SamplingParams(temperature=0.0, max_tokens=200))
+    assert text == ANSWER
+    assert fin.reason == "stop"
+    assert fin.completion_tokens == len(info.tokenizer.encode(ANSWER, add_special_tokens=False)) + 1
+
+
+def test_max_tokens_and_ignore_eos(engine, info):
+    text, fin = run(engine, info, SamplingParams(temperature=0.0, max_tokens=4))
+    assert (fin.reason, fin.completion_tokens) == ("length", 4) and ANSWER.startswith(text)
+    n = fin.completion_tokens
+    _, fin = run(engine, info, SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True))
+    assert (fin.reason, fin.completion_tokens) == ("length", 120)
+    assert n < 120
+
+
+def test_context_limit_ends_generation(engine, info):
+    prompt = info.chat_prompt([{"role": "user", "content": QUESTION}])
+    _, fin = run(engine, info, SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True))
+    assert fin.reason == "length" and fin.completion_tokens == engine.max_context - len(prompt)
+
+
+def test_cancel_stops_at_the_next_token(engine, info):
+    calls = []
+    _, fin = run(engine, info, SamplingParams(temperature=0.0, max_tokens=100),
+                 cancelled=lambda: calls.append(1) or len(calls) > 3)
+    assert fin.reason == "abort" and fin.completion_tokens == 3
+
+
+# ------------------------------------------------------------------------------------------ pytorch runtime
+def test_incremental_decode_matches_one_full_forward(engine, info):
+    """KV cache, sliding window (16) and KV-shared layers: each step's logits equal a full forward's."""
+    import torch
+    prompt = info.chat_prompt([{"role": "user", "content": QUESTION}])
+    answer = info.tokenizer.encode(ANSWER, add_special_tokens=False)
+    seq = prompt + answer
+    assert len(seq) > 4 * engine.text_config.sliding_window
+    with torch.inference_mode():
+        full = engine.model(input_ids=torch.tensor([seq])).logits[0].float().numpy()
+    steps = [engine.start(prompt)] + [engine.step(t) for t in answer[:-1]]
+    np.testing.assert_allclose(np.stack(steps), full[len(prompt) - 1:-1], atol=2e-4, rtol=1e-4)
+    assert all(s.dtype == np.float32 and s.shape == (512,) for s in steps)
+
+
+def test_runtime_loads_text_weights_only(engine, tiny_gemma4):
+    from safetensors import safe_open
+    with safe_open(tiny_gemma4 / "model.safetensors", "np") as f:
+        towers = [k for k in f.keys() if k.startswith(("model.vision_tower.", "model.audio_tower."))]
+    assert towers                                     # the checkpoint has them ...
+    names = {n for n, _ in engine.model.named_parameters()}
+    assert not any("tower" in n for n in names)       # ... the served model does not
+    assert engine.model.dtype.is_floating_point and str(engine.model.dtype) == "torch.float32"
+    assert engine.max_context == 256
+
+
+def test_nucleus_is_exact_when_it_is_wide():
+    """top_p over a flat 5000-token distribution: the nucleus outgrows the first 256 candidates."""
+    logits = np.random.default_rng(3).standard_normal(5000) * 0.5
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    nucleus = set(order[: int(np.searchsorted(np.cumsum(p[order]), 0.9)) + 1].tolist())
+    assert len(nucleus) > 1000
+    sampler = Sampler(SamplingParams(temperature=1.0, top_p=0.9, seed=5))
+    drawn = {sampler(logits) for _ in range(3000)}
+    assert drawn <= nucleus
+    assert len(drawn & set(order[256:].tolist())) > 100
