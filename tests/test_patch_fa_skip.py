@@ -5,7 +5,8 @@ in order:
 - CMake: the patched cmake/external_projects/vllm_flash_attn.cmake runs, as vLLM's CMakeLists.txt includes it, in
   a small project with real cmake; `cmake --build --target` and `cmake --install --component` run as setup.py
   runs them. The seam: FA's source tree (fetched from GitHub in a real build) is a stand-in whose two extension
-  targets only write a stamp when built, and whose Python files are the paths FA ships (layers/rotary.py, …).
+  targets only write a stamp when built, and whose Python files are the paths FA ships (layers/rotary.py, …);
+  G5G_FA_SRC=<a vllm-project/flash-attention checkout> adds a run with FA's real tree.
 - Python: tools/vllm_fa_probe.py imports vllm.vllm_flash_attn, its layers.rotary as the CMake install left it, and
   fa_utils (what mm_encoder_attention imports on Gemma 4's path) from the tree, with a CUDA torch stand-in.
 What cannot run here is the CUDA build itself (README "Building" says how to check it on a real one).
@@ -271,3 +272,20 @@ def test_rendered_wheel_check(tmp_path, members, ok, listed):
         assert r.stdout.strip() == f"FlashAttention extensions in the wheel: {listed}"
     else:
         assert "vllm/vllm_flash_attn/layers/rotary.py missing from the wheel" in r.stderr
+
+
+@pytest.mark.skipif(not os.environ.get("G5G_FA_SRC"),
+                    reason="G5G_FA_SRC (a vllm-project/flash-attention checkout) not set: stand-in FA tree only")
+def test_real_fa_tree_installs_an_importable_rotary(trees, tmp_path):
+    """With FA's real source tree (G5G_FA_SRC) the patched CMake skips its real CMakeLists for 7.5 and installs its
+    real Python files, and `vllm.vllm_flash_attn.layers.rotary.apply_rotary_emb` imports (it needs einops and
+    triton, both vLLM dependencies)."""
+    pytest.importorskip("einops")
+    tree = tmp_path / "tree"
+    shutil.copytree(trees[1], tree)
+    r = cmake_build(tree, Path(os.environ["G5G_FA_SRC"]), tmp_path / "work", "7.5", prefix=tree, via_git_branch=True)
+    assert r["configured"] and r["compiled"] == [] and not r["fa_project_added"], r.get("log")
+    assert ROTARY in r["installed"] and "vllm/vllm_flash_attn/ops/triton/rotary.py" in r["installed"]
+    probe = fa_probe(tree)
+    assert probe["rotary"] == {"imported": True, "apply_rotary_emb": True}, probe["rotary"]
+    assert probe["fa_utils"] == {"imported": True, "flash_attn_version": None}
