@@ -25,7 +25,7 @@ import pytest
 from g5g import patches
 
 FA_CMAKE = "cmake/external_projects/vllm_flash_attn.cmake"
-FA_PY = ("vllm/vllm_flash_attn/__init__.py", "vllm/vllm_flash_attn/flash_attn_interface.py",
+FA_PY = ("setup.py", "vllm/vllm_flash_attn/__init__.py", "vllm/vllm_flash_attn/flash_attn_interface.py",
          "vllm/v1/attention/backends/fa_utils.py", FA_CMAKE)
 OURS = ("patches/vllm/0.33.0/0001-triton-attn-turing-smem.patch",
         "patches/vllm/0.33.0/0002-skip-flash-attn-below-sm80.patch")
@@ -57,6 +57,27 @@ def test_0002_touches_none_of_0001s_files():
     """0002 touches none of 0001's files: each can be dropped independently when upstream catches up."""
     a, b = (set(patches.touched_files(patches.REPO_ROOT / p)) for p in OURS)
     assert a and b and not a & b
+
+
+def _fa_extensions(setup_py: Path) -> dict:
+    """setup.py's CMakeExtension(...) calls for the FA2/FA3 targets: {name: optional}."""
+    import ast
+
+    found = {}
+    for node in ast.walk(ast.parse(setup_py.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "CMakeExtension":
+            kw = {k.arg: k.value for k in node.keywords}
+            name = kw["name"].value if "name" in kw else node.args[0].value
+            if "_vllm_fa" in name and "cutedsl" not in name:
+                found[name] = isinstance(kw.get("optional"), ast.Constant) and kw["optional"].value is True
+    return found
+
+
+def test_setup_py_no_longer_requires_the_fa_outputs(trees):
+    """setuptools copies a missing extension output only for optional=False (editable installs): FA2/FA3 optional."""
+    names = ["vllm.vllm_flash_attn._vllm_fa2_C", "vllm.vllm_flash_attn._vllm_fa3_C"]
+    assert _fa_extensions(trees[0] / "setup.py") == dict.fromkeys(names, False)
+    assert _fa_extensions(trees[1] / "setup.py") == dict.fromkeys(names, True)
 
 
 # --- CMake ---------------------------------------------------------------------------------------------------------
