@@ -10,13 +10,14 @@ import importlib
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 
 from g5g.errors import UserError
 
 SUBCOMMANDS = ("build", "generate", "doctor", "inspect", "smoke", "bench", "serve", "patches")
 RUNTIMES = ("vllm", "jax", "pytorch", "torch-base", "all")
 
-err_console = Console(stderr=True, highlight=False)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _add_plan_options(p: argparse.ArgumentParser) -> None:
@@ -42,10 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ca-cert", help="CA bundle passed to the build as a secret "
                    "(default: REQUESTS_CA_BUNDLE, SSL_CERT_FILE or PIP_CERT when set)")
     b.add_argument("--skip-patch-check", action="store_true", help=argparse.SUPPRESS)
+    b.add_argument("--sequential", action="store_true",
+                   help="build torch-base first and load it, then the images FROM it by tag (engines whose "
+                        "BuildKit lacks named contexts, e.g. Docker 20.10's built-in builder)")
 
     g = sub.add_parser("generate", help="write Dockerfiles and docker-bake.json, build nothing")
     _add_plan_options(g)
     g.add_argument("--out", default="build", help="output directory (default: build)")
+    g.add_argument("--sequential", action="store_true", help="bake file without named contexts (see build --help)")
 
     d = sub.add_parser("doctor", help="check docker, buildx, binfmt and the registry; say how to fix what is missing")
     _add_plan_options(d)
@@ -69,23 +74,38 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", help="model name to ask for (default: the server's first model)")
     s.add_argument("--prompt", help="chat prompt (default: the runtime's from the manifest)")
     s.add_argument("--expect", help="regex the answer must match (default: the runtime's from the manifest)")
+    s.add_argument("--max-tokens", type=int, help="answer length limit (default: 256, or half a shorter context)")
     s.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for readiness")
     s.add_argument("--json", action="store_true")
 
-    be = sub.add_parser("bench", help="client-side benchmark on the wire (TTFT, TPOT, ITL), same for every runtime")
-    be.add_argument("compare", nargs="*", metavar="compare A.json B.json",
-                    help="`bench compare A.json B.json …`: one table across runtimes")
+    be = sub.add_parser("bench", help="client-side benchmark on the wire (TTFT, TPOT, ITL), same for every runtime",
+                        description="bench --url URL | --image IMAGE  (or: bench compare A.json B.json … [--plot PNG])")
     be.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8000")
-    be.add_argument("--image", help="boot this image and record boot time, then bench it")
-    be.add_argument("--model", help="model directory to mount (with --image)")
-    be.add_argument("--mode", choices=("auto", "stream", "gauge", "both"), default="auto")
-    be.add_argument("--requests", type=int, default=16)
-    be.add_argument("--concurrency", type=int, default=1)
+    be.add_argument("--image", help="boot this image (boot time recorded, smoke-checked), then bench it")
+    be.add_argument("--model", help="model directory or Hugging Face repo id to mount (with --image)")
+    be.add_argument("--runtime", choices=("vllm", "jax", "pytorch"), help="runtime of IMAGE (default: its label)")
+    be.add_argument("--profile", default=None, help="g5g (GPU) or cpu (default: IMAGE's label)")
+    be.add_argument("--expect", help="with --image: regex the answer to --prompt must match before the benchmark "
+                    "(default: the runtime manifest's smoke prompt and regex)")
+    be.add_argument("--boot-timeout", type=float, default=900.0, help="seconds to wait for IMAGE to be ready")
+    be.add_argument("--mode", choices=("auto", "stream", "gauge", "both"), default="auto",
+                    help="stream: wire timings; gauge: the server's /metrics; both: side by side with their ratio; "
+                         "auto: both when the server has a gauge, else stream")
+    be.add_argument("--requests", type=int, default=16, help="timed requests (default: 16)")
+    be.add_argument("--concurrency", type=int, default=1, help="requests in flight at once (default: 1)")
     be.add_argument("--max-tokens", type=int, default=128)
-    be.add_argument("--warmup", type=int, default=1)
+    be.add_argument("--warmup", type=int, default=1, help="untimed requests first (default: 1)")
     be.add_argument("--prompt", help="prompt to send (default: a fixed one)")
+    be.add_argument("--tokenizer", help="tokenizer.json (or model dir) to count tokens when the server sends no usage")
+    be.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take (default: 300)")
+    be.add_argument("--time-limit", type=float, default=1800.0,
+                    help="no request starts after this many seconds of the run (default: 1800)")
+    be.add_argument("--label", help="name of this run in compare tables (default: runtime or model)")
     be.add_argument("--json", dest="json_file", metavar="FILE", help="write the result as JSON")
-    be.add_argument("--plot", metavar="PNG", help="with compare: write a PNG plot")
+    bsub = be.add_subparsers(dest="bench_command", metavar="compare")
+    bc = bsub.add_parser("compare", help="one table across bench results, optionally a PNG plot")
+    bc.add_argument("files", nargs="+", metavar="RESULT.json")
+    bc.add_argument("--plot", metavar="PNG", help="write a PNG plot")
 
     sv = sub.add_parser("serve", help="run the jax or pytorch server locally, as the image does")
     sv.add_argument("--runtime", choices=("jax", "pytorch"), required=True)
@@ -114,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return module.run(args)
     except UserError as e:
-        err_console.print(f"[bold red]error:[/] {e}")
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}")  # messages quote user text: no markup
         return e.exit_code
     except KeyboardInterrupt:
         err_console.print("[bold red]interrupted[/]")

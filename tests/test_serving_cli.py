@@ -84,3 +84,24 @@ def test_driver_never_imports_torch_or_the_server():
             "print(sorted(m for m in ('torch', 'jax', 'transformers', 'serving') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_serving_imports_only_what_the_images_install():
+    """serving/ runs in the jax/pytorch images: the stdlib, the `serving` extra (and what it pulls in), the runtime."""
+    import ast
+    import tomllib
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["serving"]
+    allowed = {r.split("==")[0].split(">")[0].split("<")[0].strip().replace("-", "_") for r in extra}
+    allowed |= {"starlette", "pydantic", "tokenizers",          # via fastapi, transformers
+                "torch", "jax", "jaxlib", "ml_dtypes", "serving"}  # the runtimes (ml_dtypes comes with jax)
+    found = {}
+    for path in (REPO / "serving").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names:
+                    found.setdefault(top, path.relative_to(REPO))
+    assert "g5g" not in found
+    assert {m: str(p) for m, p in found.items() if m not in allowed} == {}

@@ -1,0 +1,149 @@
+"""`build.py [build] --runtime R [--push] …`: manifests → plan → files → `docker buildx bake`.
+
+Order: validate manifests and patch digests, plan, (dry-run: print and stop), preflight checks, our patches
+against the pinned vLLM (g5g.patches), write the files, bake. Exit codes: 0 built, 1 a build failed, 2 bad input.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from g5g import buildx, manifest, render
+from g5g.errors import FAILED, OK, UserError
+from g5g.plan import Plan, make_plan
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CA_ENV = ("REQUESTS_CA_BUNDLE", "SSL_CERT_FILE", "PIP_CERT")
+
+console = Console(highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def ca_cert_path(flag: str | None, environ: dict[str, str] | None = None) -> str | None:
+    """--ca-cert, else the first of REQUESTS_CA_BUNDLE / SSL_CERT_FILE / PIP_CERT that is set."""
+    environ = os.environ if environ is None else environ
+    source, path = "--ca-cert", flag
+    if not path:
+        source, path = next(((k, environ[k]) for k in CA_ENV if environ.get(k)), ("", None))
+    if path and not Path(path).is_file():
+        raise UserError(f"{source} {path}: CA bundle file not found")
+    return str(Path(path).resolve()) if path else None
+
+
+def secrets(ca_cert: str | None, environ: dict[str, str] | None = None) -> tuple[str, ...]:
+    """BuildKit secrets: the CA bundle (id ca-cert) and the Hugging Face token (id hf-token) — never build args."""
+    environ = os.environ if environ is None else environ
+    out = []
+    if ca_cert:
+        out.append(f"id=ca-cert,src={ca_cert}")
+    if environ.get("HF_TOKEN"):
+        out.append("id=hf-token,env=HF_TOKEN")
+    return tuple(out)
+
+
+def plan_from_args(args, push: bool = False, with_secrets: bool = True) -> Plan:
+    mdir = Path(args.manifests) if args.manifests else REPO_ROOT / "manifests"
+    m = manifest.load(mdir, profile=args.profile, overrides=args.overrides)
+    manifest.check_patch_digests(m, REPO_ROOT)
+    sec = secrets(ca_cert_path(getattr(args, "ca_cert", None))) if with_secrets else ()
+    return make_plan(m, runtime=args.runtime, profile=args.profile, platforms=args.platform,
+                     registry=args.registry, out=getattr(args, "out", "build"), push=push,
+                     sequential=getattr(args, "sequential", False), secrets=sec)
+
+
+def check_patches(plan: Plan) -> None:
+    """Our patches must apply to the pinned vLLM sdist before hours of compiling start (g5g.patches, issue 3)."""
+    for img in plan.images:
+        if img.runtime == "vllm" and img.patches:
+            try:
+                from g5g.patches import check_apply
+            except ImportError:
+                raise UserError("g5g.patches is missing: cannot check that our vLLM patches apply "
+                                "(pass --skip-patch-check to rely on the build's own git apply --check)") from None
+            check_apply([(p["path"], p["sha256"]) for p in img.patches], img.upstream["vllm"])
+
+
+def print_plan(plan: Plan) -> None:
+    t = Table(title=f"Plan · profile {plan.profile.name}", show_lines=False)
+    for col in ("image", "tags", "platforms", "upstream"):
+        t.add_column(col, overflow="fold")
+    for img in plan.images:
+        t.add_row(img.runtime, "\n".join(img.tags), ",".join(img.platforms),
+                  " ".join(f"{k}={v}" for k, v in img.upstream.items()))
+    console.print(t)
+    for argv in plan.commands():
+        console.print("$ " + " ".join(argv), markup=False)
+
+
+def run(args) -> int:
+    plan = plan_from_args(args, push=args.push)
+    if args.dry_run:
+        if args.json:
+            print(json.dumps(plan.to_json(), indent=2))
+        else:
+            print_plan(plan)
+        return OK
+    buildx.require(buildx.preflight(plan.images[0].platforms, plan.images[0].tags[0].rsplit("/", 1)[0]
+                                    if plan.push else None, plan.sequential))
+    if not args.skip_patch_check:
+        check_patches(plan)
+    render.write(plan, REPO_ROOT)
+    return execute(plan, REPO_ROOT, as_json=args.json)
+
+
+def execute(plan: Plan, repo_root: Path, as_json: bool = False) -> int:
+    out = repo_root / plan.out
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    log_path = out / "logs" / f"bake-{stamp}.log"
+    meta_rel = f"{plan.out}/logs/bake-{stamp}.metadata.json"
+    known = {i.target for i in plan.all_images}
+    state = {i.target: "waiting" for i in plan.images}
+    started = time.monotonic()
+
+    def table() -> Table:
+        t = Table.grid(padding=(0, 2))
+        for name, s in state.items():
+            t.add_row(f"[bold]{name}[/]", s[:110])
+        return t
+
+    rc = 0
+    with Live(table(), console=err, refresh_per_second=4, transient=False) as live:
+        def on_event(target: str, text: str) -> None:
+            if target in state:
+                state[target] = f"building {text}"
+                live.update(table())
+
+        for argv in plan.commands(metadata=meta_rel):
+            rc = buildx.run_bake(argv, repo_root, log_path, [a for a in argv if a in known], on_event)
+            if rc != 0:
+                break
+        for name in state:
+            state[name] = "[green]done[/]" if rc == 0 else "[red]failed or not built[/]"
+        live.update(table())
+    digests = buildx.read_metadata(repo_root / meta_rel)
+    error = buildx.last_error(log_path) if rc else ""
+    result = {"ok": rc == 0, "pushed": plan.push and rc == 0, "log": str(log_path), "error": error,
+              "seconds": round(time.monotonic() - started, 1),
+              "images": [{"runtime": i.runtime, "tags": list(i.tags), "digest": digests.get(i.target, "")}
+                         for i in plan.images]}
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        t = Table(title="Built" if rc == 0 else "Build failed")
+        for col in ("image", "tags", "digest"):
+            t.add_column(col)
+        for img in result["images"]:
+            t.add_row(img["runtime"], "\n".join(img["tags"]), img["digest"] or "-")
+        console.print(t)
+        if error:
+            err.print(f"[bold red]build failed:[/] {error}", markup=True, highlight=False)
+        console.print(f"log: {log_path}" + ("" if rc == 0 else f" (docker buildx bake exited {rc})"))
+        if plan.push and rc != 0:
+            console.print("nothing was pushed: the push runs only after every image built")
+    return OK if rc == 0 else FAILED

@@ -1,0 +1,221 @@
+"""The plan: tags, labels, build args, the commands a build runs, and `--dry-run --json` (the DESIGN.md contract)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from g5g import buildx, manifest
+from g5g.commands import build as build_cmd
+from g5g.errors import UserError
+from g5g.plan import make_plan
+
+REPO = Path(__file__).resolve().parent.parent
+CONTRACT_KEYS = {"runtime", "tags", "platforms", "build_args", "labels", "patches", "upstream", "commands"}
+
+
+@pytest.fixture(scope="module")
+def g5g():
+    return manifest.load(REPO / "manifests", profile="g5g")
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    return manifest.load(REPO / "manifests", profile="cpu")
+
+
+def test_tags_are_deterministic_and_documented(g5g, cpu):
+    p = make_plan(g5g, registry="reg.example:5000/me")
+    tags = {i.runtime: i.tags for i in p.images}
+    assert tags["vllm"] == ("reg.example:5000/me/g5g-images:vllm-0.33.0-cu132-sm75", "reg.example:5000/me/g5g-images:vllm")
+    assert tags["torch-base"][0] == "reg.example:5000/me/g5g-images:torch-base-2.14.0-cu132-sm75"
+    assert tags["jax"][0].endswith(":jax-0.12.0.1-cu132-sm75")
+    c = make_plan(cpu, profile="cpu", registry="127.0.0.1:5000")
+    ctags = {i.runtime: i.tags for i in c.images}
+    assert ctags["jax"] == ("127.0.0.1:5000/g5g-images:jax-0.10.2-cpu", "127.0.0.1:5000/g5g-images:jax-cpu")
+    assert ctags["pytorch"][0] == "127.0.0.1:5000/g5g-images:pytorch-2.13.0-cpu"  # local version label dropped
+    assert make_plan(g5g, registry="reg.example:5000/me").to_json() == p.to_json()
+
+
+def test_labels_carry_arch_list_pins_and_patch_digests(g5g, cpu):
+    vllm = make_plan(g5g, runtime="vllm").images[0]
+    assert vllm.labels["io.g5g.runtime"] == "vllm" and vllm.labels["io.g5g.profile"] == "g5g"
+    assert vllm.labels["io.g5g.cuda-archs"] == "7.5"
+    up = json.loads(vllm.labels["io.g5g.upstream"])
+    assert up["vllm"] == "0.33.0" and up["torch"] == "2.14.0" and up["cuda"] == "13.2"
+    assert json.loads(vllm.labels["io.g5g.patches"]) == [dict(p) for p in vllm.patches]
+    assert all(k.startswith(("org.opencontainers.image.", "io.g5g.")) for k in vllm.labels)
+    jax_cpu = make_plan(cpu, runtime="jax", profile="cpu").images[0]
+    assert jax_cpu.labels["io.g5g.cuda-archs"] == "" and "cuda" not in jax_cpu.upstream
+
+
+def test_vllm_build_args(g5g):
+    a = make_plan(g5g, runtime="vllm").images[0].build_args
+    assert a["TORCH_CUDA_ARCH_LIST"] == "7.5" and "PTX" not in a["TORCH_CUDA_ARCH_LIST"]
+    assert a["VLLM_VERSION"] == "0.33.0" and len(a["VLLM_SDIST_SHA256"]) == 64
+    assert a["MAX_JOBS"] == "auto" and a["NVCC_THREADS"] == "2" and a["RUST_VERSION"] == "1.95"
+    assert not any(w in k for k in a for w in ("TOKEN", "SECRET", "PASSWORD"))
+
+
+def test_vllm_refused_on_cpu(cpu):
+    with pytest.raises(UserError, match="vLLM needs CUDA"):
+        make_plan(cpu, runtime="vllm", profile="cpu")
+    assert [i.runtime for i in make_plan(cpu, profile="cpu").images] == ["torch-base", "jax", "pytorch"]
+
+
+def test_bad_flags(g5g):
+    with pytest.raises(UserError, match="--platform linux/s390x"):
+        make_plan(g5g, platforms="linux/s390x")
+    with pytest.raises(UserError, match="--registry"):
+        make_plan(g5g, registry="https://ghcr.io/me")
+    with pytest.raises(UserError, match="--out"):
+        make_plan(g5g, out="/tmp/x")
+    assert make_plan(g5g, platforms="linux/arm64,linux/amd64").images[0].platforms == ("linux/arm64", "linux/amd64")
+
+
+def test_commands_build_once_then_push_all_or_none(g5g):
+    plain = make_plan(g5g, runtime="all")
+    assert plain.commands() == [["docker", "buildx", "bake", "--file", "build/docker-bake.json",
+                                 "torch-base", "vllm", "jax", "pytorch"]]
+    pushed = make_plan(g5g, runtime="vllm", push=True, secrets=("id=ca-cert,src=/etc/ca.pem",))
+    first, second = pushed.commands(metadata="build/m.json")
+    assert "--push" not in first and second[-2:] == ["--push", "vllm"]
+    assert ["--set", "*.secrets=id=ca-cert,src=/etc/ca.pem"] == first[5:7] == second[5:7]
+    assert second[second.index("--metadata-file") + 1] == "build/m.json"
+
+
+def test_sequential_builds_the_base_first_and_loads_it(cpu):
+    p = make_plan(cpu, runtime="pytorch", profile="cpu", sequential=True)
+    cmds = p.commands()
+    assert cmds[0][-2:] == ["--load", "torch-base"] and cmds[1][-2:] == ["--load", "pytorch"]
+
+
+def test_dry_run_json_contract(g5g):
+    out = make_plan(g5g).to_json()
+    assert [i["runtime"] for i in out["images"]] == ["torch-base", "vllm", "jax", "pytorch"]
+    for img in out["images"]:
+        assert set(img) == CONTRACT_KEYS
+        assert all(isinstance(c, list) and c[:3] == ["docker", "buildx", "bake"] for c in img["commands"])
+    vllm = out["images"][1]
+    assert vllm["upstream"]["vllm"] == "0.33.0" and vllm["patches"][0]["path"].startswith("patches/vllm/0.33.0/")
+
+
+def test_dry_run_json_subprocess_without_docker(tmp_path: Path):
+    """`python build.py --runtime all --dry-run --json` on a machine with no docker on PATH."""
+    env = {k: v for k, v in os.environ.items() if k not in build_cmd.CA_ENV + ("HF_TOKEN",)}
+    env["PATH"] = str(tmp_path)  # nothing there: no docker
+    r = subprocess.run([sys.executable, str(REPO / "build.py"), "--runtime", "all", "--dry-run", "--json"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert len(data["images"]) == 4 and all(set(i) == CONTRACT_KEYS for i in data["images"])
+    assert not (tmp_path / "build").exists()  # a dry run writes nothing
+
+
+def test_cli_user_error_exit_code(tmp_path: Path):
+    r = subprocess.run([sys.executable, str(REPO / "build.py"), "--runtime", "vllm", "--profile", "cpu", "--dry-run"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "vLLM needs CUDA" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_ca_cert_resolution(tmp_path: Path):
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    assert build_cmd.ca_cert_path(None, {"SSL_CERT_FILE": str(ca)}) == str(ca)
+    assert build_cmd.ca_cert_path(str(ca), {}) == str(ca)
+    assert build_cmd.ca_cert_path(None, {}) is None
+    with pytest.raises(UserError, match="--ca-cert .*not found"):
+        build_cmd.ca_cert_path(str(tmp_path / "nope.pem"), {})
+    assert build_cmd.secrets(str(ca), {"HF_TOKEN": "hf_x"}) == (f"id=ca-cert,src={ca}", "id=hf-token,env=HF_TOKEN")
+
+
+def test_patch_check_is_called_before_building(g5g):
+    """The build asks g5g.patches (issue 3) whether our patches apply; until it lands that is a clear error."""
+    plan = make_plan(g5g, runtime="vllm")
+    try:
+        import g5g.patches  # noqa: F401
+    except ImportError:
+        with pytest.raises(UserError, match="g5g.patches is missing"):
+            build_cmd.check_patches(plan)
+    else:
+        build_cmd.check_patches(plan)  # the real check against the pinned sdist: must pass for our patches
+
+
+def test_run_bake_streams_progress_and_keeps_the_log(tmp_path: Path):
+    """run_bake with a real child process printing BuildKit's plain progress format."""
+    script = ("print('#5 [vllm toolchain 2/6] RUN apt-get update'); "
+              "print('#9 [jax 3/5] RUN pip install jax'); print('ERROR: failed to solve: boom'); raise SystemExit(3)")
+    events = []
+    rc = buildx.run_bake([sys.executable, "-c", script], tmp_path, tmp_path / "logs" / "b.log", ["vllm", "jax"],
+                         lambda t, s: events.append((t, s)))
+    assert rc == 3
+    assert ("vllm", "2/6 RUN apt-get update") in events and ("jax", "3/5 RUN pip install jax") in events
+    assert ("", "ERROR: failed to solve: boom") in events
+    assert "failed to solve: boom" in (tmp_path / "logs" / "b.log").read_text()
+    one = []  # a single target: BuildKit names only its stages ([toolchain 2/6]), still that target's progress
+    buildx.run_bake([sys.executable, "-c", "print('#4 [toolchain 2/6] RUN rustup'); print('#1 [internal] load x')"],
+                    tmp_path, tmp_path / "logs" / "c.log", ["vllm"], lambda t, s: one.append((t, s)))
+    assert one == [("vllm", "2/6 RUN rustup")]
+
+
+def test_metadata_digests(tmp_path: Path):
+    meta = tmp_path / "m.json"
+    meta.write_text(json.dumps({"vllm": {"containerimage.digest": "sha256:abc", "image.name": "x"}}))
+    assert buildx.read_metadata(meta) == {"vllm": "sha256:abc"}
+    assert buildx.read_metadata(tmp_path / "missing.json") == {}
+
+
+def test_binfmt_check_reads_the_handler(tmp_path: Path):
+    (tmp_path / "qemu-aarch64").write_text("enabled\ninterpreter /usr/libexec/qemu-binfmt/aarch64-binfmt-P\n")
+    ok = buildx.check_binfmt(["linux/arm64", "linux/amd64"], machine="x86_64", binfmt_dir=str(tmp_path))
+    assert [c.ok for c in ok] == [True]  # the host platform needs no handler
+    (tmp_path / "qemu-aarch64").write_text("disabled\n")
+    bad = buildx.check_binfmt(["linux/arm64"], machine="x86_64", binfmt_dir=str(tmp_path))[0]
+    assert not bad.ok and "qemu-user-static" in bad.fix
+    assert not buildx.check_binfmt(["linux/amd64"], machine="aarch64", binfmt_dir=str(tmp_path))[0].ok
+
+
+def test_registry_check_against_a_loopback_server():
+    """A real HTTP server on 127.0.0.1: /v2/ answering 401 is a registry; 404 is not; a closed port is unreachable."""
+    import http.server
+    import socket
+    import threading
+
+    status = {"code": 401}
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(status["code"] if self.path == "/v2/" else 404)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        host = f"127.0.0.1:{srv.server_port}"
+        assert buildx.check_registry(f"{host}/ns").ok
+        status["code"] = 404
+        c = buildx.check_registry(host)
+        assert not c.ok and "HTTP 404" in c.detail
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    c = buildx.check_registry(f"127.0.0.1:{free}")
+    assert not c.ok and "unreachable" in c.detail
+
+
+def test_preflight_without_docker_names_the_fix(monkeypatch, tmp_path: Path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # an environment with no docker CLI (a real condition, not a mock)
+    checks = buildx.preflight(["linux/arm64"], None, sequential=False)
+    assert [c.name for c in checks] == ["docker CLI"] and not checks[0].ok
+    with pytest.raises(UserError, match="docker CLI: not found on PATH — fix: install the Docker CLI"):
+        buildx.require(checks)

@@ -1,0 +1,226 @@
+"""Rendered Dockerfiles and docker-bake.json: pinned by golden files, parsed by BuildKit's parser, hadolint-clean.
+
+Regenerate the golden files after an intended change:  G5G_UPDATE_GOLDEN=1 pytest tests/test_render.py
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import dockerfile
+import pytest
+
+from g5g import manifest, render
+from g5g.plan import make_plan
+
+REPO = Path(__file__).resolve().parent.parent
+GOLDEN = Path(__file__).resolve().parent / "golden"
+UPDATE = os.environ.get("G5G_UPDATE_GOLDEN") == "1"
+HADOLINT = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+
+
+def rendered(profile: str) -> tuple:
+    plan = make_plan(manifest.load(REPO / "manifests", profile=profile), profile=profile)
+    return plan, render.render(plan)
+
+
+def golden_name(rel: str) -> str:
+    p = Path(rel)
+    return "docker-bake.json" if p.name == "docker-bake.json" else f"{p.parent.name}.Dockerfile"
+
+
+@pytest.mark.parametrize("profile", ["g5g", "cpu"])
+def test_golden_files(profile):
+    _, files = rendered(profile)
+    gdir = GOLDEN / profile
+    if UPDATE:
+        shutil.rmtree(gdir, ignore_errors=True)
+        gdir.mkdir(parents=True)
+        for rel, text in files.items():
+            (gdir / golden_name(rel)).write_text(text)
+    expected = {p.name for p in gdir.iterdir()}
+    assert {golden_name(r) for r in files} == expected
+    for rel, text in files.items():
+        assert text == (gdir / golden_name(rel)).read_text(), f"{rel} differs from tests/golden/{profile}/ " \
+                                                              f"(G5G_UPDATE_GOLDEN=1 to accept)"
+
+
+@pytest.mark.parametrize("profile", ["g5g", "cpu"])
+def test_dockerfiles_parse_and_declare_exactly_the_build_args(profile):
+    plan, files = rendered(profile)
+    for img in plan.all_images:
+        cmds = dockerfile.parse_string(files[img.dockerfile])
+        declared = {c.value[0].split("=", 1)[0] for c in cmds if c.cmd == "ARG"}
+        assert declared == set(img.build_args), img.runtime
+        froms = [c for c in cmds if c.cmd == "FROM"]
+        assert froms and froms[-1].value[-1] == img.target  # bake's `target` is the last stage
+        users = [c.value[0] for c in cmds if c.cmd == "USER"]
+        assert users[-1] == "1000:1000", f"{img.runtime} must end non-root"
+        assert not any(c.cmd in ("ADD",) for c in cmds)
+        text = files[img.dockerfile]
+        assert "hf-token" not in text or "--mount=type=secret,id=hf-token" in text
+        assert "PTX" not in re.sub(r"^#.*$", "", text, flags=re.M)
+
+
+@pytest.mark.parametrize("profile", ["g5g", "cpu"])
+def test_hadolint_clean_with_documented_ignores(profile, tmp_path):
+    plan, files = rendered(profile)
+    config = REPO / ".hadolint.yaml"
+    ignores = re.findall(r"^\s+- (DL\d+|SC\d+)", config.read_text(), re.M)
+    lines = config.read_text().splitlines()
+    for rule in ignores:  # each global ignore has a comment right above it
+        i = next(n for n, ln in enumerate(lines) if ln.strip() == f"- {rule}")
+        assert lines[i - 1].strip().startswith("#"), f"{rule} ignored without a reason"
+    for img in plan.all_images:
+        path = tmp_path / f"{img.runtime}.Dockerfile"
+        path.write_text(files[img.dockerfile])
+        r = subprocess.run([HADOLINT, "--config", str(config), str(path)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        text = files[img.dockerfile].splitlines()
+        for n, ln in enumerate(text):  # inline ignores carry a reason on the line above
+            if ln.startswith("# hadolint ignore="):
+                assert text[n - 1].startswith("#"), f"{img.runtime}: {ln} without a reason"
+
+
+def test_bake_links_images_to_the_torch_base_target():
+    plan, files = rendered("g5g")
+    bake = json.loads(files["build/docker-bake.json"])
+    assert bake["group"]["default"]["targets"] == ["torch-base", "vllm", "jax", "pytorch"]
+    base_tag = bake["target"]["torch-base"]["tags"][0]
+    for name in ("vllm", "pytorch"):
+        t = bake["target"][name]
+        assert t["contexts"] == {base_tag: "target:torch-base"} and t["args"]["TORCH_BASE"] == base_tag
+    assert "contexts" not in bake["target"]["jax"]
+    for name, t in bake["target"].items():
+        assert t["context"] == f"build/{name}" and t["dockerfile"] == "Dockerfile"
+        assert t["labels"]["io.g5g.cuda-archs"] == "7.5" and t["platforms"] == ["linux/arm64"]
+
+
+def test_cpu_bake_uses_the_wheels_dir_as_torch_base_context():
+    _, files = rendered("cpu")
+    t = json.loads(files["build/docker-bake.json"])["target"]["torch-base"]
+    assert t["context"] == ".whl" and t["dockerfile"] == "../build/torch-base/Dockerfile"
+
+
+def test_write_fills_the_build_contexts(tmp_path):
+    root = tmp_path / "repo"
+    shutil.copytree(REPO / "manifests", root / "manifests")
+    shutil.copytree(REPO / "serving", root / "serving", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "patches", root / "patches")
+    shutil.copy(REPO / "pyproject.toml", root)
+    plan = make_plan(manifest.load(root / "manifests", profile="g5g"), out="out")
+    render.write(plan, root)
+    assert (root / "out/docker-bake.json").is_file()
+    assert (root / "out/jax/serving/engine.py").read_text() == (REPO / "serving/engine.py").read_text()
+    for p in plan.images[1].patches:
+        assert (root / "out/vllm/patches" / Path(p["path"]).name).read_bytes() == (root / p["path"]).read_bytes()
+
+
+def test_patch_step_applies_in_order_and_names_the_failing_patch(tmp_path):
+    """Run the rendered patch RUN step with bash on a small tree: applies once, then stops naming the patch."""
+    _, files = rendered("g5g")
+    text = files["build/vllm/Dockerfile"].replace("\\\n", "")
+    step = next(ln for ln in text.splitlines() if ln.startswith("RUN { git apply --check"))[4:]
+    # The sdist g5g.patches caches (.cache/vllm-sdist/, `build.py patches verify` fills it), or G5G_VLLM_SDIST.
+    sdist = Path(os.environ.get("G5G_VLLM_SDIST", REPO / ".cache/vllm-sdist/vllm-0.33.0.tar.gz"))
+    if not sdist.is_file():
+        pytest.skip(f"vLLM 0.33.0 sdist not cached at {sdist} (run `build.py patches verify` or set G5G_VLLM_SDIST)")
+    src = tmp_path / "patches"
+    shutil.copytree(REPO / "patches/vllm/0.33.0", src)
+    step = step.replace("/src/patches/", f"{src}/")
+    tree = tmp_path / "vllm"
+    tree.mkdir()
+    m = manifest.load(REPO / "manifests")
+    touched = [p.path for p in m.runtimes["vllm"].patches]
+    names = subprocess.run(["grep", "-h", "^+++ b/", *[str(REPO / t) for t in touched]], capture_output=True,
+                           text=True).stdout.split()
+    members = [f"vllm-0.33.0/{n[2:]}" for n in names if n.startswith("b/")]
+    subprocess.run(["tar", "-xzf", str(sdist), "-C", str(tree), "--strip-components=1", *members], check=True)
+    env = {**os.environ, "VLLM_VERSION": "0.33.0"}
+    first = subprocess.run(["bash", "-c", step], cwd=tree, capture_output=True, text=True, env=env)
+    assert first.returncode == 0, first.stderr
+    assert "applied 0001-triton-attn-turing-smem.patch" in first.stdout
+    again = subprocess.run(["bash", "-c", step], cwd=tree, capture_output=True, text=True, env=env)
+    assert again.returncode == 1
+    assert "patch 0001-triton-attn-turing-smem.patch does not apply to vLLM 0.33.0" in again.stderr
+
+
+def test_selection_renders_the_image_and_its_base_only():
+    plan = make_plan(manifest.load(REPO / "manifests", profile="g5g"), runtime="pytorch")
+    files = render.render(plan)
+    assert sorted(files) == ["build/docker-bake.json", "build/pytorch/Dockerfile", "build/torch-base/Dockerfile"]
+    assert json.loads(files["build/docker-bake.json"])["group"]["default"]["targets"] == ["torch-base", "pytorch"]
+    jax = make_plan(manifest.load(REPO / "manifests", profile="g5g"), runtime="jax")
+    assert sorted(render.render(jax)) == ["build/docker-bake.json", "build/jax/Dockerfile"]
+
+
+def test_sequential_bake_has_no_named_contexts():
+    plan = make_plan(manifest.load(REPO / "manifests", profile="cpu"), profile="cpu", sequential=True)
+    bake = json.loads(render.render(plan)["build/docker-bake.json"])
+    assert all("contexts" not in t for t in bake["target"].values())
+    # the images still find the base by its tag
+    assert bake["target"]["pytorch"]["args"]["TORCH_BASE"] == bake["target"]["torch-base"]["tags"][0]
+
+
+def test_existing_torch_base_image_variant(tmp_path):
+    """torch-base from an existing image (e.g. captured from a DLAMI host): parses, lints, still checks sm_75."""
+    m = manifest.load(REPO / "manifests", profile="g5g",
+                      overrides=["torch-base.source=image", "torch-base.image=registry.example/dlami-pytorch:2.14.0"])
+    plan = make_plan(m, runtime="torch-base")
+    img = plan.images[0]
+    text = render.render(plan)[img.dockerfile]
+    assert img.build_args == {"TORCH_BASE_IMAGE": "registry.example/dlami-pytorch:2.14.0", "TORCH_VERSION": "2.14.0"}
+    assert img.upstream["base_image"] == "registry.example/dlami-pytorch:2.14.0"
+    cmds = dockerfile.parse_string(text)
+    assert {c.value[0].split("=", 1)[0] for c in cmds if c.cmd == "ARG"} == set(img.build_args)
+    assert "'sm_75' in flags" in text and "git clone" not in text
+    path = tmp_path / "Dockerfile"
+    path.write_text(text)
+    r = subprocess.run([HADOLINT, "--config", str(REPO / ".hadolint.yaml"), str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout
+
+
+def test_sm75_check_refuses_a_torch_without_sm75():
+    """The torch-base check, run with this machine's torch (a CPU build: no CUDA arch flags), fails and says why."""
+    pytest.importorskip("torch")
+    _, files = rendered("g5g")
+    text = files["build/torch-base/Dockerfile"].replace("\\\n", "")
+    line = next(ln for ln in text.splitlines() if "_cuda_getArchFlags" in ln)
+    code = line.removeprefix('RUN python3 -c "').removesuffix('"')
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    import torch
+    if "sm_75" in (getattr(torch._C, "_cuda_getArchFlags", str)() or ""):
+        assert r.returncode == 0, r.stderr
+    else:
+        assert r.returncode == 1 and "lacks sm_75" in r.stderr, r.stderr
+
+
+def test_buildx_reads_the_bake_file_and_our_secret_flags(tmp_path):
+    """`docker buildx bake --print` (no engine needed) accepts the generated file and the argv the build runs."""
+    if shutil.which("docker") is None or subprocess.run(["docker", "buildx", "version"], capture_output=True,
+                                                        timeout=30).returncode != 0:
+        pytest.skip("docker buildx not installed")
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    root = tmp_path / "repo"
+    shutil.copytree(REPO / "serving", root / "serving", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "patches", root / "patches")
+    plan = make_plan(manifest.load(REPO / "manifests", profile="g5g"), runtime="vllm",
+                     secrets=(f"id=ca-cert,src={ca}", "id=hf-token,env=HF_TOKEN"))
+    render.write(plan, root)
+    argv = plan.commands()[-1]
+    env = {k: v for k, v in os.environ.items() if k != "DOCKER_HOST"}
+    r = subprocess.run([*argv[:-1], "--print", *argv[-1:]], cwd=root, capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    targets = json.loads(r.stdout)["target"]
+    assert set(targets) == {"torch-base", "vllm"}  # the linked base comes along
+    vllm = targets["vllm"]
+    assert vllm["secret"] == [f"id=ca-cert,src={ca}", "id=hf-token,env=HF_TOKEN"]
+    assert vllm["contexts"] == {plan.images[0].build_args["TORCH_BASE"]: "target:torch-base"}
+    assert vllm["tags"] == list(plan.images[0].tags) and vllm["args"] == plan.images[0].build_args
