@@ -227,3 +227,12 @@ def test_second_boot_loads_every_executable_from_the_persistent_cache(e2b_ckpt, 
     assert warm["boot"]["boot_cache_hits"] == warm["boot"]["executables"] == 5
     assert any((tmp_path / "jaxcache").iterdir())
     np.testing.assert_array_equal(cold["logits"], warm["logits"])
+
+
+def test_unusable_cache_dir_only_costs_the_cache(e2b_ckpt, tmp_path, caplog):
+    _, ckpt = e2b_ckpt
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    engine = load(ckpt, Settings(buckets=(16,), cache_dir=str(blocker / "cache")))
+    assert engine.boot["boot_cache_hits"] == 0 and engine.start([1, 2, 3]).shape == (128,)
+    assert "unusable" in caplog.text

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import threading
 import time
@@ -23,6 +24,7 @@ import numpy as np
 from . import checkpoint, config, model
 
 DEFAULT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
+log = logging.getLogger("serving.jax")
 
 
 # -- compile accounting --------------------------------------------------------------------------------------
@@ -64,10 +66,15 @@ def _listen() -> None:
 
 def configure_persistent_cache(cache_dir: str | None) -> None:
     """Point JAX's persistent compilation cache at cache_dir (None/'' disables it); cache every executable."""
+    if cache_dir:
+        try:
+            Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a read-only or foreign mount must not stop the server: boot compiles instead
+            log.warning("G5G_JAX_CACHE_DIR %s unusable (%s): compiling without the persistent cache", cache_dir, e)
+            cache_dir = None
     if not cache_dir:
         jax.config.update("jax_enable_compilation_cache", False)
         return
-    Path(cache_dir).mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", str(cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -212,4 +219,8 @@ def load(model_dir: str | Path, settings: Settings | None = None, max_context: i
     engine.boot.update({"load_s": round(t_load, 3), "boot_s": round(time.perf_counter() - t0, 3),
                         "buckets": list(engine.buckets), "dtype": str(engine.dtype),
                         "backend": jax.default_backend(), "cache_dir": settings.cache_dir})
+    b = engine.boot
+    log.info("jax runtime ready in %.1fs on %s/%s: %d executables for buckets %s (%d from the persistent cache), "
+             "compile %.1fs, load %.1fs", b["boot_s"], b["backend"], b["dtype"], b["executables"], b["buckets"],
+             b["boot_cache_hits"], b["compile_s"], b["load_s"])
     return engine
