@@ -48,6 +48,12 @@ def _cos_sin(cfg: TextConfig, kind: str, head_dim: int, positions, dtype):
     return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
 
 
+def _rope_tables(cfg: TextConfig, positions, dtype) -> dict:
+    """(cos, sin) per (layer kind, head dim) present in the model."""
+    kinds = {(s.kind, s.head_dim) for s in cfg.layers}
+    return {(k, hd): _cos_sin(cfg, k, hd, positions, dtype) for k, hd in kinds}
+
+
 def _embed(cfg: TextConfig, params, tokens, ple_rows):
     """Scaled token embeddings [T, D] and per-layer inputs [T, L, P] (None without PLE).
 
@@ -146,11 +152,7 @@ def prefill(cfg: TextConfig, capacity: int, params, tokens, length, ple_rows=Non
     pos = jnp.arange(p_len, dtype=jnp.int32)
     causal = pos[None, :] <= pos[:, None]
     masks = {"full": causal, "sliding": causal & (pos[:, None] - pos[None, :] < window)}
-    trig = {}
-    for s in cfg.layers:
-        key = (s.kind, s.head_dim)
-        if key not in trig:
-            trig[key] = _cos_sin(cfg, s.kind, s.head_dim, pos, dtype)
+    trig = _rope_tables(cfg, pos, dtype)
 
     # ring slot s holds the last prompt position p < length with p % window == s (garbage if none: masked later)
     slot = jnp.arange(window, dtype=jnp.int32)
@@ -182,12 +184,7 @@ def decode(cfg: TextConfig, params, cache, token, pos, ple_rows=None):
     window = cfg.sliding_window
     dtype = params["embed"].dtype
     h, ple = _embed(cfg, params, token[None], ple_rows)
-    positions = pos[None]
-    trig = {}
-    for s in cfg.layers:
-        key = (s.kind, s.head_dim)
-        if key not in trig:
-            trig[key] = _cos_sin(cfg, s.kind, s.head_dim, positions, dtype)
+    trig = _rope_tables(cfg, pos[None], dtype)
 
     slot = jnp.arange(window, dtype=jnp.int32)
     ring_mask = (pos - (pos - slot) % window >= 0)[None, :]  # slot's position (pos - (pos-s) mod W) exists
