@@ -88,8 +88,10 @@ def main() -> int:
         model = cached(log=lambda m: print(m, file=sys.stderr))
 
     with tempfile.TemporaryDirectory(prefix="g5g-jax-cache-") as cache:
-        env = dict(os.environ, JAX_PLATFORMS="cpu", G5G_JAX_CACHE_DIR=cache, PYTHONPATH=str(ROOT))
-        result = {"model": str(model), "tokens": args.tokens, "runs": args.runs,
+        # One torch thread, as benchmarks/serving_cpu.py runs the server: on a tiny model more threads only cost.
+        env = dict(os.environ, JAX_PLATFORMS="cpu", G5G_JAX_CACHE_DIR=cache, PYTHONPATH=str(ROOT),
+                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        result = {"model": str(model), "tokens": args.tokens, "runs": args.runs, "omp_threads": env["OMP_NUM_THREADS"],
                   "cpus": os.cpu_count(), "loadavg_before": os.getloadavg()[0],
                   "jax_cold": run_child("jax", model, args.tokens, args.runs, env),
                   "jax_warm": run_child("jax", model, args.tokens, args.runs, env),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import threading
 import time
@@ -23,6 +24,7 @@ import numpy as np
 from . import checkpoint, config, model
 
 DEFAULT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
+log = logging.getLogger("serving.jax")
 
 
 # -- compile accounting --------------------------------------------------------------------------------------
@@ -64,10 +66,15 @@ def _listen() -> None:
 
 def configure_persistent_cache(cache_dir: str | None) -> None:
     """Point JAX's persistent compilation cache at cache_dir (None/'' disables it); cache every executable."""
+    if cache_dir:
+        try:
+            Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a read-only or foreign mount must not stop the server: boot compiles instead
+            log.warning("G5G_JAX_CACHE_DIR %s unusable (%s): compiling without the persistent cache", cache_dir, e)
+            cache_dir = None
     if not cache_dir:
         jax.config.update("jax_enable_compilation_cache", False)
         return
-    Path(cache_dir).mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", str(cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -119,6 +126,8 @@ class JaxEngine:
         self.buckets = tuple(b for b in settings.buckets if b <= limit) or (min(settings.buckets[0], limit),)
         self.max_context = self.buckets[-1]
         t0 = time.perf_counter()
+        params = dict(params)
+        self.ple_table = params.pop("ple_embed", None)  # host-side: see model._embed
         self.params = jax.device_put(params)
         t_put = time.perf_counter() - t0
         before = compile_counts()
@@ -136,20 +145,30 @@ class JaxEngine:
         params_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.params)
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
 
+        def rows_spec(n):
+            if self.ple_table is None:
+                return None
+            return jax.ShapeDtypeStruct((n, self.ple_table.shape[1]), self.ple_table.dtype)
+
         def cache_spec(c):
             return [(jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2 for k, _ in model.empty_cache(cfg, c, dt)]
 
         prefill, decode, grow = {}, {}, {}
         for n, c in enumerate(self.buckets):
             prefill[c] = jax.jit(functools.partial(model.prefill, cfg, c)).lower(
-                params_spec, jax.ShapeDtypeStruct((c,), jnp.int32), i32).compile()
+                params_spec, jax.ShapeDtypeStruct((c,), jnp.int32), i32, rows_spec(c)).compile()
             decode[c] = jax.jit(functools.partial(model.decode, cfg), donate_argnums=(1,)).lower(
-                params_spec, cache_spec(c), i32, i32).compile()
+                params_spec, cache_spec(c), i32, i32, rows_spec(1)).compile()
             if n + 1 < len(self.buckets):
                 nxt = self.buckets[n + 1]
                 grow[c] = (nxt, jax.jit(functools.partial(model.grow, cfg, nxt)).lower(
                     cache_spec(c)).compile())
         return prefill, decode, grow
+
+    def _ple_rows(self, tokens: np.ndarray):
+        if self.ple_table is None:
+            return None
+        return self.ple_table[np.minimum(tokens, self.ple_table.shape[0] - 1)]
 
     def start(self, prompt_ids: Sequence[int]) -> np.ndarray:
         n = len(prompt_ids)
@@ -161,7 +180,7 @@ class JaxEngine:
         tokens = np.zeros(bucket, np.int32)
         tokens[:n] = np.asarray(prompt_ids, np.int64).clip(0, self.cfg.vocab_size - 1)
         self._cache = None  # release the previous sequence's buffers before allocating the new ones
-        logits, self._cache = self._prefill[bucket](self.params, tokens, np.int32(n))
+        logits, self._cache = self._prefill[bucket](self.params, tokens, np.int32(n), self._ple_rows(tokens))
         self._capacity, self._pos = bucket, n
         return np.array(logits, dtype=np.float32)  # a writable host copy: the sampler may scale it in place
 
@@ -174,12 +193,13 @@ class JaxEngine:
             nxt, fn = self._grow[self._capacity]
             self._cache, self._capacity = fn(self._cache), nxt
         token = np.int32(min(max(int(token_id), 0), self.cfg.vocab_size - 1))
-        logits, self._cache = self._decode[self._capacity](self.params, self._cache, token, np.int32(self._pos))
+        logits, self._cache = self._decode[self._capacity](self.params, self._cache, token, np.int32(self._pos),
+                                                           self._ple_rows(token[None]))
         self._pos += 1
         return np.array(logits, dtype=np.float32)  # a writable host copy: the sampler may scale it in place
 
 
-def load(model_dir: str | Path, max_context: int | None = None, settings: Settings | None = None) -> JaxEngine:
+def load(model_dir: str | Path, settings: Settings | None = None, max_context: int | None = None) -> JaxEngine:
     """Boot: read config and weights, compile the bucket ladder (persistent cache), return a ready engine.
 
     max_context (the server's --max-model-len) caps the ladder: buckets above it are dropped and it becomes the top.
@@ -199,4 +219,8 @@ def load(model_dir: str | Path, max_context: int | None = None, settings: Settin
     engine.boot.update({"load_s": round(t_load, 3), "boot_s": round(time.perf_counter() - t0, 3),
                         "buckets": list(engine.buckets), "dtype": str(engine.dtype),
                         "backend": jax.default_backend(), "cache_dir": settings.cache_dir})
+    b = engine.boot
+    log.info("jax runtime ready in %.1fs on %s/%s: %d executables for buckets %s (%d from the persistent cache), "
+             "compile %.1fs, load %.1fs", b["boot_s"], b["backend"], b["dtype"], b["executables"], b["buckets"],
+             b["boot_cache_hits"], b["compile_s"], b["load_s"])
     return engine

@@ -48,14 +48,24 @@ def _cos_sin(cfg: TextConfig, kind: str, head_dim: int, positions, dtype):
     return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
 
 
-def _embed(cfg: TextConfig, params, tokens):
-    """Scaled token embeddings [T, D] and per-layer inputs [T, L, P] (None without PLE)."""
+def _rope_tables(cfg: TextConfig, positions, dtype) -> dict:
+    """(cos, sin) per (layer kind, head dim) present in the model."""
+    kinds = {(s.kind, s.head_dim) for s in cfg.layers}
+    return {(k, hd): _cos_sin(cfg, k, hd, positions, dtype) for k, hd in kinds}
+
+
+def _embed(cfg: TextConfig, params, tokens, ple_rows):
+    """Scaled token embeddings [T, D] and per-layer inputs [T, L, P] (None without PLE).
+
+    ple_rows [T, L*P] are the tokens' rows of the per-layer embedding table, gathered on the host: the table is
+    half of E2B's weights (4.7 GB in fp16) and only ever read one row per token, so it stays off the GPU.
+    """
     dtype = params["embed"].dtype
     x = jnp.take(params["embed"], tokens, axis=0) * jnp.asarray(cfg.hidden_size ** 0.5, dtype)
     if not cfg.ple_dim:
         return x, None
     t, n, p = tokens.shape[0], cfg.num_layers, cfg.ple_dim
-    tok = jnp.take(params["ple_embed"], tokens, axis=0) * jnp.asarray(p ** 0.5, dtype)
+    tok = ple_rows * jnp.asarray(p ** 0.5, dtype)
     proj = (x @ params["ple_proj"]) * jnp.asarray(cfg.hidden_size ** -0.5, dtype)
     proj = rms_norm(proj.reshape(t, n, p), params["ple_norm"], cfg.rms_norm_eps)
     return x, (proj + tok.reshape(t, n, p)) * jnp.asarray(2.0 ** -0.5, dtype)
@@ -128,8 +138,9 @@ def empty_cache(cfg: TextConfig, capacity: int, dtype) -> list:
     return out
 
 
-def prefill(cfg: TextConfig, capacity: int, params, tokens, length):
-    """Run a prompt padded to a bucket. tokens [P] int32 (valid up to `length`), length int32 scalar.
+def prefill(cfg: TextConfig, capacity: int, params, tokens, length, ple_rows=None):
+    """Run a prompt padded to a bucket. tokens [P] int32 (valid up to `length`), length int32 scalar,
+    ple_rows [P, L*P'] the per-layer embedding rows of the tokens (None without PLE).
 
     Returns (float32 logits [V] for the token after position length-1, cache for `capacity` slots).
     """
@@ -137,15 +148,11 @@ def prefill(cfg: TextConfig, capacity: int, params, tokens, length):
     assert p_len <= capacity, (p_len, capacity)
     window = cfg.sliding_window
     dtype = params["embed"].dtype
-    h, ple = _embed(cfg, params, tokens)
+    h, ple = _embed(cfg, params, tokens, ple_rows)
     pos = jnp.arange(p_len, dtype=jnp.int32)
     causal = pos[None, :] <= pos[:, None]
     masks = {"full": causal, "sliding": causal & (pos[:, None] - pos[None, :] < window)}
-    trig = {}
-    for s in cfg.layers:
-        key = (s.kind, s.head_dim)
-        if key not in trig:
-            trig[key] = _cos_sin(cfg, s.kind, s.head_dim, pos, dtype)
+    trig = _rope_tables(cfg, pos, dtype)
 
     # ring slot s holds the last prompt position p < length with p % window == s (garbage if none: masked later)
     slot = jnp.arange(window, dtype=jnp.int32)
@@ -171,17 +178,13 @@ def prefill(cfg: TextConfig, capacity: int, params, tokens, length):
     return _logits(cfg, params, last), cache
 
 
-def decode(cfg: TextConfig, params, cache, token, pos):
-    """Append one token at position `pos` (int32 scalars). Returns (float32 logits [V], updated cache)."""
+def decode(cfg: TextConfig, params, cache, token, pos, ple_rows=None):
+    """Append one token at position `pos` (int32 scalars; ple_rows [1, L*P'] its per-layer embedding row).
+    Returns (float32 logits [V], updated cache)."""
     window = cfg.sliding_window
     dtype = params["embed"].dtype
-    h, ple = _embed(cfg, params, token[None])
-    positions = pos[None]
-    trig = {}
-    for s in cfg.layers:
-        key = (s.kind, s.head_dim)
-        if key not in trig:
-            trig[key] = _cos_sin(cfg, s.kind, s.head_dim, positions, dtype)
+    h, ple = _embed(cfg, params, token[None], ple_rows)
+    trig = _rope_tables(cfg, pos[None], dtype)
 
     slot = jnp.arange(window, dtype=jnp.int32)
     ring_mask = (pos - (pos - slot) % window >= 0)[None, :]  # slot's position (pos - (pos-s) mod W) exists

@@ -60,7 +60,10 @@ COPY patches/ /src/patches/
 # In order: `git apply --check`, then apply; a patch that no longer applies stops the build with its name.
 RUN { git apply --check "/src/patches/0001-triton-attn-turing-smem.patch" \
       || { echo "patch 0001-triton-attn-turing-smem.patch does not apply to vLLM ${VLLM_VERSION}" >&2; exit 1; }; } \
- && git apply "/src/patches/0001-triton-attn-turing-smem.patch" && echo "applied 0001-triton-attn-turing-smem.patch"
+ && git apply "/src/patches/0001-triton-attn-turing-smem.patch" && echo "applied 0001-triton-attn-turing-smem.patch" \
+ && { git apply --check "/src/patches/0002-skip-flash-attn-below-sm80.patch" \
+      || { echo "patch 0002-skip-flash-attn-below-sm80.patch does not apply to vLLM ${VLLM_VERSION}" >&2; exit 1; }; } \
+ && git apply "/src/patches/0002-skip-flash-attn-below-sm80.patch" && echo "applied 0002-skip-flash-attn-below-sm80.patch"
 
 # --- build: the wheel, for sm_75 only ----------------------------------------------------------------------------
 FROM vllm-source AS vllm-build
@@ -74,7 +77,9 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,re
     pip install -r requirements/build/cuda.txt
 # TORCH_CUDA_ARCH_LIST=7.5 (never +PTX) narrows every arch-intersected kernel set to nothing above Turing: vLLM's
 # own sm_90/sm_100/sm_120 kernels and DeepGEMM, DeepSelect, FlashMLA, FlashKDA and QuTLASS compile nothing
-# (README: "What the 7.5-only build skips"). External sources (GitHub) and ccache live in cache mounts.
+# (README: "What the 7.5-only build skips"); patch 0002 leaves out FlashAttention's FA2/FA3 kernels (sm_80+ only)
+# when no arch is >= 8.0. The last step lists the FA extensions the wheel carries and requires FA's rotary module
+# (Gemma 4's rotary embedding imports it). External sources (GitHub) and ccache live in cache mounts.
 # MAX_JOBS=auto: one job per 4 GiB of the build host's memory per nvcc thread, at most one per core.
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=cache,target=/root/.cache/ccache \
     --mount=type=cache,target=/root/.cache/vllm-deps --mount=type=secret,id=ca-cert,required=false \
@@ -86,7 +91,10 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=cache,target=/root/.
     export MAX_JOBS NVCC_THREADS TORCH_CUDA_ARCH_LIST VLLM_TARGET_DEVICE=cuda CCACHE_DIR=/root/.cache/ccache \
       FETCHCONTENT_BASE_DIR=/root/.cache/vllm-deps; \
     echo "building vLLM ${VLLM_VERSION} for ${TORCH_CUDA_ARCH_LIST} with MAX_JOBS=${MAX_JOBS} NVCC_THREADS=${NVCC_THREADS}"; \
-    pip wheel --no-build-isolation --no-deps --wheel-dir /wheels .
+    pip wheel --no-build-isolation --no-deps --wheel-dir /wheels . \
+ && python3 -c "import glob, zipfile; n = zipfile.ZipFile(glob.glob('/wheels/vllm-*.whl')[0]).namelist(); \
+print('FlashAttention extensions in the wheel:', [f for f in n if '/_vllm_fa' in f] or 'none'); \
+r = 'vllm/vllm_flash_attn/layers/rotary.py'; assert r in n, r + ' missing from the wheel'"
 
 # --- runtime: torch-base + the wheel; no nvcc, CMake, Ninja or Rust ----------------------------------------------
 FROM ${TORCH_BASE} AS vllm
