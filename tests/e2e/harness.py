@@ -50,6 +50,12 @@ class Engine:
     def docker(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         return subprocess.run(["docker", *args], env=self.env, capture_output=True, text=True, timeout=timeout)
 
+    def forget(self, ref: str) -> None:
+        """Untag every local tag of ref's repository: the engine is shared and long-lived (build cache stays)."""
+        tags = self.docker("images", "--format", "{{.Repository}}:{{.Tag}}", ref.rsplit(":", 1)[0]).stdout.split()
+        if tags:
+            self.docker("rmi", *tags)
+
 
 @dataclass
 class Run:

@@ -41,3 +41,4 @@ def test_arm64_build_under_qemu(engine, registry, tmp_path):
                           "import platform, jax; print(platform.machine(), jax.__version__)", timeout=600)
     assert probe.returncode == 0, probe.stderr[-2000:]
     assert probe.stdout.split()[0] == "aarch64", probe.stdout
+    engine.forget(ref)

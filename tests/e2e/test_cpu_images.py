@@ -81,7 +81,9 @@ def built(engine, registry, canaries, request):
         assert run.rc == 0, run.why()
         return ref
 
-    return build
+    yield build
+    for ref, _ in cache.values():
+        engine.forget(ref)
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
