@@ -5,12 +5,14 @@
 #   bash scripts/provision.sh stop     stop the dockerd and registry this script started
 #
 # What it sets up (root, Debian bookworm):
-#   - docker.io (dockerd 20.10) on a private socket unix:///run/g5g-docker.sock, data in /var/lib/g5g-docker;
-#   - buildx 0.13 from Debian trixie's docker-buildx (bookworm has none), fetched through a private apt
-#     configuration under .cache/apt-trixie (the machine's own apt sources are not touched), unpacked into
-#     the docker CLI plugin folder;
+#   - dockerd 26.1 from Debian trixie's docker.io (only the binaries, unpacked into .cache/engine/; bookworm's
+#     docker.io supplies containerd, runc, tini and the CLI) with the containerd image store, on the private
+#     socket unix:///run/g5g-docker.sock, data in /var/lib/g5g-docker; bookworm's dockerd 20.10 as a fallback;
+#   - buildx 0.13 from Debian trixie's docker-buildx (bookworm has none), unpacked into the CLI plugin folder;
+#     trixie packages come through a private apt configuration under .cache/apt-trixie (the machine's own apt
+#     sources are not touched);
 #   - qemu-user-static with the arm64 binfmt handler enabled (flag F, so it works inside containers);
-#   - Debian's docker-registry on 127.0.0.1:$G5G_REGISTRY_PORT (default 5055), storage /var/lib/g5g-registry;
+#   - Debian's docker-registry on 127.0.0.1:$G5G_REGISTRY_PORT (default 5055);
 #   - debootstrap, and the local base images (scripts/base-images.sh; G5G_BASE_IMAGES=0 skips, or a list
 #     like "amd64" to build only those).
 # It writes .cache/docker.env (DOCKER_HOST, G5G_REGISTRY) for `. .cache/docker.env`, logs to .cache/*.log,
@@ -21,14 +23,17 @@ ROOT=$PWD
 CACHE=$ROOT/.cache
 mkdir -p "$CACHE"
 
-SOCK=/run/g5g-docker.sock
+# G5G_ENGINE_NAME and G5G_REGISTRY_PORT let a second, throwaway instance run beside the usual one.
+NAME=${G5G_ENGINE_NAME:-g5g-docker}
+SOCK=/run/$NAME.sock
 DOCKER_HOST_URL=unix://$SOCK
-DATA_ROOT=/var/lib/g5g-docker
-PIDFILE=/run/g5g-docker.pid
+DATA_ROOT=/var/lib/$NAME
+EXEC_ROOT=/run/$NAME
+PIDFILE=/run/$NAME.pid
 REG_PORT=${G5G_REGISTRY_PORT:-5055}
 REG_ADDR=127.0.0.1:$REG_PORT
-REG_DIR=/var/lib/g5g-registry
-REG_PIDFILE=/run/g5g-registry.pid
+REG_DIR=/var/lib/g5g-registry-$REG_PORT
+REG_PIDFILE=/run/g5g-registry-$REG_PORT.pid
 PLUGINS=${DOCKER_CONFIG:-${HOME:-/root}/.docker}/cli-plugins
 PACKAGES=(docker.io docker-registry qemu-user-static binfmt-support debootstrap)
 export DEBIAN_FRONTEND=noninteractive
@@ -152,7 +157,7 @@ start_dockerd() {
   log "starting $("$bin/dockerd" --version | cut -d, -f1) on $DOCKER_HOST_URL (log: .cache/dockerd.log)"
   # $bin first in PATH: dockerd runs the docker-proxy of its own version.
   PATH="$bin:$PATH" setsid "$bin/dockerd" "${config[@]}" --host "$DOCKER_HOST_URL" --data-root "$DATA_ROOT" \
-    --exec-root /run/g5g-docker --pidfile "$PIDFILE" ${G5G_DOCKERD_ARGS:-} \
+    --exec-root "$EXEC_ROOT" --pidfile "$PIDFILE" ${G5G_DOCKERD_ARGS:-} \
     </dev/null >>"$CACHE/dockerd.log" 2>&1 &
   for _ in $(seq 60); do engine_up && return; sleep 0.5; done
   fail "dockerd: no answer on $DOCKER_HOST_URL after 30 s; last log lines:"
