@@ -84,9 +84,7 @@ class Run:
 
 
 def unavailable(reason: str):
-    """Skip (saying why), or fail where end-to-end tests are required (.ci/run sets G5G_REQUIRE_E2E=1)."""
-    if os.environ.get("G5G_REQUIRE_E2E") == "1":
-        pytest.fail(f"G5G_REQUIRE_E2E=1 but {reason}", pytrace=False)
+    """Skip, saying why (where e2e is required, tests/e2e/plugin.py turns the skip into a failure)."""
     pytest.skip(reason)
 
 
