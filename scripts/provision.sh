@@ -44,16 +44,28 @@ log() { printf 'provision: %s\n' "$*" >&2; }
 fail() { failed+=("$*"); log "could not: $*"; }
 
 stop() {
-  local f pid
-  for f in "$PIDFILE" "$REG_PIDFILE"; do
-    [ -s "$f" ] || continue
-    pid=$(cat "$f")
-    if kill "$pid" 2>/dev/null; then
-      for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-      log "stopped pid $pid ($f)"
+  local f pid prog
+  for f in "$PIDFILE:dockerd" "$REG_PIDFILE:docker-registry"; do
+    prog=${f##*:} f=${f%:*}
+    if alive "$f" "$prog"; then
+      pid=$(cat "$f")
+      kill "$pid"
+      for _ in $(seq 50); do alive "$f" "$prog" || break; sleep 0.2; done
+      log "stopped $prog (pid $pid)"
     fi
     rm -f "$f"
   done
+  # dockerd bind-mounts its data root onto itself; a killed one leaves the mount behind.
+  if mountpoint -q "$DATA_ROOT" && ! alive "$PIDFILE" dockerd; then umount "$DATA_ROOT" 2>/dev/null || true; fi
+}
+
+# A pid from a pidfile that is still our program: not gone, not a zombie nobody reaped (PID 1 here may not
+# reap), not a recycled pid. kill -0 alone says yes to zombies, and so does dockerd's own pidfile check.
+alive() {  # pidfile program
+  local pid state
+  pid=$(cat "$1" 2>/dev/null) || return 1
+  state=$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null) || return 1
+  [ "$state" != Z ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$2" ]
 }
 
 engine_up() { docker version --format '{{.Server.Version}}' >/dev/null 2>&1; }
@@ -148,7 +160,7 @@ start_dockerd() {
   local bin=$ENGINE_BIN
   [ -x "$bin/dockerd" ] || { fail "dockerd: not installed"; return; }
   # A stale pidfile from a killed run makes dockerd refuse to start.
-  if [ -s "$PIDFILE" ] && ! kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then rm -f "$PIDFILE"; fi
+  if [ -e "$PIDFILE" ] && ! alive "$PIDFILE" dockerd; then rm -f "$PIDFILE"; fi
   local config=()
   if "$bin/dockerd" --version | grep -qv ' 20\.'; then
     echo '{"features": {"containerd-snapshotter": true}}' >"$CACHE/daemon.json"
