@@ -23,7 +23,10 @@ ROOT=$PWD
 CACHE=$ROOT/.cache
 mkdir -p "$CACHE"
 
-# G5G_ENGINE_NAME and G5G_REGISTRY_PORT let a second, throwaway instance run beside the usual one.
+# G5G_ENGINE_NAME and G5G_REGISTRY_PORT let a second, throwaway instance run beside the usual one. Give it a
+# bridge of its own (`ip link add g5gtest0 type bridge; ip addr add 10.99.0.1/24 dev g5gtest0`, then
+# G5G_DOCKERD_ARGS="--bridge=g5gtest0"): two daemons must not share docker0, and `--bridge=none` deletes docker0
+# from under the first one.
 NAME=${G5G_ENGINE_NAME:-g5g-docker}
 SOCK=/run/$NAME.sock
 DOCKER_HOST_URL=unix://$SOCK
