@@ -1,6 +1,7 @@
 """The GitHub workflows users run: valid against GitHub's schema, clean under zizmor, and doing what README says."""
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -76,17 +77,20 @@ def test_images_workflow_shape():
     jobs = doc["jobs"]
     assert set(doc["on"]["push"]["tags"]) == {"v*"} and doc["on"]["push"]["branches"] == ["main"]
 
-    build = jobs["build"]
-    assert build["runs-on"] == "ubuntu-24.04-arm"
+    base, build = jobs["torch-base"], jobs["build"]
+    assert "torch-base" in build["needs"], "vllm and pytorch build on torch-base's cache: build it first"
     runtimes = set(build["strategy"]["matrix"]["runtime"])
-    assert runtimes == {"vllm", "jax", "pytorch"}
-    steps = "\n".join(s.get("run", "") for s in build["steps"])
-    assert "type=registry" in steps and "cache-from" in steps and "cache-to" in steps
-    # Only main and tags push (and log in); pull requests never do.
-    assert "pull_request" in build["env"]["PUSH"] and "refs/heads/main" in build["env"]["PUSH"]
-    login = next(s for s in build["steps"] if "login-action" in s.get("uses", ""))
-    assert login["if"] == "env.PUSH == 'true'"
-    assert build["permissions"] == {"contents": "read", "packages": "write"}
+    assert runtimes == {"vllm", "jax", "pytorch"} and base["env"]["RUNTIME"] == "torch-base"
+    for job in (base, build):
+        assert job["runs-on"] == "ubuntu-24.04-arm"
+        steps = "\n".join(s.get("run", "") for s in job["steps"])
+        assert "type=registry" in steps and ".cache-from=" in steps and ".cache-to=" in steps
+        assert "linux/arm64" in steps and "--push" in steps
+        # Only main and tags push (and log in); pull requests never do.
+        assert "pull_request" in job["env"]["PUSH"] and "refs/heads/main" in job["env"]["PUSH"]
+        login = next(s for s in job["steps"] if "login-action" in s.get("uses", ""))
+        assert login["if"] == "env.PUSH == 'true'"
+        assert job["permissions"] == {"contents": "read", "packages": "write"}
 
     smoke = jobs["smoke"]
     assert smoke["runs-on"] == ["self-hosted", "g5g"]
@@ -120,3 +124,37 @@ def test_no_expression_injection_in_run_steps():
         for name, job in _load(path)["jobs"].items():
             for step in job["steps"]:
                 assert "${{" not in step.get("run", ""), f"{path.name}: job {name}: ${{{{ }}}} inside run:"
+
+
+def test_build_step_gives_every_bake_target_its_registry_cache(tmp_path):
+    """Run the workflow's own build script against a generated g5g bake file, with `docker` shimmed to add
+    `--print`: buildx must accept it, and every target (torch-base too) reads and writes its own cache."""
+    docker = shutil.which("docker")
+    if not docker or subprocess.run([docker, "buildx", "version"], capture_output=True).returncode != 0:
+        pytest.skip("docker CLI with the buildx plugin not installed (scripts/provision.sh installs both)")
+    job = _load(IMAGES)["jobs"]["build"]
+    script = next(s["run"] for s in job["steps"] if s.get("name", "").startswith("Build"))
+
+    out = "build/test-workflows"
+    gen = _run([sys.executable, "build.py", "generate", "--runtime", "vllm", "--profile", "g5g",
+                "--registry", "ghcr.io/acme", "--out", out])
+    assert gen.returncode == 0, gen.stdout + gen.stderr
+    (tmp_path / "build").mkdir()
+    shutil.copy(ROOT / out / "docker-bake.json", tmp_path / "build" / "docker-bake.json")
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "docker").write_text(f'#!/bin/sh\nexec {docker} "$@" --print\n')
+    (shim / "docker").chmod(0o755)
+    (shim / "python").symlink_to(sys.executable)
+    env = {"PATH": f"{shim}:/usr/bin:/bin", "HOME": str(Path.home()), "RUNTIME": "vllm",
+           "REGISTRY": "ghcr.io/acme", "PUSH": "true", "DOCKER_HOST": "unix:///nonexistent.sock"}
+    r = subprocess.run(["bash", "-eo", "pipefail", "-c", script], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    targets = json.loads(r.stdout)["target"]
+    assert set(targets) == {"torch-base", "vllm"}
+    for name, t in targets.items():
+        ref = f"ghcr.io/acme/g5g-images-cache:{name}"
+        assert t["cache-from"] == [f"type=registry,ref={ref}"], t
+        assert t["cache-to"] == [f"type=registry,ref={ref},mode=max"], t
+        assert t["platforms"] == ["linux/arm64"]
