@@ -1,3 +1,7 @@
 """Shared test fixtures live in tests/fixtures/ and are registered here."""
-pytest_plugins: list[str] = ["tests.fixtures.registry", "tests.fixtures.timed_server", "tests.fixtures.tiny_gemma4",
-                            "tests.e2e.plugin"]
+pytest_plugins: list[str] = [
+    "tests.fixtures.registry",
+    "tests.fixtures.tiny_gemma4",
+    "tests.fixtures.timed_server",
+    "tests.e2e.plugin",
+]
