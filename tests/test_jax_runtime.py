@@ -215,13 +215,14 @@ def test_second_boot_loads_every_executable_from_the_persistent_cache(e2b_ckpt, 
     env = {"G5G_JAX_CACHE_DIR": str(tmp_path / "jaxcache"), "G5G_JAX_BUCKETS": "16,32",
            "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}
 
-    def boot():
-        out = subprocess.run([sys.executable, "-c", BOOT, str(ckpt)], cwd=ROOT, env=env, capture_output=True,
-                             text=True, timeout=600)
+    def boot(hash_seed):
+        # Different string hashing in each process, as in real boots: the cache key must not depend on it.
+        out = subprocess.run([sys.executable, "-c", BOOT, str(ckpt)], cwd=ROOT, capture_output=True, text=True,
+                             env={**env, "PYTHONHASHSEED": str(hash_seed)}, timeout=600)
         assert out.returncode == 0, out.stderr[-2000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    cold, warm = boot(), boot()
+    cold, warm = boot(1), boot(2)
     assert cold["boot"]["executables"] == 5  # 2 prefill + 2 decode + 1 grow
     assert cold["boot"]["boot_cache_hits"] == 0
     assert warm["boot"]["boot_cache_hits"] == warm["boot"]["executables"] == 5

@@ -49,8 +49,11 @@ def _cos_sin(cfg: TextConfig, kind: str, head_dim: int, positions, dtype):
 
 
 def _rope_tables(cfg: TextConfig, positions, dtype) -> dict:
-    """(cos, sin) per (layer kind, head dim) present in the model."""
-    kinds = {(s.kind, s.head_dim) for s in cfg.layers}
+    """(cos, sin) per (layer kind, head dim) present in the model.
+
+    Sorted, not a set: the trace order must not depend on string hashing, or the lowered program (and so its
+    persistent-cache key) would differ from one process to the next."""
+    kinds = sorted({(s.kind, s.head_dim) for s in cfg.layers})
     return {(k, hd): _cos_sin(cfg, k, hd, positions, dtype) for k, hd in kinds}
 
 
