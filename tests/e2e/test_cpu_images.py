@@ -130,24 +130,12 @@ def test_inspect_both_backends_agree(engine, built, runtime):
     assert answers["imagetools"]["platforms"] == answers["http"]["platforms"]
 
 
-@pytest.fixture(scope="session")
-def model_dir(tiny_gemma4, tmp_path_factory) -> Path:
-    """The tiny checkpoint, readable by the image's unprivileged user (uid 1000) as a downloaded model is;
-    the fixture's cache directory is private to root (0700)."""
-    out = tmp_path_factory.mktemp("model") / Path(tiny_gemma4).name
-    shutil.copytree(tiny_gemma4, out)
-    out.chmod(0o755)
-    for f in out.rglob("*"):
-        f.chmod(0o755 if f.is_dir() else 0o644)
-    return out
-
-
 @pytest.mark.parametrize("runtime", RUNTIMES)
-def test_smoke_answers_with_the_tiny_model(engine, built, runtime, model_dir):
+def test_smoke_answers_with_the_tiny_model(engine, built, runtime, tiny_gemma4):
     from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
 
     ref = built(runtime)
-    run = engine.cli("smoke", ref, "--model", str(model_dir), "--prompt", QUESTION,
+    run = engine.cli("smoke", ref, "--model", str(tiny_gemma4), "--prompt", QUESTION,
                      "--expect", re.escape(ANSWER[:40]), "--timeout", "600", "--json", log=f"smoke-{runtime}",
                      timeout=900)
     assert run.rc == 0, run.why()
