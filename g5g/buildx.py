@@ -156,9 +156,8 @@ def run_bake(argv: list[str], cwd: str | Path, log_path: Path, targets: list[str
     """Run one bake argv (progress=plain) in cwd; every line goes to log_path; on_event(target, text) per step."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "BUILDKIT_PROGRESS": "plain"}
-    with open(log_path, "a") as log:
+    with open(log_path, "a", buffering=1) as log:  # line-buffered: `tail -f` follows the build
         log.write("$ " + " ".join(argv) + "\n")
-        log.flush()
         try:
             proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     text=True, bufsize=1)
