@@ -20,8 +20,8 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import requests
-import yaml
 
+from g5g import manifest
 from g5g.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -206,17 +206,14 @@ def apply_all(patches: list[tuple[str, str | None]], sdist: Sdist, dest: Path,
 
 
 def manifest_pin(manifest_dir: Path | None = None) -> tuple[str, str | None, list[tuple[str, str]]] | None:
-    """(vllm version, sdist sha256, patches) pinned by manifests/runtimes/vllm.yaml, or None without one."""
-    path = (manifest_dir or REPO_ROOT / "manifests") / "runtimes" / "vllm.yaml"
-    if not path.is_file():
+    """(vllm version, sdist sha256, patches) pinned by manifests/runtimes/vllm.yaml, or None without one.
+
+    Read through g5g.manifest, so a broken manifest is the same one-line error as in `build`."""
+    root = manifest_dir or REPO_ROOT / "manifests"
+    if not (root / "runtimes" / "vllm.yaml").is_file():
         return None
-    data = yaml.safe_load(path.read_text()) or {}
-    try:
-        version = str(data["pins"]["vllm"])
-    except (KeyError, TypeError):
-        raise UserError(f"{path.relative_to(REPO_ROOT)}: pins.vllm: missing") from None
-    patches = [(p["path"], p["sha256"]) for p in data.get("patches") or []]
-    return version, data.get("sdist_sha256"), patches
+    rt = manifest.load(root).runtimes["vllm"]
+    return rt.pins["vllm"], rt.sdist_sha256, [(p.path, p.sha256) for p in rt.patches]
 
 
 def _sdist_sha_for(version: str) -> str | None:
