@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from g5g import buildx, manifest, render
+from g5g import buildx, manifest, patches, render
 from g5g.errors import FAILED, OK, UserError
 from g5g.plan import Plan, make_plan
 
@@ -61,12 +61,7 @@ def check_patches(plan: Plan) -> None:
     """Our patches must apply to the pinned vLLM sdist before hours of compiling start (g5g.patches, issue 3)."""
     for img in plan.images:
         if img.runtime == "vllm" and img.patches:
-            try:
-                from g5g.patches import check_apply
-            except ImportError:
-                raise UserError("g5g.patches is missing: cannot check that our vLLM patches apply "
-                                "(pass --skip-patch-check to rely on the build's own git apply --check)") from None
-            check_apply([(p["path"], p["sha256"]) for p in img.patches], img.upstream["vllm"])
+            patches.check_apply([(p["path"], p["sha256"]) for p in img.patches], img.upstream["vllm"])
 
 
 def print_plan(plan: Plan) -> None:
