@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from g5g import containers, smoke, wire
+from g5g import containers, manifest, smoke, wire
 from g5g.errors import FAILED, OK, UserError
 
 MAX_TOKENS = 256
@@ -37,10 +37,6 @@ def manifest_defaults(runtime: str | None) -> dict:
     """From the runtime manifest: `smoke: {prompt, expect}` and `port` ({} when there is no manifest)."""
     root = manifest_dir()
     if not runtime or root is None:
-        return {}
-    try:
-        from g5g import manifest
-    except ImportError:  # the manifest loader is not in this checkout
         return {}
     rt = manifest.load(root).runtimes.get(runtime)
     if rt is None:
