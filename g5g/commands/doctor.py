@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 
 from g5g import buildx
 from g5g.commands.build import plan_from_args
@@ -21,5 +22,6 @@ def run(args) -> int:
     checks.append(reg if reg.ok or args.registry else buildx.Check(reg.name, False, reg.detail, reg.fix, warn=True))
     for c in checks:
         mark = "[green]ok[/]  " if c.ok else ("[yellow]warn[/]" if c.warn else "[red]FAIL[/]")
-        console.print(f"{mark} {c.name}: {c.detail}" + (f"\n       fix: {c.fix}" if not c.ok else ""))
+        # detail and fix quote docker's own messages: text, not markup (a "[/…" in them would raise MarkupError)
+        console.print(f"{mark} {c.name}: {escape(c.detail)}" + (f"\n       fix: {escape(c.fix)}" if not c.ok else ""))
     return OK if all(c.ok or c.warn for c in checks) else FAILED
