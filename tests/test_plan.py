@@ -139,6 +139,14 @@ def test_patch_check_is_called_before_building(g5g):
     build_cmd.check_patches(plan)
 
 
+def test_missing_wheels_directory_is_one_line_before_any_build(cpu, tmp_path: Path):
+    plan = make_plan(cpu, runtime="pytorch", profile="cpu")
+    with pytest.raises(UserError, match=r"profiles/cpu.yaml: wheels: \.whl/ not found .*torch 2\.13\.0\+cpu"):
+        build_cmd.check_contexts(plan, tmp_path)
+    (tmp_path / ".whl").mkdir()
+    build_cmd.check_contexts(plan, tmp_path)
+
+
 def test_run_bake_streams_progress_and_keeps_the_log(tmp_path: Path):
     """run_bake with a real child process printing BuildKit's plain progress format."""
     script = ("print('#5 [vllm toolchain 2/6] RUN apt-get update'); "

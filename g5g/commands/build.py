@@ -64,6 +64,15 @@ def check_patches(plan: Plan) -> None:
             patches.check_apply([(p["path"], p["sha256"]) for p in img.patches], img.upstream["vllm"])
 
 
+def check_contexts(plan: Plan, repo_root: Path) -> None:
+    """The profile's local wheels directory (a build context) must exist, or bake fails with a context error."""
+    for img in plan.all_images:
+        ctx = img.contexts.get("wheels")
+        if ctx and not (repo_root / ctx).is_dir():
+            raise UserError(f"{plan.profile.source}: wheels: {ctx}/ not found in {repo_root} (the {img.runtime} "
+                            f"image installs torch {img.build_args['TORCH_VERSION']} from a wheel there)")
+
+
 def print_plan(plan: Plan) -> None:
     t = Table(title=f"Plan · profile {plan.profile.name}", show_lines=False)
     for col in ("image", "tags", "platforms", "upstream"):
@@ -84,6 +93,7 @@ def run(args) -> int:
         else:
             print_plan(plan)
         return OK
+    check_contexts(plan, REPO_ROOT)
     buildx.require(buildx.preflight(plan.images[0].platforms, plan.images[0].tags[0].rsplit("/", 1)[0]
                                     if plan.push else None, plan.sequential))
     if not args.skip_patch_check:
