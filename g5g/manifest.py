@@ -341,7 +341,10 @@ def _apply_overrides(raw: dict[str, Any], overrides: list[str], files: dict[str,
             node = node.setdefault(p, {})
         if not isinstance(node, dict):
             raise UserError(f"--set {item}: {files[doc]}: {rest}: not a mapping")
-        node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+        try:
+            node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+        except yaml.YAMLError as e:
+            raise UserError(f"--set {item}: {value!r} is not a YAML value ({getattr(e, 'problem', None) or e})") from None
 
 
 def load(manifest_dir: str | Path, profile: str | None = None, overrides: list[str] | None = None) -> Manifests:

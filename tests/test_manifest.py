@@ -134,6 +134,8 @@ def test_override_sets_value_before_validation(mdir: Path):
         manifest.load(mdir, profile="g5g", overrides=["vllm.pins.vllm=0.20.0"])
     with pytest.raises(UserError, match=r"--set nonsense=1: expected DOC.KEY=VALUE"):
         manifest.load(mdir, profile="g5g", overrides=["nonsense=1"])
+    with pytest.raises(UserError, match=r"--set profile.base_image=\[oops: '\[oops' is not a YAML value"):
+        manifest.load(mdir, profile="cpu", overrides=["profile.base_image=[oops"])
 
 
 def _patch_dir(tmp_path: Path, mdir: Path, content: bytes, listed_sha: str) -> Path:
