@@ -21,12 +21,12 @@ RUN apt-get update \
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 RUN --mount=type=secret,id=ca-cert,required=false \
-    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert; fi; \
+    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert; fi; \
     git clone --depth 1 --branch "v${TORCH_VERSION}" --recurse-submodules --shallow-submodules \
       https://github.com/pytorch/pytorch /src/pytorch
 WORKDIR /src/pytorch
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
-    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert; fi; \
+    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert; fi; \
     pip install -r requirements.txt
 # MAX_JOBS=auto: one compile job per 4 GiB of the build host's memory, at most one per core.
 RUN --mount=type=cache,target=/root/.ccache \
@@ -54,7 +54,7 @@ RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH VIRTUAL_ENV=/opt/venv
 RUN --mount=type=bind,from=torch-wheel,target=/tmp/wheels --mount=type=cache,target=/root/.cache/pip \
     --mount=type=secret,id=ca-cert,required=false \
-    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert; fi; \
+    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert; fi; \
     pip install /tmp/wheels/torch-*.whl
 ENV TORCH_CUDA_ARCH_LIST="7.5"
 # The build fails unless torch carries sm_75 kernels. get_arch_list() is empty without a GPU (none during a build),
