@@ -150,7 +150,7 @@ def _upstream(rt: Runtime, profile: Profile) -> dict[str, str]:
 
 
 def _image(manifests: Manifests, profile: Profile, name: str, registry: str, platforms: tuple[str, ...],
-           out: str, base_tag: str) -> ImagePlan:
+           out: str, base_tag: str, repo_root: Path) -> ImagePlan:
     rt = manifests.runtimes[name]
     pins = rt.pins_for(profile.name)
     version = pins[PRIMARY_PIN[name]]
@@ -209,7 +209,7 @@ def _image(manifests: Manifests, profile: Profile, name: str, registry: str, pla
                      "TORCH_CUDA_ARCH_LIST": archs, "MAX_JOBS": profile.max_jobs,
                      "NVCC_THREADS": str(profile.nvcc_threads)}
         if name in ("jax", "pytorch"):
-            reqs = serving_requirements(manifests.root.parent)
+            reqs = serving_requirements(repo_root)
             for r in reqs:
                 m = re.match(r"^transformers==(.+)$", r)
                 if m and m.group(1) != pins["transformers"]:
@@ -229,8 +229,10 @@ def _image(manifests: Manifests, profile: Profile, name: str, registry: str, pla
 
 def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", platforms: str | None = None,
               registry: str | None = None, out: str = "build", push: bool = False, sequential: bool = False,
-              secrets: tuple[str, ...] = ()) -> Plan:
-    """Every input explicit; the result depends on nothing else."""
+              secrets: tuple[str, ...] = (), repo_root: Path | None = None) -> Plan:
+    """Every input explicit; the result depends on nothing else.
+
+    repo_root: where pyproject.toml (the serving extra) lives; default: the manifest directory's parent."""
     if profile not in manifests.profiles:
         raise UserError(f"--profile {profile}: unknown profile (known: {', '.join(sorted(manifests.profiles))})")
     prof = manifests.profiles[profile]
@@ -256,7 +258,8 @@ def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", 
     names = [n for n in ORDER if not (cpu and n == "vllm")]
     base_rt = manifests.runtimes["torch-base"]
     base_tag = _tags(reg, "torch-base", base_rt.pins_for(profile)["torch"], prof)[0]
-    every = tuple(_image(manifests, prof, n, reg, plats, out, base_tag) for n in names)
+    root = manifests.root.parent if repo_root is None else Path(repo_root)
+    every = tuple(_image(manifests, prof, n, reg, plats, out, base_tag, root) for n in names)
     selected = every if runtime == "all" else tuple(i for i in every if i.runtime == runtime)
     if not selected:
         raise UserError(f"--runtime {runtime}: unknown runtime (known: {', '.join(names)}, all)")

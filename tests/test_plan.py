@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -114,6 +115,15 @@ def test_dry_run_json_subprocess_without_docker(tmp_path: Path):
     data = json.loads(r.stdout)
     assert len(data["images"]) == 4 and all(set(i) == CONTRACT_KEYS for i in data["images"])
     assert not (tmp_path / "build").exists()  # a dry run writes nothing
+
+
+def test_manifests_outside_the_repository(tmp_path: Path):
+    """--manifests DIR anywhere: the serving extra still comes from our pyproject.toml, not DIR's parent."""
+    shutil.copytree(REPO / "manifests", tmp_path / "mine")
+    r = subprocess.run([sys.executable, str(REPO / "build.py"), "--manifests", str(tmp_path / "mine"),
+                        "--runtime", "pytorch", "--dry-run", "--json"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert [i["runtime"] for i in json.loads(r.stdout)["images"]] == ["pytorch"]
 
 
 def test_cli_user_error_exit_code(tmp_path: Path):
