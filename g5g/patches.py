@@ -221,10 +221,12 @@ def _sdist_sha_for(version: str) -> str | None:
     return pin[1] if pin and pin[0] == version else None
 
 
-def check_apply(patches: list[tuple[str, str]], vllm_version: str) -> None:
-    """Every patch has its pinned sha256 and applies, in order, to vLLM `vllm_version`'s sdist; else UserError."""
+def check_apply(patches: list[tuple[str, str]], vllm_version: str, sdist_sha256: str | None = None) -> None:
+    """Every patch has its pinned sha256 and applies, in order, to vLLM `vllm_version`'s sdist; else UserError.
+
+    sdist_sha256: the pin the build uses (default: manifests/runtimes/vllm.yaml's for that version)."""
     _resolve(patches)  # sha256s first: no download for a patch we would refuse anyway
-    sdist = fetch_sdist(vllm_version, _sdist_sha_for(vllm_version))
+    sdist = fetch_sdist(vllm_version, sdist_sha256 or _sdist_sha_for(vllm_version))
     with tempfile.TemporaryDirectory(prefix="g5g-patches-") as tmp:
         apply_all(patches, sdist, Path(tmp))
 

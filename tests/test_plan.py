@@ -157,6 +157,13 @@ def test_missing_wheels_directory_is_one_line_before_any_build(cpu, tmp_path: Pa
     build_cmd.check_contexts(plan, tmp_path)
 
 
+def test_patch_check_uses_the_plans_sdist_pin():
+    """--set vllm.sdist_sha256=… (or --manifests) is the pin the build uses: the pre-build check holds to it too."""
+    m = manifest.load(REPO / "manifests", profile="g5g", overrides=["vllm.sdist_sha256=" + "a" * 64])
+    with pytest.raises(UserError, match="vllm-0.33.0.tar.gz: sha256 .*pins a{64}"):
+        build_cmd.check_patches(make_plan(m, runtime="vllm"))
+
+
 def test_run_bake_streams_progress_and_keeps_the_log(tmp_path: Path):
     """run_bake with a real child process printing BuildKit's plain progress format."""
     script = ("print('#5 [vllm toolchain 2/6] RUN apt-get update'); "

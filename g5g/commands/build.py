@@ -61,7 +61,8 @@ def check_patches(plan: Plan) -> None:
     """Our patches must apply to the pinned vLLM sdist before hours of compiling start (g5g.patches, issue 3)."""
     for img in plan.images:
         if img.runtime == "vllm" and img.patches:
-            patches.check_apply([(p["path"], p["sha256"]) for p in img.patches], img.upstream["vllm"])
+            patches.check_apply([(p["path"], p["sha256"]) for p in img.patches], img.upstream["vllm"],
+                                img.build_args["VLLM_SDIST_SHA256"])  # the plan's pin (--manifests, --set)
 
 
 def check_contexts(plan: Plan, repo_root: Path) -> None:
