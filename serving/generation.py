@@ -42,7 +42,9 @@ class Sampler:
         self.temperature = params.temperature
         self.top_p = params.top_p
         self.top_k = params.top_k
-        self.rng = np.random.default_rng(params.seed)
+        # OpenAI and vLLM accept any integer seed; numpy only a non-negative one (a negative seed raised in
+        # the engine thread: a 500). Folding into [0, 2**64) leaves every seed numpy accepted unchanged.
+        self.rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
 
     def __call__(self, logits: np.ndarray) -> int:
         logits = np.asarray(logits, dtype=np.float64)

@@ -187,6 +187,14 @@ def test_seeded_sampling_is_reproducible_streamed_or_not(server):
     assert a == b == s
 
 
+
+def test_negative_seed_is_a_seed_not_a_server_error(server):
+    c = client(server)
+    kw = dict(model="tiny-gemma4", messages=ASK, temperature=1.5, max_tokens=8, seed=-1)
+    a = c.chat.completions.create(**kw)
+    s = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(stream=True, **kw) if ch.choices)
+    assert a.choices[0].finish_reason in ("stop", "length") and a.choices[0].message.content == s
+
 BAD = [
     (b'{"messages": [', 400, None),                                                   # malformed JSON
     (b'[1, 2]', 400, None),                                                           # not an object
