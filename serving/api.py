@@ -218,14 +218,17 @@ class Scheduler:
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
+        self.queued: list[Job] = []      # what the queue holds, to count the clients still waiting
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.engine: Engine | None = None
         self.current: Job | None = None
         self.info: TokenizerInfo | None = None
 
     def submit(self, job: Job) -> None:
-        if self.queue.qsize() >= self.max_waiting:
+        # Clients that left while queued stay in the FIFO until the worker skips them; they hold no slot.
+        if sum(not j.cancelled.is_set() for j in self.queued) >= self.max_waiting:
             raise QueueFull
+        self.queued.append(job)
         self.queue.put_nowait(job)
         self.metrics.set_queue(self.queue.qsize())
 
@@ -233,6 +236,7 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         while True:
             job = await self.queue.get()
+            self.queued.remove(job)
             if job.cancelled.is_set():      # the client left while queued: skip it, end its handler
                 fin = Finish("abort", len(job.prompt_ids), 0, [])
                 self.metrics.set_queue(self.queue.qsize())

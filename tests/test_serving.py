@@ -375,6 +375,28 @@ def test_disconnect_while_queued_is_skipped(paced_server):
     assert m["vllm:request_success_total{finished_reason=abort}"] == 1
 
 
+
+def test_clients_that_left_the_queue_hold_no_slot(paced_server):
+    c = client(paced_server)
+    long = threading.Thread(target=lambda: c.chat.completions.create(model="tiny-gemma4", messages=ASK,
+                                                                     max_tokens=200, extra_body={"ignore_eos": True}))
+    long.start()
+    wait_until(lambda: _in_flight(paced_server) >= 1, what="first request running")
+    for _ in range(3):                                # fill the bound (max_waiting=3), each client hangs up
+        with requests.post(f"{paced_server}/v1/chat/completions", stream=True, timeout=60,
+                           json={"messages": ASK, "stream": True, "max_tokens": 5}) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())
+
+    def admitted() -> bool:
+        with requests.post(f"{paced_server}/v1/chat/completions", stream=True, timeout=60,
+                           json={"messages": ASK, "stream": True, "max_tokens": 2}) as r:
+            return r.status_code == 200
+
+    wait_until(admitted, timeout=5, what="a new request to be admitted")
+    assert long.is_alive()                            # admitted while the 200-token request still runs (~6 s)
+    long.join(timeout=60)
+
 # ------------------------------------------------------------------------------------------------- health
 def test_health_is_503_until_loaded_and_warmed(tiny_gemma4, engine):
     release = threading.Event()
