@@ -70,3 +70,18 @@ def test_seeded_sampling_is_the_same_on_both_runtimes(servers):
 def test_models_card_reports_the_jax_ladder_top(servers):
     card = requests.get(f"{servers['jax']}/v1/models", timeout=10).json()["data"][0]
     assert card["max_model_len"] == 256
+
+
+def test_max_model_len_caps_the_jax_ladder(tiny_gemma4, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
+           "G5G_JAX_CACHE_DIR": str(tmp_path / "jaxcache"), "G5G_JAX_BUCKETS": "32,64,256"}
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "serving", "--runtime", "jax", "--model", str(tiny_gemma4),
+                             "--port", str(port), "--max-model-len", "100"], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_health(proc, url, timeout=600)
+        assert requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["max_model_len"] == 100
+    finally:
+        _stop(proc)
