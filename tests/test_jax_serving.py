@@ -21,11 +21,15 @@ pytest.importorskip("jax")
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _env(jax_cache: Path) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
+            "G5G_JAX_CACHE_DIR": str(jax_cache), "G5G_JAX_BUCKETS": "32,64,256"}
+
+
 @pytest.fixture(scope="module")
 def servers(tiny_gemma4, tmp_path_factory):
     """{runtime: base URL} for `build.py serve --runtime jax` and `--runtime pytorch` on the fixture."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
-           "G5G_JAX_CACHE_DIR": str(tmp_path_factory.mktemp("jaxcache")), "G5G_JAX_BUCKETS": "32,64,256"}
+    env = _env(tmp_path_factory.mktemp("jaxcache"))
     procs, urls = {}, {}
     try:
         for runtime in ("jax", "pytorch"):
@@ -73,8 +77,7 @@ def test_models_card_reports_the_jax_ladder_top(servers):
 
 
 def test_max_model_len_caps_the_jax_ladder(tiny_gemma4, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
-           "G5G_JAX_CACHE_DIR": str(tmp_path / "jaxcache"), "G5G_JAX_BUCKETS": "32,64,256"}
+    env = _env(tmp_path / "jaxcache")
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "serving", "--runtime", "jax", "--model", str(tiny_gemma4),
                              "--port", str(port), "--max-model-len", "100"], cwd=REPO, env=env,
