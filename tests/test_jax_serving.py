@@ -36,7 +36,7 @@ def servers(tiny_gemma4, tmp_path_factory):
             port = free_port()
             procs[runtime] = subprocess.Popen(
                 [sys.executable, "build.py", "serve", "--runtime", runtime, "--model", str(tiny_gemma4),
-                 "--port", str(port), "--served-model-name", "tiny"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 "--port", str(port), "--served-model-name", "tiny"], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             urls[runtime] = f"http://127.0.0.1:{port}"
         for runtime, url in urls.items():
             _wait_health(procs[runtime], url, timeout=600)
