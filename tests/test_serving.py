@@ -49,10 +49,7 @@ def live_server(load_engine, model_dir, **kw):
 
 
 def wait_ready(url: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while requests.get(f"{url}/health", timeout=5).status_code != 200:
-        assert time.monotonic() < deadline, "server never became ready"
-        time.sleep(0.05)
+    wait_until(lambda: requests.get(f"{url}/health", timeout=5).status_code == 200, timeout, "the server to be ready")
 
 
 def client(url: str) -> openai.OpenAI:
