@@ -55,8 +55,11 @@ class Sampler:
             cand = np.argpartition(-logits, self.top_k - 1)[: self.top_k]
         else:
             cand = np.arange(logits.size)
-        x = logits[cand] / self.temperature
-        p = np.exp(x - x.max())
+        x = logits[cand]
+        # Shift before scaling: logits / a tiny temperature overflow to inf, and inf - inf is NaN (a wrong token);
+        # shifted, they overflow to -inf only, which is probability 0.
+        with np.errstate(over="ignore"):
+            p = np.exp((x - x.max()) / self.temperature)
         p /= p.sum()
         if self.top_p >= 1.0:
             return int(cand[self._draw(p)])

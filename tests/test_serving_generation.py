@@ -111,6 +111,12 @@ def test_sampling_follows_the_distribution_and_the_seed():
     assert {top_p(logits) for _ in range(200)} == {1}    # 0.75 alone reaches top_p
 
 
+def test_a_tiny_temperature_is_greedy_not_nan():
+    logits = np.array([0.0, 5.0, 1.0, -2.0])
+    for t in (1e-310, 1e-200, 1e-5):
+        assert {Sampler(SamplingParams(temperature=t, seed=s))(logits) for s in range(5)} == {1}
+        assert {Sampler(SamplingParams(temperature=t, top_p=0.9, seed=s))(logits) for s in range(5)} == {1}
+
 def test_any_integer_seed_is_accepted_and_reproducible():
     logits = np.array([0.0, np.log(3.0)])
     draws = {}
