@@ -212,9 +212,8 @@ class StopStrings:
 # ---------------------------------------------------------------------------------------------- the loop
 @dataclass
 class Delta:
-    """One generated token: the text it released (may be empty) and when it was produced."""
+    """One generated token: the text it released (may be empty). Its time is in Finish.token_times."""
     text: str
-    t: float
 
 
 @dataclass
@@ -248,20 +247,20 @@ def generate(engine: Engine, info: TokenizerInfo, prompt_ids: Sequence[int], par
         token = sampler(logits)
         times.append(time.monotonic())
         if token in info.stop_ids and not params.ignore_eos:
-            yield Delta(_release(stops, detok)[0], times[-1])
+            yield Delta(_release(stops, detok)[0])
             reason = "stop"
             break
         text, hit = stops.push(detok.push(token))
         if hit:
-            yield Delta(text, times[-1])
+            yield Delta(text)
             reason = "stop"
             break
         if len(times) >= budget:
             tail, hit = _release(stops, detok)
-            yield Delta(text + tail, times[-1])
+            yield Delta(text + tail)
             reason = "stop" if hit else "length"
             break
-        yield Delta(text, times[-1])
+        yield Delta(text)
         if cancelled():
             reason = "abort"
             break
