@@ -88,6 +88,20 @@ class ChatRequest(_Strict):
     tools: list | None = None
 
 
+_FIELDS = {f for m in (ChatRequest, Message, TextPart, StreamOptions) for f in m.model_fields}
+
+
+def _param(loc: tuple) -> str:
+    """The request path of a validation error: pydantic puts union members ('str', 'list[str]') in `loc`,
+    which are not part of the request, so the path ends where they begin."""
+    out = []
+    for p in loc:
+        if not (isinstance(p, int) or p in _FIELDS):
+            break
+        out.append(str(p))
+    return ".".join(out)
+
+
 def _parse(body: bytes) -> ChatRequest:
     try:
         data = json.loads(body)
@@ -99,7 +113,7 @@ def _parse(body: bytes) -> ChatRequest:
         req = ChatRequest.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
-        param = ".".join(str(p) for p in first["loc"])
+        param = _param(first["loc"])
         raise APIError(400, f"{param}: {first['msg']}", param=param)
     if req.n not in (None, 1):
         raise APIError(400, "n > 1 is not supported (one choice per request)", param="n")

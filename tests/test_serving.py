@@ -203,6 +203,8 @@ BAD = [
     (json.dumps({"messages": ASK, "max_tokens": 0}), 400, "max_tokens"),
     (json.dumps({"messages": ASK, "stream": "yes"}), 400, "stream"),
     (json.dumps({"messages": ASK, "stop": 3}), 400, None),
+    (json.dumps({"messages": ASK, "stop": [3]}), 400, "stop"),                       # not "stop.list[str].0"
+    (json.dumps({"messages": [{"role": "user", "content": 5}]}), 400, "messages.0.content"),
     (json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}), 400, "messages.0.role"),
     (json.dumps({"messages": [{"role": "tool", "content": "hi"}]}), 400, "messages.0.role"),
     (json.dumps({"messages": [{"content": "hi"}]}), 400, "messages.0.role"),
