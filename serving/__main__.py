@@ -22,7 +22,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="model id clients ask for (default: the model dir's name)")
     p.add_argument("--max-model-len", type=int,
-                   help="pytorch: cap the context (default: the model's); jax: set G5G_JAX_BUCKETS instead")
+                   help="cap the context (default: the model's; jax: the top of G5G_JAX_BUCKETS)")
     p.add_argument("--max-waiting", type=int, default=64, help="queued requests beyond which clients get 429")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
@@ -34,10 +34,6 @@ def main(argv: list[str] | None = None) -> int:
     model = Path(args.model)
     if not (model / "config.json").is_file():
         print(f"error: --model {model}: no config.json there (expected a checkpoint directory)", file=sys.stderr)
-        return 2
-    if args.max_model_len and args.runtime == "jax":
-        print("error: --max-model-len: the jax runtime takes its context from G5G_JAX_BUCKETS (largest bucket)",
-              file=sys.stderr)
         return 2
 
     import uvicorn

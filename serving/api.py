@@ -88,6 +88,20 @@ class ChatRequest(_Strict):
     tools: list | None = None
 
 
+_FIELDS = {f for m in (ChatRequest, Message, TextPart, StreamOptions) for f in m.model_fields}
+
+
+def _param(loc: tuple) -> str:
+    """The request path of a validation error: pydantic puts union members ('str', 'list[str]') in `loc`,
+    which are not part of the request, so the path ends where they begin."""
+    out = []
+    for p in loc:
+        if not (isinstance(p, int) or p in _FIELDS):
+            break
+        out.append(str(p))
+    return ".".join(out)
+
+
 def _parse(body: bytes) -> ChatRequest:
     try:
         data = json.loads(body)
@@ -99,7 +113,7 @@ def _parse(body: bytes) -> ChatRequest:
         req = ChatRequest.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
-        param = ".".join(str(p) for p in first["loc"])
+        param = _param(first["loc"])
         raise APIError(400, f"{param}: {first['msg']}", param=param)
     if req.n not in (None, 1):
         raise APIError(400, "n > 1 is not supported (one choice per request)", param="n")
@@ -218,14 +232,17 @@ class Scheduler:
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
+        self.queued: list[Job] = []      # what the queue holds, to count the clients still waiting
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.engine: Engine | None = None
         self.current: Job | None = None
         self.info: TokenizerInfo | None = None
 
     def submit(self, job: Job) -> None:
-        if self.queue.qsize() >= self.max_waiting:
+        # Clients that left while queued stay in the FIFO until the worker skips them; they hold no slot.
+        if sum(not j.cancelled.is_set() for j in self.queued) >= self.max_waiting:
             raise QueueFull
+        self.queued.append(job)
         self.queue.put_nowait(job)
         self.metrics.set_queue(self.queue.qsize())
 
@@ -233,6 +250,7 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         while True:
             job = await self.queue.get()
+            self.queued.remove(job)
             if job.cancelled.is_set():      # the client left while queued: skip it, end its handler
                 fin = Finish("abort", len(job.prompt_ids), 0, [])
                 self.metrics.set_queue(self.queue.qsize())

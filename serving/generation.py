@@ -42,7 +42,9 @@ class Sampler:
         self.temperature = params.temperature
         self.top_p = params.top_p
         self.top_k = params.top_k
-        self.rng = np.random.default_rng(params.seed)
+        # OpenAI and vLLM accept any integer seed; numpy only a non-negative one (a negative seed raised in
+        # the engine thread: a 500). Folding into [0, 2**64) leaves every seed numpy accepted unchanged.
+        self.rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
 
     def __call__(self, logits: np.ndarray) -> int:
         logits = np.asarray(logits, dtype=np.float64)
@@ -53,8 +55,11 @@ class Sampler:
             cand = np.argpartition(-logits, self.top_k - 1)[: self.top_k]
         else:
             cand = np.arange(logits.size)
-        x = logits[cand] / self.temperature
-        p = np.exp(x - x.max())
+        x = logits[cand]
+        # Shift before scaling: logits / a tiny temperature overflow to inf, and inf - inf is NaN (a wrong token);
+        # shifted, they overflow to -inf only, which is probability 0.
+        with np.errstate(over="ignore"):
+            p = np.exp((x - x.max()) / self.temperature)
         p /= p.sum()
         if self.top_p >= 1.0:
             return int(cand[self._draw(p)])
@@ -207,9 +212,8 @@ class StopStrings:
 # ---------------------------------------------------------------------------------------------- the loop
 @dataclass
 class Delta:
-    """One generated token: the text it released (may be empty) and when it was produced."""
+    """One generated token: the text it released (may be empty). Its time is in Finish.token_times."""
     text: str
-    t: float
 
 
 @dataclass
@@ -243,20 +247,20 @@ def generate(engine: Engine, info: TokenizerInfo, prompt_ids: Sequence[int], par
         token = sampler(logits)
         times.append(time.monotonic())
         if token in info.stop_ids and not params.ignore_eos:
-            yield Delta(_release(stops, detok)[0], times[-1])
+            yield Delta(_release(stops, detok)[0])
             reason = "stop"
             break
         text, hit = stops.push(detok.push(token))
         if hit:
-            yield Delta(text, times[-1])
+            yield Delta(text)
             reason = "stop"
             break
         if len(times) >= budget:
             tail, hit = _release(stops, detok)
-            yield Delta(text + tail, times[-1])
+            yield Delta(text + tail)
             reason = "stop" if hit else "length"
             break
-        yield Delta(text, times[-1])
+        yield Delta(text)
         if cancelled():
             reason = "abort"
             break

@@ -21,18 +21,22 @@ pytest.importorskip("jax")
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _env(jax_cache: Path) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
+            "G5G_JAX_CACHE_DIR": str(jax_cache), "G5G_JAX_BUCKETS": "32,64,256"}
+
+
 @pytest.fixture(scope="module")
 def servers(tiny_gemma4, tmp_path_factory):
     """{runtime: base URL} for `build.py serve --runtime jax` and `--runtime pytorch` on the fixture."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
-           "G5G_JAX_CACHE_DIR": str(tmp_path_factory.mktemp("jaxcache")), "G5G_JAX_BUCKETS": "32,64,256"}
+    env = _env(tmp_path_factory.mktemp("jaxcache"))
     procs, urls = {}, {}
     try:
         for runtime in ("jax", "pytorch"):
             port = free_port()
             procs[runtime] = subprocess.Popen(
                 [sys.executable, "build.py", "serve", "--runtime", runtime, "--model", str(tiny_gemma4),
-                 "--port", str(port), "--served-model-name", "tiny"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 "--port", str(port), "--served-model-name", "tiny"], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             urls[runtime] = f"http://127.0.0.1:{port}"
         for runtime, url in urls.items():
             _wait_health(procs[runtime], url, timeout=600)
@@ -70,3 +74,17 @@ def test_seeded_sampling_is_the_same_on_both_runtimes(servers):
 def test_models_card_reports_the_jax_ladder_top(servers):
     card = requests.get(f"{servers['jax']}/v1/models", timeout=10).json()["data"][0]
     assert card["max_model_len"] == 256
+
+
+def test_max_model_len_caps_the_jax_ladder(tiny_gemma4, tmp_path):
+    env = _env(tmp_path / "jaxcache")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "serving", "--runtime", "jax", "--model", str(tiny_gemma4),
+                             "--port", str(port), "--max-model-len", "100"], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_health(proc, url, timeout=600)
+        assert requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["max_model_len"] == 100
+    finally:
+        _stop(proc)

@@ -49,10 +49,7 @@ def live_server(load_engine, model_dir, **kw):
 
 
 def wait_ready(url: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while requests.get(f"{url}/health", timeout=5).status_code != 200:
-        assert time.monotonic() < deadline, "server never became ready"
-        time.sleep(0.05)
+    wait_until(lambda: requests.get(f"{url}/health", timeout=5).status_code == 200, timeout, "the server to be ready")
 
 
 def client(url: str) -> openai.OpenAI:
@@ -187,6 +184,14 @@ def test_seeded_sampling_is_reproducible_streamed_or_not(server):
     assert a == b == s
 
 
+
+def test_negative_seed_is_a_seed_not_a_server_error(server):
+    c = client(server)
+    kw = dict(model="tiny-gemma4", messages=ASK, temperature=1.5, max_tokens=8, seed=-1)
+    a = c.chat.completions.create(**kw)
+    s = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(stream=True, **kw) if ch.choices)
+    assert a.choices[0].finish_reason in ("stop", "length") and a.choices[0].message.content == s
+
 BAD = [
     (b'{"messages": [', 400, None),                                                   # malformed JSON
     (b'[1, 2]', 400, None),                                                           # not an object
@@ -198,6 +203,8 @@ BAD = [
     (json.dumps({"messages": ASK, "max_tokens": 0}), 400, "max_tokens"),
     (json.dumps({"messages": ASK, "stream": "yes"}), 400, "stream"),
     (json.dumps({"messages": ASK, "stop": 3}), 400, None),
+    (json.dumps({"messages": ASK, "stop": [3]}), 400, "stop"),                       # not "stop.list[str].0"
+    (json.dumps({"messages": [{"role": "user", "content": 5}]}), 400, "messages.0.content"),
     (json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}), 400, "messages.0.role"),
     (json.dumps({"messages": [{"role": "tool", "content": "hi"}]}), 400, "messages.0.role"),
     (json.dumps({"messages": [{"content": "hi"}]}), 400, "messages.0.role"),
@@ -366,6 +373,28 @@ def test_disconnect_while_queued_is_skipped(paced_server):
     assert m["vllm:generation_tokens_total"] == 30
     assert m["vllm:request_success_total{finished_reason=abort}"] == 1
 
+
+
+def test_clients_that_left_the_queue_hold_no_slot(paced_server):
+    c = client(paced_server)
+    long = threading.Thread(target=lambda: c.chat.completions.create(model="tiny-gemma4", messages=ASK,
+                                                                     max_tokens=200, extra_body={"ignore_eos": True}))
+    long.start()
+    wait_until(lambda: _in_flight(paced_server) >= 1, what="first request running")
+    for _ in range(3):                                # fill the bound (max_waiting=3), each client hangs up
+        with requests.post(f"{paced_server}/v1/chat/completions", stream=True, timeout=60,
+                           json={"messages": ASK, "stream": True, "max_tokens": 5}) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())
+
+    def admitted() -> bool:
+        with requests.post(f"{paced_server}/v1/chat/completions", stream=True, timeout=60,
+                           json={"messages": ASK, "stream": True, "max_tokens": 2}) as r:
+            return r.status_code == 200
+
+    wait_until(admitted, timeout=5, what="a new request to be admitted")
+    assert long.is_alive()                            # admitted while the 200-token request still runs (~6 s)
+    long.join(timeout=60)
 
 # ------------------------------------------------------------------------------------------------- health
 def test_health_is_503_until_loaded_and_warmed(tiny_gemma4, engine):

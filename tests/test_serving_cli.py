@@ -49,7 +49,7 @@ def test_build_py_serve_runs_the_server(tiny_gemma4):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "build.py", "serve", "--runtime", "pytorch", "--model", str(tiny_gemma4),
                              "--port", str(port), "--served-model-name", "tiny"],
-                            cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_health(proc, url)

@@ -111,6 +111,22 @@ def test_sampling_follows_the_distribution_and_the_seed():
     assert {top_p(logits) for _ in range(200)} == {1}    # 0.75 alone reaches top_p
 
 
+def test_a_tiny_temperature_is_greedy_not_nan():
+    logits = np.array([0.0, 5.0, 1.0, -2.0])
+    for t in (1e-310, 1e-200, 1e-5):
+        assert {Sampler(SamplingParams(temperature=t, seed=s))(logits) for s in range(5)} == {1}
+        assert {Sampler(SamplingParams(temperature=t, top_p=0.9, seed=s))(logits) for s in range(5)} == {1}
+
+def test_any_integer_seed_is_accepted_and_reproducible():
+    logits = np.array([0.0, np.log(3.0)])
+    draws = {}
+    for seed in (-1, -2**63, 2**64 + 5):                # OpenAI/vLLM allow negative seeds; numpy alone does not
+        a, b = Sampler(SamplingParams(temperature=1.0, seed=seed)), Sampler(SamplingParams(temperature=1.0, seed=seed))
+        draws[seed] = [a(logits) for _ in range(200)]
+        assert draws[seed] == [b(logits) for _ in range(200)]
+    assert draws[-1] != draws[-2**63]
+
+
 # ------------------------------------------------------------------------------------ the loop, real engine
 def test_greedy_answer_stops_at_end_of_turn(engine, info):
     text, fin = run(engine, info, SamplingParams(temperature=0.0, max_tokens=200))

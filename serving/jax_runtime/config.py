@@ -110,7 +110,7 @@ def parse(raw: dict, where: str = "config.json") -> TextConfig:
         types[-1] = FULL
 
     rope = _need(t, "rope_parameters", w)
-    for kind in set(types):
+    for kind in dict.fromkeys(types):  # first-seen order, not hash order: the same error in every process
         p = rope.get(kind)
         if not isinstance(p, dict) or "rope_theta" not in p:
             raise CheckpointError(f"{w}: 'rope_parameters.{kind}.rope_theta' is missing")
