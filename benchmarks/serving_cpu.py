@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,13 +20,10 @@ from pathlib import Path
 import requests
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from tests.fixtures.net import free_port  # noqa: E402
+
 BOOT_TIMEOUT_S = 600
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str) -> float:
@@ -45,7 +41,7 @@ def _wait_healthy(proc: subprocess.Popen, url: str) -> float:
 
 
 def bench_runtime(runtime: str, model: Path, args, out: Path) -> Path:
-    port = _port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "serving", "--runtime", runtime, "--model", str(model),
@@ -77,7 +73,6 @@ def main() -> int:
     if args.model:
         model = Path(args.model)
     else:
-        sys.path.insert(0, str(REPO))
         from tests.fixtures.tiny_gemma4 import cached
         model = cached()
     out = Path(args.out)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import requests
 
 from g5g import bench, wire
 from g5g.cli import main
+from tests.fixtures.net import free_port
 
 TOL_ABS, TOL_REL = 0.010, 0.05  # seconds, fraction
 
@@ -248,9 +248,7 @@ def test_bad_flags_are_one_line_errors(capsys):
 def project_server(request, tiny_gemma4, tmp_path_factory):
     """`python -m serving --runtime R` on 127.0.0.1:<free port>, as the images run it."""
     runtime = request.param
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = tmp_path_factory.mktemp(f"serve-{runtime}") / "server.log"
     proc = subprocess.Popen([sys.executable, "-m", "serving", "--runtime", runtime, "--model", str(tiny_gemma4),
                              "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],

@@ -2,13 +2,13 @@
 
 Needs the docker CLI and the buildx plugin, but no Docker engine: buildx reads registries itself and
 speaks plain HTTP to loopback registries without any configuration."""
-import socket
 
 import pytest
 
 from g5g import inspect as inspector
 from g5g.errors import UserError
 from tests.fixtures.registry import Platform, docker_config_dir, push_image
+from tests.fixtures.net import free_port
 
 pytestmark = pytest.mark.skipif(
     not inspector.imagetools_available(),
@@ -60,9 +60,7 @@ def test_unknown_tag(registry, registry_images):
 
 
 def test_unreachable():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with pytest.raises(UserError) as e:
         inspector.inspect(f"127.0.0.1:{port}/x/y:1", backend="imagetools")
     assert str(e.value) == f"registry 127.0.0.1:{port} unreachable: Connection refused (imagetools)"

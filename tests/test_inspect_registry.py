@@ -1,5 +1,4 @@
 """The HTTP backend against a real docker-registry on loopback, with images the tests push themselves."""
-import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -10,6 +9,7 @@ from g5g import inspect as inspector
 from g5g import registry as reg_client
 from g5g.errors import UserError
 from tests.fixtures.registry import VLLM_AMD64, VLLM_ARM64, Platform, push_image
+from tests.fixtures.net import free_port
 
 
 def inspect_http(ref, **kw):
@@ -93,9 +93,7 @@ def test_unknown_repository(registry, images):
 
 
 def test_unreachable_registry():
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with pytest.raises(UserError) as e:
         inspect_http(f"127.0.0.1:{port}/x/y:1")
     assert one_line(e) == f"registry 127.0.0.1:{port} unreachable at http://127.0.0.1:{port}: Connection refused"

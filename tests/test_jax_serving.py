@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
-from tests.test_serving import free_port
+from tests.fixtures.net import free_port
 from tests.test_serving_cli import _stop, _wait_health
 
 pytest.importorskip("jax")

@@ -14,6 +14,7 @@ from g5g import buildx, manifest
 from g5g.commands import build as build_cmd
 from g5g.errors import UserError
 from g5g.plan import make_plan
+from tests.fixtures.net import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 CONTRACT_KEYS = {"runtime", "tags", "platforms", "build_args", "labels", "patches", "upstream", "commands"}
@@ -201,7 +202,6 @@ def test_binfmt_check_reads_the_handler(tmp_path: Path):
 def test_registry_check_against_a_loopback_server():
     """A real HTTP server on 127.0.0.1: /v2/ answering 401 is a registry; 404 is not; a closed port is unreachable."""
     import http.server
-    import socket
     import threading
 
     status = {"code": 401}
@@ -225,9 +225,7 @@ def test_registry_check_against_a_loopback_server():
     finally:
         srv.shutdown()
         srv.server_close()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        free = s.getsockname()[1]
+    free = free_port()
     c = buildx.check_registry(f"127.0.0.1:{free}")
     assert not c.ok and "unreachable" in c.detail
 

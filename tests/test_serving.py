@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import threading
 import time
 
@@ -19,17 +18,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from serving.api import create_app
 from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
+from tests.fixtures.net import free_port
 
 ASK = [{"role": "user", "content": QUESTION}]
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def live_server(load_engine, model_dir, **kw):
     """uvicorn on 127.0.0.1:<free port> in a thread; yields the base URL once it accepts connections."""
@@ -182,7 +176,6 @@ def test_seeded_sampling_is_reproducible_streamed_or_not(server):
     b = c.chat.completions.create(**kw).choices[0].message.content
     s = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(stream=True, **kw) if ch.choices)
     assert a == b == s
-
 
 
 def test_negative_seed_is_a_seed_not_a_server_error(server):
@@ -372,7 +365,6 @@ def test_disconnect_while_queued_is_skipped(paced_server):
     m = metrics(paced_server)
     assert m["vllm:generation_tokens_total"] == 30
     assert m["vllm:request_success_total{finished_reason=abort}"] == 1
-
 
 
 def test_clients_that_left_the_queue_hold_no_slot(paced_server):

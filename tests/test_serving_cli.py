@@ -12,7 +12,7 @@ from pathlib import Path
 import requests
 
 from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
-from tests.test_serving import free_port
+from tests.fixtures.net import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
