@@ -241,6 +241,11 @@ def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", 
         for p in plats:
             if p not in ("linux/arm64", "linux/amd64"):
                 raise UserError(f"--platform {p}: not a supported platform (linux/arm64, linux/amd64)")
+            # The CUDA templates are per platform (NVIDIA's repo path, -mcpu): only the profile's own platforms build.
+            if prof.cuda and p not in prof.platforms:
+                raise UserError(f"--platform {p}: profile {profile} builds only {', '.join(prof.platforms)} "
+                                f"(CUDA repo {prof.cuda.repo}); for sm_75 on x86 (g4dn), check upstream images "
+                                "with `build.py inspect`")
         if not plats:
             raise UserError("--platform: empty")
     else:

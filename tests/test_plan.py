@@ -76,7 +76,13 @@ def test_bad_flags(g5g):
         make_plan(g5g, registry="https://ghcr.io/me")
     with pytest.raises(UserError, match="--out"):
         make_plan(g5g, out="/tmp/x")
-    assert make_plan(g5g, platforms="linux/arm64,linux/amd64").images[0].platforms == ("linux/arm64", "linux/amd64")
+    with pytest.raises(UserError, match="--platform linux/amd64: profile g5g builds only linux/arm64"):
+        make_plan(g5g, platforms="linux/arm64,linux/amd64")
+
+
+def test_cpu_profile_builds_any_supported_platform(cpu):
+    assert make_plan(cpu, profile="cpu", platforms="linux/arm64,linux/amd64").images[0].platforms == (
+        "linux/arm64", "linux/amd64")
 
 
 def test_commands_build_once_then_push_all_or_none(g5g):
