@@ -21,10 +21,9 @@ from pathlib import Path
 
 import requests
 
-from g5g import manifest
+from g5g import REPO_ROOT, manifest
 from g5g.errors import UserError
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 CACHE_DIR = REPO_ROOT / ".cache"
 PROBE = REPO_ROOT / "tools" / "vllm_attn_probe.py"
 # What the probe loads from the sdist, besides the files the patches touch.

@@ -13,9 +13,10 @@ from pathlib import Path, PurePosixPath
 
 import jinja2
 
+from g5g import REPO_ROOT
 from g5g.plan import ImagePlan, Plan
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "dockerfiles"
+TEMPLATES = REPO_ROOT / "dockerfiles"
 
 
 def _env() -> jinja2.Environment:

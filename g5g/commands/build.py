@@ -14,11 +14,10 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from g5g import buildx, manifest, patches, render
+from g5g import REPO_ROOT, buildx, manifest, patches, render
 from g5g.errors import FAILED, OK, UserError
 from g5g.plan import Plan, make_plan
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 CA_ENV = ("REQUESTS_CA_BUNDLE", "SSL_CERT_FILE", "PIP_CERT")
 
 console = Console(highlight=False)

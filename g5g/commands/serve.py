@@ -10,9 +10,9 @@ import os
 import sys
 from pathlib import Path
 
+from g5g import REPO_ROOT
 from g5g.errors import UserError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 RUNTIME_PACKAGES = {"pytorch": ("torch", "transformers", "fastapi", "uvicorn"),
                     "jax": ("jax", "transformers", "fastapi", "uvicorn")}
 

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from g5g import containers, manifest, smoke, wire
+from g5g import REPO_ROOT, containers, manifest, smoke, wire
 from g5g.errors import FAILED, OK, UserError
 
 MAX_TOKENS = 256
@@ -28,9 +28,9 @@ err = Console(stderr=True, highlight=False)
 
 
 def manifest_dir() -> Path | None:
-    """As the build command: ./manifests, else the checkout this package runs from."""
-    return next((p for p in (Path("manifests"), Path(__file__).resolve().parents[2] / "manifests") if p.is_dir()),
-                None)
+    """As the build command: the manifests of the checkout this package runs from."""
+    found = REPO_ROOT / "manifests"
+    return found if found.is_dir() else None
 
 
 def manifest_defaults(runtime: str | None) -> dict:
