@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import logging
 import sys
 import types
 from contextlib import contextmanager
@@ -25,26 +24,11 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from vllm_stubs import VllmLogger, stub_module
 
 KERNEL_FILE = "vllm/v1/attention/ops/triton_unified_attention.py"
 HELPERS_FILE = "vllm/v1/attention/ops/triton_attention_helpers.py"
 MODULE_NAME = "vllm.v1.attention.ops.triton_unified_attention"
-
-
-class _Logger(logging.LoggerAdapter):
-    """vLLM's logger adds *_once methods."""
-
-    def __init__(self, name: str):
-        super().__init__(logging.getLogger(name), {})
-
-    def debug_once(self, msg, *args, **_):
-        self.debug(msg, *args)
-
-    def info_once(self, msg, *args, **_):
-        self.info(msg, *args)
-
-    def warning_once(self, msg, *args, **_):
-        self.warning(msg, *args)
 
 
 class Platform:
@@ -90,13 +74,6 @@ def _kv_quant_mode_enum(src_root: Path) -> type:
     return ns["KVQuantMode"]
 
 
-def _module(name: str, **attrs) -> types.ModuleType:
-    m = types.ModuleType(name)
-    m.__path__ = []  # lets submodule imports resolve through sys.modules
-    m.__dict__.update(attrs)
-    return m
-
-
 def _load_file(name: str, path: Path) -> types.ModuleType:
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
@@ -111,15 +88,15 @@ def _vllm_seam(src_root: Path, platform: Platform):
     for k in saved:
         del sys.modules[k]
     shims = {
-        "vllm": _module("vllm"),
-        "vllm.envs": _module("vllm.envs", VLLM_BATCH_INVARIANT=False, VLLM_TRITON_FORCE_FIRST_CONFIG=False),
-        "vllm.logger": _module("vllm.logger", init_logger=_Logger),
-        "vllm.platforms": _module("vllm.platforms", current_platform=platform),
-        "vllm.triton_utils": _module("vllm.triton_utils", tl=tl, triton=triton),
-        "vllm.v1": _module("vllm.v1"),
-        "vllm.v1.attention": _module("vllm.v1.attention"),
-        "vllm.v1.attention.ops": _module("vllm.v1.attention.ops"),
-        "vllm.v1.kv_cache_interface": _module("vllm.v1.kv_cache_interface",
+        "vllm": stub_module("vllm"),
+        "vllm.envs": stub_module("vllm.envs", VLLM_BATCH_INVARIANT=False, VLLM_TRITON_FORCE_FIRST_CONFIG=False),
+        "vllm.logger": stub_module("vllm.logger", init_logger=VllmLogger),
+        "vllm.platforms": stub_module("vllm.platforms", current_platform=platform),
+        "vllm.triton_utils": stub_module("vllm.triton_utils", tl=tl, triton=triton),
+        "vllm.v1": stub_module("vllm.v1"),
+        "vllm.v1.attention": stub_module("vllm.v1.attention"),
+        "vllm.v1.attention.ops": stub_module("vllm.v1.attention.ops"),
+        "vllm.v1.kv_cache_interface": stub_module("vllm.v1.kv_cache_interface",
                                               KVQuantMode=_kv_quant_mode_enum(src_root)),
     }
     sys.modules.update(shims)

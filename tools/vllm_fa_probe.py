@@ -23,6 +23,7 @@ from collections import namedtuple
 from pathlib import Path
 
 import torch
+from vllm_stubs import VllmLogger, stub_module
 
 FA_UTILS = "vllm/v1/attention/backends/fa_utils.py"
 Capability = namedtuple("DeviceCapability", "major minor")
@@ -55,24 +56,6 @@ class Platform:
         return self.capability // 10 == capability // 10
 
 
-class _Logger(logging.LoggerAdapter):
-    def __init__(self, name: str):
-        super().__init__(logging.getLogger(name), {})
-
-    def warning_once(self, msg, *args, **_):
-        self.warning(msg, *args)
-
-    def info_once(self, msg, *args, **_):
-        self.info(msg, *args)
-
-
-def _module(name: str, path: list[str] | None = None, **attrs) -> types.ModuleType:
-    m = types.ModuleType(name)
-    m.__path__ = path or []
-    m.__dict__.update(attrs)
-    return m
-
-
 def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
@@ -82,16 +65,16 @@ def probe(src: Path, capability: int = 75, torch_cuda: str | None = "13.0") -> d
     logging.basicConfig(level=logging.ERROR, handlers=[logging.StreamHandler(sys.stderr)])
     sys.modules.update({
         # `vllm` resolves its submodules from the tree (vllm/__init__.py itself pulls in the whole engine).
-        "vllm": _module("vllm", [str(src / "vllm")]),
-        "vllm.envs": _module("vllm.envs", VLLM_BATCH_INVARIANT=False),
-        "vllm.logger": _module("vllm.logger", init_logger=_Logger),
-        "vllm.platforms": _module("vllm.platforms", current_platform=Platform(capability)),
-        "vllm.config": _module("vllm.config", get_current_vllm_config_or_none=lambda: None),
-        "vllm._custom_ops": _module("vllm._custom_ops", reshape_and_cache_flash=lambda *a, **k: None),
-        "vllm.v1": _module("vllm.v1"),
-        "vllm.v1.attention": _module("vllm.v1.attention"),
-        "vllm.v1.attention.backends": _module("vllm.v1.attention.backends"),
-        "vllm.v1.kv_cache_interface": _module("vllm.v1.kv_cache_interface",
+        "vllm": stub_module("vllm", [str(src / "vllm")]),
+        "vllm.envs": stub_module("vllm.envs", VLLM_BATCH_INVARIANT=False),
+        "vllm.logger": stub_module("vllm.logger", init_logger=VllmLogger),
+        "vllm.platforms": stub_module("vllm.platforms", current_platform=Platform(capability)),
+        "vllm.config": stub_module("vllm.config", get_current_vllm_config_or_none=lambda: None),
+        "vllm._custom_ops": stub_module("vllm._custom_ops", reshape_and_cache_flash=lambda *a, **k: None),
+        "vllm.v1": stub_module("vllm.v1"),
+        "vllm.v1.attention": stub_module("vllm.v1.attention"),
+        "vllm.v1.attention.backends": stub_module("vllm.v1.attention.backends"),
+        "vllm.v1.kv_cache_interface": stub_module("vllm.v1.kv_cache_interface",
                                               is_quantized_kv_cache=lambda dtype: False),
     })
     report: dict = {"torch_cuda": torch.version.cuda, "capability": capability}
