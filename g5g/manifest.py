@@ -17,22 +17,27 @@ import yaml
 from g5g.errors import UserError
 
 RUNTIMES = ("torch-base", "vllm", "jax", "pytorch")
-PROFILES = ("g5g", "cpu")
+PROFILES = ("g5g", "g4dn", "cpu")
 VLLM_FLOOR = (0, 28, 0)  # Gemma 4's per-layer head_dim is handled from vLLM 0.28.0
 PLATFORM_RE = re.compile(r"^linux/(amd64|arm64)$")
 ARCH_RE = re.compile(r"^\d+\.\d+$")  # "7.5"; "+PTX", "sm_75", "75" are refused
 VERSION_RE = re.compile(r"^\d+(\.\d+)*([a-z0-9.+]*)$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/:@-]*$")
+DIGEST_RE = re.compile(r"@sha256:[0-9a-f]{64}$")
+TORCH_SOURCES = ("build", "image", "pypi")  # pypi: the index's CUDA wheel, checked for the profile's SASS
 
 
 @dataclass(frozen=True)
 class Cuda:
+    """Where the toolkit comes from: NVIDIA's images (devel + runtime, g5g) or NVIDIA's wheels (pip, g4dn)."""
     version: str
     archs: tuple[str, ...]
-    repo: str
-    devel_image: str
-    runtime_image: str
+    devel_image: str | None = None
+    runtime_image: str | None = None
+    pip_toolkit: str | None = None  # cuda-toolkit==X on the index, e.g. "13.0.3" (what PyPI's torch is built on)
+    cuobjdump: str = ""  # nvidia-cuda-cuobjdump==X: lists the SASS of torch's and vLLM's libraries at build time
+    nccl: str | None = None  # nvidia-nccl-cu13==X for a source-built torch: one version to build and run with
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,10 @@ class Profile:
     wheels: str | None = None
     max_jobs: str = "auto"
     nvcc_threads: int = 1
+    rust_frontend: bool = True  # vLLM's Rust frontend (vllm-rs) needs the crates registry at build time
+    vllm_sources: str | None = None  # local tree of vLLM's external projects (tools/vllm_sources.py), not GitHub
+    torch_source: str | None = None  # overrides torch-base's source for this profile
+    tag_suffix: str = ""  # appended to the image tags: "" for the flagship profile, "-<name>" by default
     source: str = ""
 
 
@@ -186,16 +195,26 @@ def _profile(file: str, data: Any) -> Profile:
                        "archs")
             if not ARCH_RE.match(a):
                 c.fail(f"{a!r} is not a CUDA arch like \"7.5\"", "archs")
-        cuda = Cuda(version, archs, c.get("repo", str), c.get("devel_image", str), c.get("runtime_image", str))
+        devel, runtime = c.get("devel_image", str, required=False), c.get("runtime_image", str, required=False)
+        pip_toolkit = c.get("pip_toolkit", str, required=False)
+        if (devel is None) != (runtime is None) or (devel is None) == (pip_toolkit is None):
+            c.fail("needs devel_image and runtime_image (NVIDIA's images) or pip_toolkit (NVIDIA's wheels), "
+                   "not both", "pip_toolkit" if pip_toolkit else "devel_image")
+        cuda = Cuda(version, archs, devel, runtime, pip_toolkit, c.get("cuobjdump", str, required=False, default=""),
+                    c.get("nccl", str, required=False))
         c.done()
     base_image = r.get("base_image", str, required=False)
     if cuda is None and base_image is None:
         r.fail("a profile without cuda needs a base_image", "base_image")
+    if cuda is not None and cuda.pip_toolkit and base_image is None:
+        r.fail("cuda.pip_toolkit (no NVIDIA image) needs a base_image to install it on", "base_image")
     for key, img in (("base_image", base_image),) + (
             (("cuda.devel_image", cuda.devel_image), ("cuda.runtime_image", cuda.runtime_image)) if cuda else ()):
         if img is not None and not IMAGE_RE.match(img):
             r.fail(f"{img!r} is not an image reference", key)
-    max_jobs, nvcc_threads = "auto", 1
+        if img is not None and "@" in img and not DIGEST_RE.search(img):
+            r.fail(f"{img!r}: a digest is @sha256: and 64 hex digits", key)
+    max_jobs, nvcc_threads, rust_frontend, vllm_sources = "auto", 1, True, None
     b = r.sub("build", required=False)
     if b is not None:
         mj = b.get("max_jobs", (str, int), required=False, default="auto")
@@ -205,10 +224,18 @@ def _profile(file: str, data: Any) -> Profile:
         nvcc_threads = b.get("nvcc_threads", int, required=False, default=1)
         if nvcc_threads < 1:
             b.fail("must be at least 1", "nvcc_threads")
+        rust_frontend = b.get("rust_frontend", bool, required=False, default=True)
+        vllm_sources = b.get("vllm_sources", str, required=False)
+        if vllm_sources is not None and (vllm_sources.startswith("/") or ".." in Path(vllm_sources).parts):
+            b.fail(f"{vllm_sources!r} must be a directory inside the repository (it is a build context)",
+                   "vllm_sources")
         b.done()
     wheels = r.get("wheels", str, required=False)
     if wheels is not None and (wheels.startswith("/") or ".." in Path(wheels).parts):
         r.fail(f"{wheels!r} must be a directory inside the repository (it is a build context)", "wheels")
+    torch_source = r.get("torch_source", str, required=False)
+    if torch_source is not None and torch_source not in TORCH_SOURCES:
+        r.fail(f"{torch_source!r} must be one of {', '.join(TORCH_SOURCES)}", "torch_source")
     registry = r.get("registry", str)
     if not IMAGE_RE.match(registry) or registry.endswith("/"):
         r.fail(f"{registry!r} is not a registry/namespace like ghcr.io/me", "registry")
@@ -216,7 +243,9 @@ def _profile(file: str, data: Any) -> Profile:
         name=name, description=r.get("description", str), platforms=platforms, registry=registry,
         python=r.get("python", str), dtype=r.get("dtype", str), cuda=cuda,
         cpu_baseline=r.get("cpu_baseline", str, required=False), base_image=base_image,
-        wheels=wheels, max_jobs=max_jobs, nvcc_threads=nvcc_threads, source=file)
+        wheels=wheels, max_jobs=max_jobs, nvcc_threads=nvcc_threads, rust_frontend=rust_frontend,
+        vllm_sources=vllm_sources, torch_source=torch_source,
+        tag_suffix=r.get("tag_suffix", str, required=False, default=f"-{name}"), source=file)
     r.done()
     return profile
 
@@ -225,7 +254,7 @@ def _profile(file: str, data: Any) -> Profile:
 
 REQUIRED_PINS = {
     "torch-base": ("torch",),
-    "vllm": ("vllm", "torch", "torchvision", "transformers", "rust"),
+    "vllm": ("vllm", "torch", "torchvision", "transformers", "rust", "triton"),
     "jax": ("jax", "transformers"),
     "pytorch": ("torch", "transformers"),
 }

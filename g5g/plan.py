@@ -129,14 +129,16 @@ def serving_requirements(repo_root: Path) -> tuple[str, ...]:
 
 
 def _tags(registry: str, runtime: str, version: str, profile: Profile) -> tuple[str, ...]:
-    """REG/g5g-images:vllm-0.33.0-cu132-sm75 + REG/g5g-images:vllm; cpu: …:jax-0.10.2-cpu + …:jax-cpu."""
+    """REG/g5g-images:vllm-0.33.0-cu132-sm75 + REG/g5g-images:vllm (g5g); other profiles add their tag suffix:
+    …:vllm-0.33.0-cu130-sm75-g4dn + …:vllm-g4dn, …:jax-0.10.2-cpu + …:jax-cpu."""
     repo = f"{registry}/{IMAGE_NAME}"
     v = version.split("+")[0]
+    suffix = profile.tag_suffix
     if profile.cuda:
         cu = "cu" + profile.cuda.version.replace(".", "")
         sm = "sm" + "-".join(a.replace(".", "") for a in profile.cuda.archs)
-        return f"{repo}:{runtime}-{v}-{cu}-{sm}", f"{repo}:{runtime}"
-    return f"{repo}:{runtime}-{v}-{profile.name}", f"{repo}:{runtime}-{profile.name}"
+        return f"{repo}:{runtime}-{v}-{cu}-{sm}{suffix}", f"{repo}:{runtime}{suffix}"
+    return f"{repo}:{runtime}-{v}{suffix}", f"{repo}:{runtime}{suffix}"
 
 
 def _upstream(rt: Runtime, profile: Profile) -> dict[str, str]:
@@ -158,8 +160,10 @@ def _image(manifests: Manifests, profile: Profile, name: str, registry: str, pla
     archs = " ".join(profile.cuda.archs) if profile.cuda else ""
     upstream = _upstream(rt, profile)
     patches = tuple({"path": p.path, "sha256": p.sha256} for p in rt.patches)
-    base_name = (rt.image if (name == "torch-base" and rt.source == "image") else
-                 profile.cuda.runtime_image if (profile.cuda and name in ("torch-base", "jax")) else
+    cuda = profile.cuda
+    torch_source = (profile.torch_source or rt.source) if cuda else "wheels"
+    base_name = (rt.image if (name == "torch-base" and torch_source == "image") else
+                 cuda.runtime_image if (cuda and cuda.runtime_image and name in ("torch-base", "jax")) else
                  profile.base_image if name in ("torch-base", "jax") else base_tag)
     labels = {
         "org.opencontainers.image.title": f"{IMAGE_NAME} {name}",
@@ -178,36 +182,47 @@ def _image(manifests: Manifests, profile: Profile, name: str, registry: str, pla
     ctx_vars: dict = {}
     contexts: dict[str, str] = {}
     depends: tuple[str, ...] = ()
-    cuda = profile.cuda
     if name == "torch-base":
         args["TORCH_VERSION"] = pins["torch"]
-        if cuda and rt.source == "build":
+        if torch_source == "build":
             args |= {"CUDA_DEVEL_IMAGE": cuda.devel_image, "CUDA_RUNTIME_IMAGE": cuda.runtime_image,
-                     "TORCH_CUDA_ARCH_LIST": archs, "MAX_JOBS": profile.max_jobs,
+                     "TORCH_CUDA_ARCH_LIST": archs, "MAX_JOBS": profile.max_jobs, "NCCL_VERSION": cuda.nccl or "",
                      "NVCC_THREADS": str(profile.nvcc_threads), "CPU_BASELINE": profile.cpu_baseline or "native"}
-        elif cuda:
+        elif torch_source == "image":
             args["TORCH_BASE_IMAGE"] = rt.image or ""
         else:
             args["BASE_IMAGE"] = profile.base_image or ""
-            if profile.wheels:
+            if torch_source == "pypi":
+                args |= {"TORCH_CUDA_ARCH_LIST": archs, "CUOBJDUMP_VERSION": cuda.cuobjdump}
+            elif profile.wheels:
                 contexts["wheels"] = profile.wheels
-        ctx_vars["source"] = rt.source if cuda else "wheel"
+        ctx_vars["source"] = torch_source
     else:
         if name in ("vllm", "pytorch"):
             args["TORCH_BASE"] = base_tag
             contexts[base_tag] = "target:torch-base"
             depends = ("torch-base",)
         if name == "jax":
-            args["BASE_IMAGE"] = cuda.runtime_image if cuda else (profile.base_image or "")
+            args["BASE_IMAGE"] = (cuda and cuda.runtime_image) or profile.base_image or ""
             args["JAX_VERSION"] = pins["jax"]
             if cuda:
                 args["JAX_EXTRA"] = f"cuda{cuda.version.split('.')[0]}"
         if name == "vllm":
             args |= {"VLLM_VERSION": pins["vllm"], "VLLM_SDIST_SHA256": rt.sdist_sha256 or "",
                      "TORCHVISION_VERSION": pins["torchvision"], "TRANSFORMERS_VERSION": pins["transformers"],
-                     "RUST_VERSION": pins["rust"], "CUDA_VERSION": cuda.version, "CUDA_REPO": cuda.repo,
-                     "TORCH_CUDA_ARCH_LIST": archs, "MAX_JOBS": profile.max_jobs,
+                     "TRITON_VERSION": pins["triton"], "TORCH_CUDA_ARCH_LIST": archs, "MAX_JOBS": profile.max_jobs,
                      "NVCC_THREADS": str(profile.nvcc_threads)}
+            if cuda.pip_toolkit:
+                args |= {"CUDA_TOOLKIT_VERSION": cuda.pip_toolkit, "CUOBJDUMP_VERSION": cuda.cuobjdump,
+                         "BASE_IMAGE": profile.base_image or ""}
+            else:
+                args["CUDA_DEVEL_IMAGE"] = cuda.devel_image
+            if profile.rust_frontend:
+                args["RUST_VERSION"] = pins["rust"]
+            if profile.vllm_sources:
+                contexts["vllm-sources"] = str(PurePosixPath(profile.vllm_sources) / pins["vllm"])
+            ctx_vars |= {"toolkit": "pip" if cuda.pip_toolkit else "image", "rust_frontend": profile.rust_frontend,
+                         "vllm_sources": bool(profile.vllm_sources)}
         if name in ("jax", "pytorch"):
             reqs = serving_requirements(repo_root)
             for r in reqs:
@@ -244,8 +259,8 @@ def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", 
             # The CUDA templates are per platform (NVIDIA's repo path, -mcpu): only the profile's own platforms build.
             if prof.cuda and p not in prof.platforms:
                 raise UserError(f"--platform {p}: profile {profile} builds only {', '.join(prof.platforms)} "
-                                f"(CUDA repo {prof.cuda.repo}); for sm_75 on x86 (g4dn), check upstream images "
-                                "with `build.py inspect`")
+                                f"(its CUDA toolkit and host flags are per platform); for sm_75 on the other one, "
+                                f"pick its profile ({', '.join(n for n in manifests.profiles if n != profile)})")
         if not plats:
             raise UserError("--platform: empty")
     else:
@@ -258,7 +273,7 @@ def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", 
     out = str(PurePosixPath(out))
     cpu = prof.cuda is None
     if runtime == "vllm" and cpu:
-        raise UserError(f"--runtime vllm --profile {profile}: vLLM needs CUDA here; use --profile g5g "
+        raise UserError(f"--runtime vllm --profile {profile}: vLLM needs CUDA here; use --profile g5g or g4dn "
                         f"(the {profile} profile builds jax, pytorch and torch-base)")
     names = [n for n in ORDER if not (cpu and n == "vllm")]
     base_rt = manifests.runtimes["torch-base"]

@@ -57,8 +57,11 @@ def bake(plan: Plan) -> dict:
             "labels": dict(img.labels),
             "args": dict(img.build_args),
         }
-        links = {k: v for k, v in img.contexts.items() if v.startswith("target:")}
-        if links and not plan.sequential:
+        # Named contexts: links to other targets (not for engines without named contexts: sequential builds
+        # find those by tag) and local directories (e.g. vllm-sources); the cpu torch base's wheels are its context.
+        links = {k: v for k, v in img.contexts.items()
+                 if (v.startswith("target:") and not plan.sequential) or (not v.startswith("target:") and k != "wheels")}
+        if links:
             t["contexts"] = links
         targets[img.target] = t
     return {"group": {"default": {"targets": [i.target for i in plan.all_images]}}, "target": targets}
@@ -92,4 +95,6 @@ def write(plan: Plan, repo_root: str | Path) -> list[Path]:
             dest.mkdir(parents=True)
             for p in img.patches:
                 shutil.copy2(root / p["path"], dest / PurePosixPath(p["path"]).name)
+            if img.context_vars.get("toolkit") == "pip":
+                shutil.copy2(TEMPLATES / "cuda-check.cu", ctx / "cuda-check.cu")
     return written

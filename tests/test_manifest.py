@@ -31,7 +31,7 @@ def edit(mdir: Path, rel: str, change) -> None:
 
 def test_real_manifests_load():
     m = manifest.load(MANIFESTS)
-    assert set(m.profiles) == {"g5g", "cpu"}
+    assert set(m.profiles) == {"g5g", "g4dn", "cpu"}
     assert set(m.runtimes) == {"torch-base", "vllm", "jax", "pytorch"}
     g5g = m.profiles["g5g"]
     assert g5g.platforms == ("linux/arm64",) and g5g.cuda.archs == ("7.5",) and g5g.cuda.version == "13.2"
@@ -123,8 +123,8 @@ def test_missing_manifest_file(mdir: Path):
 
 
 def test_unknown_profile_lists_known(mdir: Path):
-    with pytest.raises(UserError, match=r"--profile g4dn: .*known: cpu, g5g"):
-        manifest.load(mdir, profile="g4dn")
+    with pytest.raises(UserError, match=r"--profile p4d: .*known: cpu, g4dn, g5g"):
+        manifest.load(mdir, profile="p4d")
 
 
 def test_override_sets_value_before_validation(mdir: Path):

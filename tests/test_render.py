@@ -34,7 +34,7 @@ def golden_name(rel: str) -> str:
     return "docker-bake.json" if p.name == "docker-bake.json" else f"{p.parent.name}.Dockerfile"
 
 
-@pytest.mark.parametrize("profile", ["g5g", "cpu"])
+@pytest.mark.parametrize("profile", ["g5g", "g4dn", "cpu"])
 def test_golden_files(profile):
     _, files = rendered(profile)
     gdir = GOLDEN / profile
@@ -50,7 +50,7 @@ def test_golden_files(profile):
                                                               f"(G5G_UPDATE_GOLDEN=1 to accept)"
 
 
-@pytest.mark.parametrize("profile", ["g5g", "cpu"])
+@pytest.mark.parametrize("profile", ["g5g", "g4dn", "cpu"])
 def test_dockerfiles_parse_and_declare_exactly_the_build_args(profile):
     plan, files = rendered(profile)
     for img in plan.all_images:
@@ -67,7 +67,7 @@ def test_dockerfiles_parse_and_declare_exactly_the_build_args(profile):
         assert "PTX" not in re.sub(r"^#.*$", "", text, flags=re.M)
 
 
-@pytest.mark.parametrize("profile", ["g5g", "cpu"])
+@pytest.mark.parametrize("profile", ["g5g", "g4dn", "cpu"])
 def test_hadolint_clean_with_documented_ignores(profile, tmp_path):
     plan, files = rendered(profile)
     config = REPO / ".hadolint.yaml"

@@ -3,8 +3,8 @@
 # PyTorch 2.14.0 from source for TORCH_CUDA_ARCH_LIST="7.5" on the nvidia/cuda image:
 # no public aarch64 wheel carries sm_75. The wheel has its own stage (`torch-wheel`) so it can be cached and exported:
 #   docker buildx bake -f build/docker-bake.json torch-base --set torch-base.target=torch-wheel --set torch-base.output=type=local,dest=wheels
-ARG CUDA_DEVEL_IMAGE=nvidia/cuda:13.2.0-cudnn-devel-ubuntu24.04
-ARG CUDA_RUNTIME_IMAGE=nvidia/cuda:13.2.0-cudnn-runtime-ubuntu24.04
+ARG CUDA_DEVEL_IMAGE=nvidia/cuda:13.2.1-cudnn-devel-ubuntu24.04
+ARG CUDA_RUNTIME_IMAGE=nvidia/cuda:13.2.1-cudnn-runtime-ubuntu24.04
 
 FROM ${CUDA_DEVEL_IMAGE} AS torch-build
 ARG TORCH_VERSION=2.14.0
@@ -12,10 +12,13 @@ ARG TORCH_CUDA_ARCH_LIST="7.5"
 ARG MAX_JOBS=auto
 ARG NVCC_THREADS=2
 ARG CPU_BASELINE=neoverse-n1
+ARG NCCL_VERSION=2.30.7
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV DEBIAN_FRONTEND=noninteractive
+# g++/gcc named: the devel image's compiler is not a promise. CUDA 13 images ship no NCCL: it comes from the index
+# (nvidia-nccl-cu13, the version PyPI's torch pins), the same version in the runtime stage below.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends ca-certificates ccache git libnccl-dev libopenblas-dev \
+ && apt-get install -y --no-install-recommends ca-certificates ccache g++ gcc git libopenblas-dev \
       python3-dev python3-venv \
  && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/venv
@@ -27,17 +30,21 @@ RUN --mount=type=secret,id=ca-cert,required=false \
 WORKDIR /src/pytorch
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert; fi; \
-    pip install -r requirements.txt
+    pip install -r requirements.txt "nvidia-nccl-cu13==${NCCL_VERSION}"
 # MAX_JOBS=auto: one compile job per 4 GiB of the build host's memory, at most one per core.
-RUN --mount=type=cache,target=/root/.ccache \
+# USE_FLASH_ATTENTION=0: its kernels are sm_80+ (hours of build for nothing on 7.5); memory-efficient attention stays.
+RUN --mount=type=cache,target=/root/.cache/ccache \
     if [ "$MAX_JOBS" = auto ]; then \
       MAX_JOBS=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 4194304 )); \
       MAX_JOBS=$(( MAX_JOBS < 1 ? 1 : MAX_JOBS > $(nproc) ? $(nproc) : MAX_JOBS )); \
     fi; \
-    export MAX_JOBS TORCH_CUDA_ARCH_LIST USE_CUDA=1 USE_CUDNN=1 USE_SYSTEM_NCCL=1 USE_CUSPARSELT=0 USE_CUDSS=0 \
-      USE_CUFILE=0 BUILD_TEST=0 PYTORCH_BUILD_VERSION="${TORCH_VERSION}" PYTORCH_BUILD_NUMBER=1 \
+    nccl=$(python3 -c "import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))"); \
+    ln -sf libnccl.so.2 "$nccl/lib/libnccl.so"; \
+    export MAX_JOBS TORCH_CUDA_ARCH_LIST USE_CUDA=1 USE_CUDNN=1 USE_SYSTEM_NCCL=1 NCCL_INCLUDE_DIR="$nccl/include" \
+      NCCL_LIB_DIR="$nccl/lib" USE_FLASH_ATTENTION=0 USE_CUSPARSELT=0 USE_CUDSS=0 USE_CUFILE=0 BUILD_TEST=0 \
+      CCACHE_DIR=/root/.cache/ccache PYTORCH_BUILD_VERSION="${TORCH_VERSION}" PYTORCH_BUILD_NUMBER=1 \
       CFLAGS="-mcpu=${CPU_BASELINE}" CXXFLAGS="-mcpu=${CPU_BASELINE}" TORCH_NVCC_FLAGS="--threads=${NVCC_THREADS}"; \
-    echo "building torch ${TORCH_VERSION} for ${TORCH_CUDA_ARCH_LIST} with MAX_JOBS=${MAX_JOBS}"; \
+    echo "building torch ${TORCH_VERSION} for ${TORCH_CUDA_ARCH_LIST} with MAX_JOBS=${MAX_JOBS}, NCCL ${NCCL_VERSION}"; \
     pip wheel --no-build-isolation --no-deps --wheel-dir /wheels .
 
 FROM scratch AS torch-wheel
@@ -45,17 +52,21 @@ COPY --from=torch-build /wheels/ /
 
 FROM ${CUDA_RUNTIME_IMAGE} AS torch-base
 ARG TORCH_VERSION=2.14.0
+ARG NCCL_VERSION=2.30.7
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
- && apt-get install -y --no-install-recommends ca-certificates libgomp1 libnccl2 libopenblas0 python3 python3-venv \
+ && apt-get install -y --no-install-recommends ca-certificates libgomp1 libopenblas0 python3 python3-venv \
  && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH VIRTUAL_ENV=/opt/venv
+# The NCCL torch was built against, on the loader path (a source-built torch has no rpath to the venv's copy).
 RUN --mount=type=bind,from=torch-wheel,target=/tmp/wheels --mount=type=cache,target=/root/.cache/pip \
     --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert; fi; \
-    pip install /tmp/wheels/torch-*.whl
+    pip install /tmp/wheels/torch-*.whl "nvidia-nccl-cu13==${NCCL_VERSION}" \
+ && python3 -c "import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) + '/lib')" > /etc/ld.so.conf.d/nccl.conf \
+ && ldconfig
 ENV TORCH_CUDA_ARCH_LIST="7.5"
 # The build fails unless torch carries sm_75 kernels. get_arch_list() is empty without a GPU (none during a build),
 # so read the list it is built on: the arch flags torch was compiled with.

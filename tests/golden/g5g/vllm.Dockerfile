@@ -4,11 +4,12 @@
 # (bake links TORCH_BASE to the torch-base target, so that image is built once).
 ARG TORCH_BASE=ghcr.io/g5g-images/g5g-images:torch-base-2.14.0-cu132-sm75
 
-# --- toolchain: sbsa CUDA toolkit from NVIDIA's repo, GCC >= 13, Rust 1.95, setuptools-rust ---------------------
-FROM ${TORCH_BASE} AS toolchain
-ARG CUDA_VERSION=13.2
-ARG CUDA_REPO=ubuntu2404/sbsa
-ARG RUST_VERSION=1.95
+# --- toolchain: NVIDIA's sbsa devel image (nvcc, headers, cuDNN) + torch-base's venv; GCC >= 13 ------------------------
+# Never `apt-get install cuda-toolkit-X` on top of an nvidia/cuda image: the images apt-mark hold libraries that the
+# repo's newest patch release needs, and apt stops with "held broken packages". The devel image is the toolkit.
+ARG CUDA_DEVEL_IMAGE=nvidia/cuda:13.2.1-cudnn-devel-ubuntu24.04
+FROM ${TORCH_BASE} AS torch-base-image
+FROM ${CUDA_DEVEL_IMAGE} AS toolchain
 # Install steps run as root; every image ends with USER 1000 (DL3002 also flags root in build stages).
 # hadolint ignore=DL3002
 USER 0:0
@@ -19,16 +20,18 @@ ENV DEBIAN_FRONTEND=noninteractive
 RUN --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert; fi; \
     apt-get update \
- && apt-get install -y --no-install-recommends ca-certificates ccache curl g++ gcc git python3-dev \
- && curl -fsSLo /tmp/cuda-keyring.deb "https://developer.download.nvidia.com/compute/cuda/repos/${CUDA_REPO}/cuda-keyring_1.1-1_all.deb" \
- && dpkg -i /tmp/cuda-keyring.deb && rm /tmp/cuda-keyring.deb \
- && apt-get update \
- && apt-get install -y --no-install-recommends "cuda-toolkit-$(echo "${CUDA_VERSION}" | tr . -)" \
- && rm -rf /var/lib/apt/lists/* \
- && gcc_major=$(gcc -dumpversion | cut -d. -f1) \
+ && apt-get install -y --no-install-recommends ca-certificates ccache curl g++ gcc git make perl python3-dev python3-venv \
+ && rm -rf /var/lib/apt/lists/*
+# torch-base's Python environment (same Ubuntu release as the runtime image it was made in).
+COPY --from=torch-base-image /opt/venv /opt/venv
+COPY --from=torch-base-image /etc/ld.so.conf.d/ /etc/ld.so.conf.d/
+RUN ldconfig
+ENV CUDA_HOME=/usr/local/cuda PATH=/opt/venv/bin:/usr/local/cuda/bin:$PATH VIRTUAL_ENV=/opt/venv
+RUN gcc_major=$(gcc -dumpversion | cut -d. -f1) \
  && if [ "$gcc_major" -lt 13 ]; then echo "GCC >= 13 is required to build vLLM (found $(gcc -dumpversion))" >&2; exit 1; fi
-ENV CUDA_HOME=/usr/local/cuda RUSTUP_HOME=/opt/rustup CARGO_HOME=/opt/cargo \
-    PATH=/usr/local/cuda/bin:/opt/cargo/bin:$PATH
+# vLLM's Rust frontend (vllm-rs): openssl-src needs perl and make (installed above); crates from the registry.
+ARG RUST_VERSION=1.95
+ENV RUSTUP_HOME=/opt/rustup CARGO_HOME=/opt/cargo PATH=/opt/cargo/bin:$PATH
 RUN --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert; fi; \
     curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs \
@@ -67,6 +70,7 @@ RUN { git apply --check "/src/patches/0001-triton-attn-turing-smem.patch" \
 
 # --- build: the wheel, for sm_75 only ----------------------------------------------------------------------------
 FROM vllm-source AS vllm-build
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ARG TORCH_CUDA_ARCH_LIST="7.5"
 ARG MAX_JOBS=auto
 ARG NVCC_THREADS=2
@@ -78,29 +82,56 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,re
 # TORCH_CUDA_ARCH_LIST=7.5 (never +PTX) narrows every arch-intersected kernel set to nothing above Turing: vLLM's
 # own sm_90/sm_100/sm_120 kernels and DeepGEMM, DeepSelect, FlashMLA, FlashKDA and QuTLASS compile nothing
 # (README: "What the 7.5-only build skips"); patch 0002 leaves out FlashAttention's FA2/FA3 kernels (sm_80+ only)
-# when no arch is >= 8.0. The last step lists the FA extensions the wheel carries and requires FA's rotary module
-# (Gemma 4's rotary embedding imports it). External sources (GitHub) and ccache live in cache mounts.
-# MAX_JOBS=auto: one job per 4 GiB of the build host's memory per nvcc thread, at most one per core.
+# when no arch is >= 8.0.
+# MAX_JOBS=auto: one job per 4 GiB of the build host's memory, at most one per core; vLLM's setup.py itself divides
+# it by NVCC_THREADS (so each job's nvcc threads share the cores), hence no division here.
+# ccache and vLLM's external sources live in cache mounts, the sources one per vLLM version (DeepGEMM skips its
+# fetch when any older checkout is there).
+# The build leaves its evidence in /report (stage vllm-report): ninja's log, cuobjdump of every .so, timings.
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=cache,target=/root/.cache/ccache \
-    --mount=type=cache,target=/root/.cache/vllm-deps --mount=type=secret,id=ca-cert,required=false \
+    --mount=type=cache,id=vllm-deps-0.33.0,target=/root/.cache/vllm-deps --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert; fi; \
     if [ "$MAX_JOBS" = auto ]; then \
-      MAX_JOBS=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 4194304 / NVCC_THREADS )); \
+      MAX_JOBS=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 4194304 )); \
       MAX_JOBS=$(( MAX_JOBS < 1 ? 1 : MAX_JOBS > $(nproc) ? $(nproc) : MAX_JOBS )); \
     fi; \
     export MAX_JOBS NVCC_THREADS TORCH_CUDA_ARCH_LIST VLLM_TARGET_DEVICE=cuda CCACHE_DIR=/root/.cache/ccache \
       FETCHCONTENT_BASE_DIR=/root/.cache/vllm-deps; \
+    export VLLM_REQUIRE_RUST_FRONTEND=1; \
+    mkdir -p /report; \
     echo "building vLLM ${VLLM_VERSION} for ${TORCH_CUDA_ARCH_LIST} with MAX_JOBS=${MAX_JOBS} NVCC_THREADS=${NVCC_THREADS}"; \
-    pip wheel --no-build-isolation --no-deps --wheel-dir /wheels . \
- && python3 -c "import glob, zipfile; n = zipfile.ZipFile(glob.glob('/wheels/vllm-*.whl')[0]).namelist(); \
+    start=$(date +%s); \
+    pip wheel -v --no-build-isolation --no-deps --wheel-dir /wheels . 2>&1 | tee /report/build.log; \
+    rc=$?; { echo "wall_s $(( $(date +%s) - start ))"; times; } > /report/times.txt; \
+    find /src/vllm/build -name .ninja_log -exec cp {} /report/ninja_log \; ; \
+    [ $rc = 0 ] || exit $rc; \
+    grep -E "CUDA target arch|CUDA supported arch" /report/build.log | sort -u
+# Every .so in the wheel: SASS for the target archs only, no ptx; and the FA extensions it carries (none below 8.0).
+WORKDIR /tmp/so
+RUN python3 -c "import glob, zipfile; z = zipfile.ZipFile(glob.glob('/wheels/vllm-*.whl')[0]); \
+n = z.namelist(); [z.extract(f) for f in n if f.endswith('.so')]; \
 print('FlashAttention extensions in the wheel:', [f for f in n if '/_vllm_fa' in f] or 'none'); \
-r = 'vllm/vllm_flash_attn/layers/rotary.py'; assert r in n, r + ' missing from the wheel'"
+r = 'vllm/vllm_flash_attn/layers/rotary.py'; assert r in n, r + ' missing from the wheel'" \
+ && want=$(for a in $(echo "${TORCH_CUDA_ARCH_LIST}" | tr -d .); do printf 'sm_%s\n' "$a"; done) \
+ && for f in $(find . -name '*.so' | sort); do \
+      elf=$(cuobjdump --list-elf "$f" 2>/dev/null | grep -o 'sm_[0-9]*[af]\?' | sort -u | tr '\n' ' '); \
+      ptx=$(cuobjdump --list-ptx "$f" 2>/dev/null | grep -c '\.ptx' || true); \
+      echo "$f sass: ${elf:-none} ptx: ${ptx}"; \
+      for s in $elf; do echo "$want" | grep -qx "$s" || { echo "$f: unexpected SASS $s" >&2; exit 1; }; done; \
+      [ "$ptx" = 0 ] || { echo "$f: carries ptx (JIT code), only SASS is expected" >&2; exit 1; }; \
+    done | tee /report/cuobjdump.txt \
+ && ls -l /wheels >> /report/times.txt
+WORKDIR /src/vllm
+
+FROM scratch AS vllm-report
+COPY --from=vllm-build /report/ /
 
 # --- runtime: torch-base + the wheel; no nvcc, CMake, Ninja or Rust ----------------------------------------------
 FROM ${TORCH_BASE} AS vllm
 ARG VLLM_VERSION=0.33.0
 ARG TORCHVISION_VERSION=0.29.0
 ARG TRANSFORMERS_VERSION=5.20.2
+ARG TRITON_VERSION=3.8.0
 # Install steps run as root; every image ends with USER 1000 (DL3002 also flags root in build stages).
 # hadolint ignore=DL3002
 USER 0:0
@@ -112,11 +143,12 @@ ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev python3-dev \
  && rm -rf /var/lib/apt/lists/*
+# triton: torch's tested release, pinned (a source-built torch declares none; a vLLM dependency would pull the newest).
 # torchvision: vLLM's pin, --no-deps so it keeps our torch (its own CUDA ops lack sm_75; vLLM uses its CPU transforms).
 RUN --mount=type=bind,from=vllm-build,source=/wheels,target=/tmp/wheels --mount=type=cache,target=/root/.cache/pip \
     --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert; fi; \
-    pip install "/tmp/wheels/vllm-${VLLM_VERSION}"*.whl "transformers==${TRANSFORMERS_VERSION}" \
+    pip install "/tmp/wheels/vllm-${VLLM_VERSION}"*.whl "transformers==${TRANSFORMERS_VERSION}" "triton==${TRITON_VERSION}" \
  && pip install --no-deps "torchvision==${TORCHVISION_VERSION}" \
  && python3 -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 # Non-root at run time; uid 1000 with a writable home for caches (Hugging Face, Triton, JAX).
