@@ -1,0 +1,142 @@
+"""What one real vLLM image build proves: stage times, the slowest translation units, the SASS in every .so, and
+the image itself (import, `vllm serve --help`, our Triton attention kernel compiled for sm_75 inside it).
+
+    python benchmarks/vllm_build_report.py --log build/g4dn/logs/bake-….log --report DIR --image REF \
+        [--sdist-tree .cache/src/vllm-0.33.0] [--json benchmarks/results/g4dn-vllm-build.json]
+
+DIR is the `vllm-report` stage exported after the build (cached, so instant):
+    docker buildx bake -f build/g4dn/docker-bake.json --set vllm.target=vllm-report \
+        --set vllm.output=type=local,dest=DIR vllm
+The bake log is the plain-progress log build.py writes under <out>/logs/. Prints a Markdown report; --json keeps
+the figures. Docker is driven as argv lists; nothing here needs a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STEP = re.compile(r"^#(\d+) \[(?:(\S+) )?(\S+) (\d+)/(\d+)\] (.*)$")  # "#23 [vllm toolchain 1/6] RUN …"
+DONE = re.compile(r"^#(\d+) DONE ([\d.]+)s$")
+CACHED = re.compile(r"^#(\d+) CACHED$")
+
+
+def stage_times(log: str) -> dict[str, dict]:
+    """Per Dockerfile stage: wall seconds summed over its steps (as BuildKit timed them) and steps cached."""
+    steps: dict[str, tuple[str, str]] = {}
+    out: dict[str, dict] = defaultdict(lambda: {"wall_s": 0.0, "steps": 0, "cached": 0})
+    for line in log.splitlines():
+        if m := STEP.match(line):
+            steps[m.group(1)] = (f"{m.group(2) or ''}/{m.group(3)}".lstrip("/"), m.group(6)[:80])
+        elif (m := DONE.match(line)) and m.group(1) in steps:
+            s = out[steps[m.group(1)][0]]
+            s["wall_s"] = round(s["wall_s"] + float(m.group(2)), 1)
+            s["steps"] += 1
+        elif (m := CACHED.match(line)) and m.group(1) in steps:
+            out[steps[m.group(1)][0]]["cached"] += 1
+    return dict(out)
+
+
+def ninja_units(ninja_log: str) -> list[dict]:
+    """Every edge of ninja's log (v5+: start end mtime output hash), latest run of each output, slowest first."""
+    units: dict[str, float] = {}
+    for line in ninja_log.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        start, end, _, output, *_ = line.split("\t")
+        units[output] = (int(end) - int(start)) / 1000
+    return [{"output": o, "seconds": round(s, 1)} for o, s in sorted(units.items(), key=lambda kv: -kv[1])]
+
+
+def sass_lines(cuobjdump_txt: str) -> list[dict]:
+    out = []
+    for line in cuobjdump_txt.splitlines():
+        if m := re.match(r"^(\S+) sass: (.*) ptx: (\d+)$", line):
+            out.append({"so": m.group(1).removeprefix("./"), "sass": m.group(2).split() if m.group(2) != "none"
+                        else [], "ptx": int(m.group(3))})
+    return out
+
+
+def docker(*argv: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(["docker", *argv], capture_output=True, text=True, timeout=timeout)
+
+
+def image_checks(image: str, sdist_tree: Path | None) -> dict:
+    """Run the image as a user would, no GPU: import, the CLI, and our kernel compiled for sm_75 by its own Triton."""
+    out: dict = {"image": image}
+    size = docker("image", "inspect", "--format", "{{.Size}}", image)
+    out["image_bytes"] = int(size.stdout.strip()) if size.returncode == 0 else None
+    imp = docker("run", "--rm", "--entrypoint", "python3", image, "-c",
+                 "import torch, triton, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__, "
+                 "'triton', triton.__version__, 'cuda', torch.version.cuda)")
+    out["import"] = {"rc": imp.returncode, "stdout": imp.stdout.strip(), "stderr_tail": imp.stderr[-800:]}
+    helped = docker("run", "--rm", image, "--help")  # ENTRYPOINT is `vllm serve …`: --help is `vllm serve --help`
+    out["serve_help"] = {"rc": helped.returncode, "lines": len(helped.stdout.splitlines()),
+                         "head": helped.stdout.splitlines()[:3], "stderr_tail": helped.stderr[-800:]}
+    if sdist_tree:
+        site = docker("run", "--rm", "--entrypoint", "python3", image, "-c",
+                      "import os, vllm; print(os.path.dirname(os.path.dirname(vllm.__file__)))").stdout.strip()
+        probe = docker("run", "--rm", "--entrypoint", "python3",
+                       "-v", f"{ROOT / 'tools'}:/probe:ro", "-v", f"{sdist_tree.resolve()}:/unpatched:ro",
+                       "-e", "TRITON_CACHE_DIR=/tmp/triton", image,
+                       "/probe/vllm_attn_probe.py", "--unpatched", "/unpatched", "--patched", site, timeout=1800)
+        try:
+            out["attn_probe"] = json.loads(probe.stdout)
+        except json.JSONDecodeError:
+            out["attn_probe"] = {"rc": probe.returncode, "stdout_tail": probe.stdout[-800:],
+                                 "stderr_tail": probe.stderr[-1500:]}
+    return out
+
+
+def markdown(r: dict) -> str:
+    lines = ["## vLLM image build report", ""]
+    lines += ["| stage | wall (s) | steps run | cached |", "|---|---:|---:|---:|"]
+    for name, s in sorted(r["stages"].items(), key=lambda kv: -kv[1]["wall_s"]):
+        lines.append(f"| {name} | {s['wall_s']} | {s['steps']} | {s['cached']} |")
+    lines += ["", f"vllm-build: {r['build_times']}", "", "Architectures CMake reported:", ""]
+    lines += [f"    {a}" for a in r["arch_lines"]]
+    n = r["ninja"]
+    lines += ["", f"ninja: {n['units']} edges, {n['sum_s']} s summed, {n['fa_units']} under vllm-flash-attn/; "
+              "the 20 slowest:", "", "| s | output |", "|---:|---|"]
+    lines += [f"| {u['seconds']} | `{u['output']}` |" for u in n["slowest"]]
+    lines += ["", "cuobjdump over every .so in the wheel:", "", "| .so | SASS | ptx |", "|---|---|---:|"]
+    lines += [f"| `{s['so']}` | {' '.join(s['sass']) or 'none'} | {s['ptx']} |" for s in r["sass"]]
+    lines += ["", "```", json.dumps(r.get("image_checks", {}), indent=1)[:4000], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--log", type=Path, required=True, help="the bake's plain-progress log")
+    ap.add_argument("--report", type=Path, required=True, help="the exported vllm-report stage")
+    ap.add_argument("--image", help="the built vllm image, to run the in-image checks")
+    ap.add_argument("--sdist-tree", type=Path, help="vLLM's sdist, unpacked: the probe's unpatched reference")
+    ap.add_argument("--json", type=Path, help="write the figures here")
+    a = ap.parse_args(argv)
+    build_log = (a.report / "build.log").read_text(errors="replace")
+    units = ninja_units((a.report / "ninja_log").read_text())
+    r = {
+        "stages": stage_times(a.log.read_text(errors="replace")),
+        "build_times": " ".join((a.report / "times.txt").read_text().split()),
+        "arch_lines": sorted({ln.split("] ", 1)[-1].strip() for ln in build_log.splitlines()
+                              if re.search(r"CUDA (target|supported) arch", ln)}),
+        "ninja": {"units": len(units), "sum_s": round(sum(u["seconds"] for u in units), 1),
+                  "fa_units": sum("vllm-flash-attn" in u["output"] for u in units), "slowest": units[:20]},
+        "sass": sass_lines((a.report / "cuobjdump.txt").read_text()),
+    }
+    if a.image:
+        r["image_checks"] = image_checks(a.image, a.sdist_tree)
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(r, indent=2) + "\n")
+    sys.stdout.write(markdown(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
