@@ -40,9 +40,9 @@ tarball() {  # arch → path of the cached rootfs tarball, building it when miss
   log "debootstrap $SUITE/$arch (minbase + $INCLUDE)…"
   local start=$SECONDS
   if ! debootstrap --variant=minbase --include="$INCLUDE" --arch="$arch" "$SUITE" "$root" "$url" \
-      >"$CACHE/debootstrap-$arch.log" 2>&1; then
-    log "debootstrap $arch failed; last lines of $CACHE/debootstrap-$arch.log:"
-    tail -n 5 "$CACHE/debootstrap-$arch.log" >&2
+      >"$CACHE/debootstrap-$SUITE-$arch.log" 2>&1; then
+    log "debootstrap $arch failed; last lines of $CACHE/debootstrap-$SUITE-$arch.log:"
+    tail -n 5 "$CACHE/debootstrap-$SUITE-$arch.log" >&2
     rm -rf "$root"; return 1
   fi
   # Smaller and reproducible-ish: no package lists, no downloaded debs, no logs.

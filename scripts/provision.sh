@@ -13,7 +13,8 @@
 #     sources are not touched);
 #   - qemu-user-static with the arm64 binfmt handler enabled (flag F, so it works inside containers);
 #   - Debian's docker-registry on 127.0.0.1:$G5G_REGISTRY_PORT (default 5055);
-#   - debootstrap, and the local base images (scripts/base-images.sh; G5G_BASE_IMAGES=0 skips, or a list
+#   - debootstrap, and the local base images (scripts/base-images.sh: bookworm amd64 + arm64, and trixie amd64 for
+#     the g4dn profile; G5G_BASE_IMAGES=0 skips, or a list
 #     like "amd64" to build only those).
 # It writes .cache/docker.env (DOCKER_HOST, G5G_REGISTRY) for `. .cache/docker.env`, logs to .cache/*.log,
 # prints one line per thing it could not do, and exits non-zero only when no engine is usable.
@@ -218,6 +219,9 @@ if engine_up && [ "${G5G_BASE_IMAGES:-amd64 arm64}" != 0 ]; then
   # shellcheck disable=SC2086
   (registry_up && export G5G_REGISTRY=$REG_ADDR; bash scripts/base-images.sh ${G5G_BASE_IMAGES:-amd64 arm64}) \
     || fail "base images (see above)"
+  # The g4dn profile's base: Debian trixie (GCC 14; vLLM needs >= 13), amd64 only.
+  (registry_up && export G5G_REGISTRY=$REG_ADDR; G5G_BASE_SUITE=trixie bash scripts/base-images.sh amd64) \
+    || fail "trixie base image (see above)"
 fi
 
 log "done in $((SECONDS - start)) s: engine $(docker version --format '{{.Server.Version}}' 2>/dev/null || echo none)," \

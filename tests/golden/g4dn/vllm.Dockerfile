@@ -51,6 +51,9 @@ RUN sms=$(echo "${TORCH_CUDA_ARCH_LIST}" | tr -d .) \
  && for a in $sms; do grep -q "sm_$a" /cuda-check.txt || { echo "no sm_$a SASS in the test kernel" >&2; exit 1; }; done \
  && if grep -q '\.ptx' /cuda-check.txt; then echo "ptx in the test kernel: SASS only expected" >&2; exit 1; fi
 
+FROM scratch AS cuda-check-report
+COPY --from=cuda-check /cuda-check.txt /
+
 # --- toolchain: torch-base + the same CUDA wheels torch runs on, as a toolkit; GCC >= 13 ------------------------------
 FROM ${TORCH_BASE} AS toolchain
 ARG CUDA_TOOLKIT_VERSION=13.0.3
