@@ -5,7 +5,7 @@
 Reads manifests/vllm-sources/<vllm>.yaml (which projects, pinned where, which variable points CMake at a local
 tree) and writes, under .cache/vllm-sources/<vllm>/:
   <project>/     one tree per project (git mirror at the pinned ref, or the Python files vLLM's release wheel
-                 installs from it, or empty for projects whose kernels a 7.5 build never compiles)
+                 installs from it, or a placeholder for projects whose kernels a 7.5 build never compiles)
   env.sh         `export <VAR>="$VLLM_SOURCES/<project>"` per project, sourced by the vllm-build stage
   SOURCES.json   where each tree came from (ref or wheel member list), for the build report
 The directory is the `vllm-sources` named build context of the vllm image (profile key build.vllm_sources).
@@ -118,7 +118,11 @@ def prepare(spec: dict, mirrors: Path, wheel_path: Path | None, out: Path) -> di
                 raise SystemExit(f"{p['name']}: {wheel_path.name} has none of {', '.join(p['from_wheel'])}")
             origin = {"from": "wheel", "wheel": wheel_path.name, "files": len(members), "pinned_ref": p["ref"]}
         if origin is None and p.get("kernels_only"):
+            # Not empty: CMake's FetchContent takes an empty SOURCE_DIR for "not downloaded yet" and stops.
             dest.mkdir()
+            (dest / "STAND-IN.txt").write_text(
+                f"{p['repo']}@{p['ref']} is not here: every source of it is arch-gated to archs a 7.5 build never "
+                "targets, so vLLM's CMake reads nothing from this tree (tools/vllm_sources.py).\n")
             origin = {"from": "empty", "pinned_ref": p["ref"],
                       "why": "kernels only, all in arch-gated blocks a 7.5 build skips"}
         if origin is None:
