@@ -259,8 +259,8 @@ def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", 
             # The CUDA templates are per platform (NVIDIA's repo path, -mcpu): only the profile's own platforms build.
             if prof.cuda and p not in prof.platforms:
                 raise UserError(f"--platform {p}: profile {profile} builds only {', '.join(prof.platforms)} "
-                                f"(its CUDA toolkit and host flags are per platform); for sm_75 on the other one, "
-                                f"pick its profile ({', '.join(n for n in manifests.profiles if n != profile)})")
+                                "(its CUDA toolkit and host flags are per platform); for sm_75 there, pick the "
+                                "profile that builds it (manifests/profiles/: g4dn is linux/amd64)")
         if not plats:
             raise UserError("--platform: empty")
     else:

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from g5g import patches
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import vllm_sources  # noqa: E402
@@ -107,10 +109,9 @@ def test_a_project_with_no_source_is_one_clear_line(mirrors: Path, tmp_path: Pat
 def test_the_source_list_matches_the_sdists_cmake():
     """Every GitHub fetch and *_SRC_DIR variable in vLLM's CMake is in manifests/vllm-sources/<version>.yaml."""
     spec = yaml.safe_load((ROOT / "manifests" / "vllm-sources" / "0.33.0.yaml").read_text())
-    sdist = ROOT / ".cache" / "vllm-sdist" / f"vllm-{spec['vllm']}.tar.gz"
-    if not sdist.is_file():
-        pytest.skip(f"{sdist.relative_to(ROOT)} not fetched yet (`python build.py patches verify` fetches it)")
-    with tarfile.open(sdist) as t:
+    pin = patches.manifest_pin()
+    sdist = patches.fetch_sdist(spec["vllm"], pin[1] if pin else None)  # cached under .cache/vllm-sdist/
+    with tarfile.open(sdist.path) as t:
         cmake = "\n".join(t.extractfile(m).read().decode() for m in t.getmembers()
                           if m.name.endswith(".cmake") and "external_projects" in m.name
                           or m.name.endswith("/CMakeLists.txt") and m.name.count("/") == 1)
