@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
@@ -18,7 +15,7 @@ import requests
 
 from g5g import bench, wire
 from g5g.cli import main
-from tests.fixtures.net import free_port
+from tests.fixtures.server import serving
 
 TOL_ABS, TOL_REL = 0.010, 0.05  # seconds, fraction
 
@@ -248,33 +245,9 @@ def test_bad_flags_are_one_line_errors(capsys):
 def project_server(request, tiny_gemma4, tmp_path_factory):
     """`python -m serving --runtime R` on 127.0.0.1:<free port>, as the images run it."""
     runtime = request.param
-    port = free_port()
     log = tmp_path_factory.mktemp(f"serve-{runtime}") / "server.log"
-    proc = subprocess.Popen([sys.executable, "-m", "serving", "--runtime", runtime, "--model", str(tiny_gemma4),
-                             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        else:
-            proc.kill()
-            proc.wait()
-            pytest.fail(f"the {runtime} server did not come up: {log.read_text()[-2000:]}")
-        yield runtime, url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with serving(runtime, tiny_gemma4, "--log-level", "warning", log=log) as srv:
+        yield runtime, srv.url
 
 
 @pytest.mark.slow
