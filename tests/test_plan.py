@@ -74,10 +74,19 @@ def test_bad_flags(g5g):
         make_plan(g5g, platforms="linux/s390x")
     with pytest.raises(UserError, match="--registry"):
         make_plan(g5g, registry="https://ghcr.io/me")
-    with pytest.raises(UserError, match="--out"):
-        make_plan(g5g, out="/tmp/x")
     with pytest.raises(UserError, match="--platform linux/amd64: profile g5g builds only linux/arm64"):
         make_plan(g5g, platforms="linux/arm64,linux/amd64")
+
+
+def test_out_goes_anywhere_and_stays_relative_inside_the_checkout(g5g, tmp_path):
+    root = g5g.root.parent
+    assert make_plan(g5g, out="build").out == "build"
+    assert make_plan(g5g, out=str(root / "gen" / "x")).out == "gen/x"  # inside: relative, as bake runs there
+    assert make_plan(g5g, out="gen/../other").out == "other"
+    outside = make_plan(g5g, out=str(tmp_path / "files"))
+    assert outside.out == str(tmp_path / "files") and outside.bake_file == str(tmp_path / "files/docker-bake.json")
+    assert all(i.dockerfile.startswith(str(tmp_path)) for i in outside.all_images)
+    assert make_plan(g5g, out="../elsewhere").out == str(root.parent / "elsewhere")
 
 
 def test_cpu_profile_builds_any_supported_platform(cpu):
@@ -122,6 +131,20 @@ def test_dry_run_json_subprocess_without_docker(tmp_path: Path):
     data = json.loads(r.stdout)
     assert len(data["images"]) == 4 and all(set(i) == CONTRACT_KEYS for i in data["images"])
     assert not (tmp_path / "build").exists()  # a dry run writes nothing
+
+
+def test_dry_run_in_a_pipe_prints_every_reference_whole():
+    """A CI log or `| tee` is no terminal: rich would fit the table to 80 columns and cut or fold the tags."""
+    argv = [sys.executable, str(REPO / "build.py"), "--runtime", "all", "--registry",
+            "registry.example.com/a-rather-long/namespace-for-images", "--dry-run"]
+    env = {**os.environ, "COLUMNS": "80"}
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    plan = json.loads(subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=60).stdout)
+    assert r.returncode == 0, r.stderr
+    assert "…" not in r.stdout
+    words = r.stdout.split()
+    assert all(tag in words for img in plan["images"] for tag in img["tags"])
+    assert all("$ " + " ".join(cmd) in r.stdout.splitlines() for cmd in plan["commands"])
 
 
 def test_manifests_outside_the_repository(tmp_path: Path):
