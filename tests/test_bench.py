@@ -225,6 +225,19 @@ def test_compare_prints_one_table_and_plots(tmp_path, timed_server, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_compare_labels_are_unique_for_the_plot(tmp_path):
+    """The same runtime measured twice: its bars must not land on one another (the labels are the x axis)."""
+    from g5g.commands.bench import load_results
+
+    result = {"completed": 1, "label": "pytorch"}
+    for name in ("a/run", "b/run", "monday"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).with_suffix(".json").write_text(json.dumps(result))
+    files = [str(tmp_path / n) + ".json" for n in ("a/run", "b/run", "monday")]
+    assert [r["label"] for r in load_results(files)] == ["pytorch (run) #1", "pytorch (run) #2", "pytorch (monday)"]
+    assert [r["label"] for r in load_results(files[2:])] == ["pytorch"]
+
+
 def test_compare_names_a_bad_file(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text('{"not": "a result"}')
