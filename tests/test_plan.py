@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from g5g import buildx, manifest
+from g5g import buildx, manifest, render
 from g5g.commands import build as build_cmd
 from g5g.errors import UserError
 from g5g.plan import make_plan
@@ -145,6 +145,19 @@ def test_dry_run_in_a_pipe_prints_every_reference_whole():
     words = r.stdout.split()
     assert all(tag in words for img in plan["images"] for tag in img["tags"])
     assert all("$ " + " ".join(cmd) in r.stdout.splitlines() for cmd in plan["commands"])
+
+
+def test_build_summary_in_a_pipe_prints_every_tag_whole(cpu, tmp_path, buildx, monkeypatch, capsys):
+    """The table after a build (here a failed one: the engine is unreachable) is copied from: no tag cut to "…"."""
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/g5g-docker.sock")
+    monkeypatch.setenv("COLUMNS", "80")
+    plan = make_plan(cpu, runtime="pytorch", profile="cpu", out=str(tmp_path / "out"),
+                     registry="registry.example.com/a-rather-long/namespace-for-images")
+    render.write(plan, REPO)
+    assert build_cmd.execute(plan, REPO) == 1
+    out = capsys.readouterr().out
+    assert "Build failed" in out and "…" not in out
+    assert all(tag in out.split() for tag in plan.images[0].tags), out
 
 
 def test_manifests_outside_the_repository(tmp_path: Path):
