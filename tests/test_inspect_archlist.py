@@ -65,6 +65,14 @@ def test_three_digit_and_arch_specific_archs():
     assert not archlist.coverage(archlist.parse("compute_90a"), "10.0").covered
 
 
+def test_arch_specific_sass_runs_only_on_its_own_chip():
+    """sm_100a machine code uses features of 10.0 alone: unlike plain sm_100 it does not run on a 10.3 GPU."""
+    assert archlist.coverage(archlist.parse("10.0"), "10.3") == archlist.Coverage(True, "sm_100 (binary-compatible)")
+    assert archlist.coverage(archlist.parse("10.0a"), "10.0") == archlist.Coverage(True, "sm_100a")
+    assert archlist.coverage(archlist.parse("10.0a"), "10.3") == archlist.Coverage(False, None)
+    assert archlist.coverage(archlist.parse("7.0a 9.0a"), "7.5") == archlist.Coverage(False, None)
+
+
 def test_torch_named_archs():
     a = archlist.parse("Turing Ampere")
     assert a.native == ("7.5", "8.0", "8.6") and a.ptx == ("7.5", "8.6")
