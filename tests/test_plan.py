@@ -186,10 +186,27 @@ def test_ca_cert_resolution(tmp_path: Path):
     assert build_cmd.secrets(str(ca), {"HF_TOKEN": "hf_x"}) == (f"id=ca-cert,src={ca}", "id=hf-token,env=HF_TOKEN")
 
 
-def test_patch_check_is_called_before_building(g5g):
-    """The build asks g5g.patches whether our patches apply to the pinned sdist: must pass for our patches."""
+def test_our_patches_pass_the_pre_build_check(g5g):
+    """The check the build runs first (see the test below): our patches apply to the pinned sdist."""
     plan = make_plan(g5g, runtime="vllm")
     build_cmd.check_patches(plan)
+
+
+def test_the_build_runs_the_patch_check_before_writing_or_baking(tmp_path, docker_client, buildx):
+    """`build.py --runtime vllm` asks g5g.patches about the pinned sdist before it writes or bakes anything: a wrong
+    sdist pin stops it there, exit 2. The builder it names does not exist, so a build that skipped the check would
+    fail at once in bake (exit 1) instead of compiling for hours."""
+    from tests.fixtures.engine import engine_env
+
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "build.py", "--runtime", "vllm", "--sequential", "--out", str(out),
+                        "--set", "vllm.sdist_sha256=" + "a" * 64], cwd=REPO, capture_output=True, text=True,
+                       env={**engine_env(), "BUILDX_BUILDER": "g5g-no-such-builder"}, timeout=600)
+    err = " ".join(r.stderr.split())
+    assert r.returncode == 2, r.stdout + r.stderr
+    # the sdist's digest against the pin (cached sdist), or the index it would come from (none cached, offline)
+    assert "vllm-0.33.0.tar.gz: sha256" in err or "package index" in err, err
+    assert not out.exists()
 
 
 def test_missing_wheels_directory_is_one_line_before_any_build(cpu, tmp_path: Path):
