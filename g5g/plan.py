@@ -37,7 +37,7 @@ class ImagePlan:
     context_vars: dict = field(default_factory=dict, compare=False)  # extra template variables
 
     def contract(self, commands: list[list[str]]) -> dict:
-        """The `--dry-run --json` entry (DESIGN.md contract)."""
+        """The `--dry-run --json` entry (docs/CONTRACTS.md)."""
         return {
             "runtime": self.runtime,
             "tags": list(self.tags),

@@ -1,4 +1,4 @@
-"""Arch-list parsing and coverage rules (pure), checked on the lists real images and wheels carry (FACTS.md)."""
+"""Arch-list parsing and coverage rules (pure), checked on the lists real images and wheels carry (docs/FACTS.md)."""
 import pytest
 
 from g5g import archlist, registry

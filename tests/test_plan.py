@@ -1,4 +1,4 @@
-"""The plan: tags, labels, build args, the commands a build runs, and `--dry-run --json` (the DESIGN.md contract)."""
+"""The plan: tags, labels, build args, the commands a build runs, and `--dry-run --json` (docs/CONTRACTS.md)."""
 from __future__ import annotations
 
 import json
