@@ -10,53 +10,29 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
-
-import requests
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from tests.fixtures.net import free_port  # noqa: E402
+from tests.fixtures.server import ServerFailed, serving, serving_env  # noqa: E402
 
 BOOT_TIMEOUT_S = 600
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < BOOT_TIMEOUT_S:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode} before /health answered")
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return time.monotonic() - t0
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.05)
-    raise SystemExit(f"{url}/health not 200 after {BOOT_TIMEOUT_S} s")
-
-
 def bench_runtime(runtime: str, model: Path, args, out: Path) -> Path:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "serving", "--runtime", runtime, "--model", str(model),
-                             "--port", str(port), "--log-level", "warning"], env=env, cwd=REPO)
     try:
-        healthy_s = _wait_healthy(proc, url)
-        result = out / f"{runtime}.json"
-        subprocess.run([sys.executable, "build.py", "bench", "--url", url, "--label", runtime,
-                        "--requests", str(args.requests), "--max-tokens", str(args.max_tokens),
-                        "--warmup", "2", "--json", str(result)], cwd=REPO, check=True)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
+        with serving(runtime, model, "--log-level", "warning", timeout=BOOT_TIMEOUT_S,
+                     env=serving_env(OMP_NUM_THREADS=str(args.threads))) as srv:
+            result = out / f"{runtime}.json"
+            subprocess.run([sys.executable, "build.py", "bench", "--url", srv.url, "--label", runtime,
+                            "--requests", str(args.requests), "--max-tokens", str(args.max_tokens),
+                            "--warmup", "2", "--json", str(result)], cwd=REPO, check=True)
+    except ServerFailed as e:
+        raise SystemExit(f"{runtime}: {e}") from None
     data = json.loads(result.read_text())
-    data["boot"] = {"health_s": round(healthy_s, 2)}  # a local process: start → /health 200
+    data["boot"] = {"health_s": round(srv.ready_s, 2)}  # a local process: start → /health 200
     result.write_text(json.dumps(data, indent=1) + "\n")
     return result
 

@@ -107,12 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("files", nargs="+", metavar="RESULT.json")
     bc.add_argument("--plot", metavar="PNG", help="write a PNG plot")
 
-    sv = sub.add_parser("serve", help="run the jax or pytorch server locally, as the image does")
+    sv = sub.add_parser("serve", help="run the jax or pytorch server locally, as the image does", allow_abbrev=False,
+                        description="Runs `python -m serving`; every other flag (--host, --port, --served-model-name, "
+                        "--max-model-len, …: `python -m serving --help`) passes through to it unchanged.")
     sv.add_argument("--runtime", choices=("jax", "pytorch"), required=True)
     sv.add_argument("--model", required=True, help="checkpoint directory")
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--served-model-name", help="model id clients ask for (default: the model dir's name)")
 
     pa = sub.add_parser("patches", help="verify our vLLM patches against the pinned upstream release")
     pa.add_argument("action", choices=("verify",))
@@ -125,7 +124,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     # No subcommand means `build`: `python build.py --runtime vllm --push`.
     if not argv or argv[0] not in SUBCOMMANDS + ("-h", "--help"):
         argv = ["build", *argv]
-    return build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "serve":  # serve hands the server's own flags to it (one definition: serving/)
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.server_args = rest
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@ no engine needed); `http` talks to the registry's HTTP API (g5g.registry, no doc
 runs the image and asks torch when the config says nothing: slow (pulls the image; QEMU for a foreign
 platform) and needs a Docker engine.
 
-Result per image (the DESIGN contract):
+Result per image (docs/CONTRACTS.md):
   {"image", "digest", "backend", "arch", "platforms": {"linux/arm64": {"cuda_archs": [...] | null,
    "ptx": [...], "source": "env:TORCH_CUDA_ARCH_LIST" | "label:<key>" | "probe:torch" | null,
    "covered": true | false | null, "covered_by": "sm_75" | null, "raw": "<value as found>" | null}}}

@@ -30,14 +30,14 @@ class ImagePlan:
     labels: dict[str, str]
     patches: tuple[dict[str, str], ...]
     upstream: dict[str, str]
-    dockerfile: str  # path relative to the repo root
+    dockerfile: str  # path relative to the repo root (absolute with an --out outside it)
     template: str
     contexts: dict[str, str]  # bake named contexts: image ref or name -> "target:…" / local dir
     depends_on: tuple[str, ...]
     context_vars: dict = field(default_factory=dict, compare=False)  # extra template variables
 
     def contract(self, commands: list[list[str]]) -> dict:
-        """The `--dry-run --json` entry (DESIGN.md contract)."""
+        """The `--dry-run --json` entry (docs/CONTRACTS.md)."""
         return {
             "runtime": self.runtime,
             "tags": list(self.tags),
@@ -54,7 +54,7 @@ class ImagePlan:
 class Plan:
     profile: Profile
     images: tuple[ImagePlan, ...]  # the selected images, dependencies first
-    out: str  # output dir for generated files, relative to the repo root
+    out: str  # output dir for generated files, relative to the repo root (absolute when outside it)
     push: bool
     sequential: bool
     secrets: tuple[str, ...]  # bake secret specs, e.g. "id=ca-cert,src=/etc/ssl/certs/ca.pem"
@@ -268,9 +268,10 @@ def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", 
     reg = (registry or prof.registry).rstrip("/")
     if not reg or any(c.isspace() for c in reg) or "://" in reg:
         raise UserError(f"--registry {registry}: expected host[:port][/namespace], e.g. ghcr.io/me")
-    if Path(out).is_absolute() or ".." in PurePosixPath(out).parts:
-        raise UserError(f"--out {out}: must be a directory inside the repository (bake paths are relative to it)")
-    out = str(PurePosixPath(out))
+    root = manifests.root.parent if repo_root is None else Path(repo_root)
+    # Generated files go anywhere: inside the checkout the paths stay relative to it (bake runs there), else absolute.
+    where = (root / out).resolve()
+    out = where.relative_to(root.resolve()).as_posix() if where.is_relative_to(root.resolve()) else where.as_posix()
     cpu = prof.cuda is None
     if runtime == "vllm" and cpu:
         raise UserError(f"--runtime vllm --profile {profile}: vLLM needs CUDA here; use --profile g5g or g4dn "
@@ -278,7 +279,6 @@ def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", 
     names = [n for n in ORDER if not (cpu and n == "vllm")]
     base_rt = manifests.runtimes["torch-base"]
     base_tag = _tags(reg, "torch-base", base_rt.pins_for(profile)["torch"], prof)[0]
-    root = manifests.root.parent if repo_root is None else Path(repo_root)
     every = tuple(_image(manifests, prof, n, reg, plats, out, base_tag, root) for n in names)
     selected = every if runtime == "all" else tuple(i for i in every if i.runtime == runtime)
     if not selected:

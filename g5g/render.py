@@ -48,9 +48,12 @@ def bake(plan: Plan) -> dict:
     targets = {}
     for img in plan.all_images:
         ctx = context_dir(plan, img)
+        dockerfile_path = img.dockerfile  # relative to the context, unless --out is outside the checkout and ctx not
+        if posixpath.isabs(dockerfile_path) == posixpath.isabs(ctx):
+            dockerfile_path = posixpath.relpath(dockerfile_path, ctx)
         t: dict = {
             "context": ctx,
-            "dockerfile": posixpath.relpath(img.dockerfile, ctx),
+            "dockerfile": dockerfile_path,
             "target": img.target,
             "platforms": list(img.platforms),
             "tags": list(img.tags),

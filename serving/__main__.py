@@ -14,7 +14,8 @@ from pathlib import Path
 RUNTIMES = {"pytorch": "serving.pytorch_runtime", "jax": "serving.jax_runtime"}
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The server's flags, defined here only (`build.py serve` passes them through)."""
     p = argparse.ArgumentParser(prog="python -m serving", description="OpenAI-compatible server for Gemma 4")
     p.add_argument("--runtime", choices=sorted(RUNTIMES), required=True)
     p.add_argument("--model", required=True, help="checkpoint directory (config.json, *.safetensors, tokenizer)")
@@ -25,7 +26,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cap the context (default: the model's; jax: the top of G5G_JAX_BUCKETS)")
     p.add_argument("--max-waiting", type=int, default=64, help="queued requests beyond which clients get 429")
     p.add_argument("--log-level", default="info")
-    return p.parse_args(argv)
+    return p
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,6 @@
 """Shared test fixtures live in tests/fixtures/ and are registered here."""
 pytest_plugins: list[str] = [
+    "tests.fixtures.engine",
     "tests.fixtures.registry",
     "tests.fixtures.tiny_gemma4",
     "tests.fixtures.timed_server",

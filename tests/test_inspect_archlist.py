@@ -1,4 +1,4 @@
-"""Arch-list parsing and coverage rules (pure), checked on the lists real images and wheels carry (FACTS.md)."""
+"""Arch-list parsing and coverage rules (pure), checked on the lists real images and wheels carry (docs/FACTS.md)."""
 import pytest
 
 from g5g import archlist, registry
@@ -63,6 +63,14 @@ def test_three_digit_and_arch_specific_archs():
     assert archlist.coverage(a, "9.0") == archlist.Coverage(True, "sm_90a")
     # arch-specific PTX is not forward compatible
     assert not archlist.coverage(archlist.parse("compute_90a"), "10.0").covered
+
+
+def test_arch_specific_sass_runs_only_on_its_own_chip():
+    """sm_100a machine code uses features of 10.0 alone: unlike plain sm_100 it does not run on a 10.3 GPU."""
+    assert archlist.coverage(archlist.parse("10.0"), "10.3") == archlist.Coverage(True, "sm_100 (binary-compatible)")
+    assert archlist.coverage(archlist.parse("10.0a"), "10.0") == archlist.Coverage(True, "sm_100a")
+    assert archlist.coverage(archlist.parse("10.0a"), "10.3") == archlist.Coverage(False, None)
+    assert archlist.coverage(archlist.parse("7.0a 9.0a"), "7.5") == archlist.Coverage(False, None)
 
 
 def test_torch_named_archs():

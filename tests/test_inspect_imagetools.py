@@ -10,9 +10,7 @@ from g5g.errors import UserError
 from tests.fixtures.registry import Platform, docker_config_dir, push_image
 from tests.fixtures.net import free_port
 
-pytestmark = pytest.mark.skipif(
-    not inspector.imagetools_available(),
-    reason="`docker buildx version` fails: needs the docker CLI and the buildx plugin (scripts/provision.sh)")
+pytestmark = pytest.mark.usefixtures("buildx")  # skips (fails in CI) saying why when it is missing
 
 
 def both(ref, **kw):

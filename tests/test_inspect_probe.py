@@ -19,28 +19,17 @@ def test_probe_is_not_run_when_the_config_answers(registry_images, monkeypatch):
     assert {e["source"] for e in r["platforms"].values()} == {"env:TORCH_CUDA_ARCH_LIST"}
 
 
-@pytest.fixture(scope="module")
-def engine():
-    docker = pytest.importorskip("docker")
-    try:
-        client = docker.from_env()
-        client.ping()
-    except Exception as e:  # noqa: BLE001 - any failure means "no engine here"
-        pytest.skip(f"no Docker engine reachable (run scripts/provision.sh, then . .cache/docker.env): {e}")
-    return client
-
-
 @pytest.mark.e2e
-def test_probe_runs_the_image(engine, registry):
+def test_probe_runs_the_image(docker_client, registry):
     """A base with python3 but no torch: the probe really runs it (pulled by digest from the registry) and
     reports why it could not tell, instead of guessing."""
     try:
-        image = engine.images.get(BASE)
+        image = docker_client.images.get(BASE)
     except Exception:  # noqa: BLE001
         pytest.skip(f"{BASE} missing: scripts/base-images.sh builds it")
     ref = f"{registry.host}/probe/base:1"
     image.tag(ref)
-    for line in engine.images.push(ref, stream=True, decode=True):
+    for line in docker_client.images.push(ref, stream=True, decode=True):
         assert "error" not in line, line
     r = inspector.inspect(ref, backend="http", platform="linux/amd64", probe_images=True)
     entry = r["platforms"]["linux/amd64"]

@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 from serving.jax_runtime import config  # noqa: E402
 
 S, F = config.SLIDING, config.FULL
-# google/gemma-4-E2B-it's text layout (FACTS.md): 35 layers, every 5th full, the last 20 KV-shared.
+# google/gemma-4-E2B-it's text layout (docs/FACTS.md): 35 layers, every 5th full, the last 20 KV-shared.
 E2B_TYPES = [F if (i + 1) % 5 == 0 else S for i in range(35)]
 
 
@@ -42,7 +42,7 @@ def test_kv_sharing_matches_transformers_attention_modules():
     want = [stores[a.layer_type] if a.is_kv_shared_layer else i for i, a in enumerate(attn)]
     assert [s.kv_source for s in ours.layers] == want
     assert [s.head_dim for s in ours.layers] == [a.head_dim for a in attn]
-    # FACTS.md: layers 15-34 reuse the KV of earlier layers (the last sliding one, 13, and the last full one, 14)
+    # docs/FACTS.md: layers 15-34 reuse the KV of earlier layers (the last sliding one, 13, and the last full one, 14)
     assert stores == {S: 13, F: 14}
     assert all(s.kv_source == i for i, s in enumerate(ours.layers[:15]))
     assert {s.kv_source for s in ours.layers[15:]} == {13, 14}

@@ -5,46 +5,34 @@ must produce the same text (greedy and seeded sampling: the sampler is shared, s
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import requests
 
 from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
-from tests.fixtures.net import free_port
-from tests.test_serving_cli import _stop, _wait_health
+from tests.fixtures.server import launch, serving, serving_argv, serving_env
 
 pytest.importorskip("jax")
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _env(jax_cache: Path) -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
-            "G5G_JAX_CACHE_DIR": str(jax_cache), "G5G_JAX_BUCKETS": "32,64,256"}
+    return serving_env(JAX_PLATFORMS="cpu", G5G_JAX_CACHE_DIR=str(jax_cache), G5G_JAX_BUCKETS="32,64,256")
 
 
 @pytest.fixture(scope="module")
 def servers(tiny_gemma4, tmp_path_factory):
     """{runtime: base URL} for `build.py serve --runtime jax` and `--runtime pytorch` on the fixture."""
     env = _env(tmp_path_factory.mktemp("jaxcache"))
-    procs, urls = {}, {}
+    procs = {}
     try:
-        for runtime in ("jax", "pytorch"):
-            port = free_port()
-            procs[runtime] = subprocess.Popen(
-                [sys.executable, "build.py", "serve", "--runtime", runtime, "--model", str(tiny_gemma4),
-                 "--port", str(port), "--served-model-name", "tiny"], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            urls[runtime] = f"http://127.0.0.1:{port}"
-        for runtime, url in urls.items():
-            _wait_health(procs[runtime], url, timeout=600)
-        yield urls
+        for runtime in ("jax", "pytorch"):  # both load at once
+            procs[runtime] = launch(*serving_argv(runtime, tiny_gemma4, "--served-model-name", "tiny",
+                                                  via="build.py serve"), env=env)
+        yield {runtime: srv.wait(timeout=600).url for runtime, srv in procs.items()}
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                _stop(proc)
+        for srv in procs.values():
+            srv.stop()
 
 
 def _chat(url: str, **kw) -> dict:
@@ -77,14 +65,5 @@ def test_models_card_reports_the_jax_ladder_top(servers):
 
 
 def test_max_model_len_caps_the_jax_ladder(tiny_gemma4, tmp_path):
-    env = _env(tmp_path / "jaxcache")
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "serving", "--runtime", "jax", "--model", str(tiny_gemma4),
-                             "--port", str(port), "--max-model-len", "100"], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_health(proc, url, timeout=600)
-        assert requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["max_model_len"] == 100
-    finally:
-        _stop(proc)
+    with serving("jax", tiny_gemma4, "--max-model-len", "100", env=_env(tmp_path / "jaxcache"), timeout=600) as srv:
+        assert requests.get(f"{srv.url}/v1/models", timeout=10).json()["data"][0]["max_model_len"] == 100

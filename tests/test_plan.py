@@ -1,4 +1,4 @@
-"""The plan: tags, labels, build args, the commands a build runs, and `--dry-run --json` (the DESIGN.md contract)."""
+"""The plan: tags, labels, build args, the commands a build runs, and `--dry-run --json` (docs/CONTRACTS.md)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from g5g import buildx, manifest
+from g5g import buildx, manifest, render
 from g5g.commands import build as build_cmd
 from g5g.errors import UserError
 from g5g.plan import make_plan
@@ -74,10 +74,19 @@ def test_bad_flags(g5g):
         make_plan(g5g, platforms="linux/s390x")
     with pytest.raises(UserError, match="--registry"):
         make_plan(g5g, registry="https://ghcr.io/me")
-    with pytest.raises(UserError, match="--out"):
-        make_plan(g5g, out="/tmp/x")
     with pytest.raises(UserError, match="--platform linux/amd64: profile g5g builds only linux/arm64"):
         make_plan(g5g, platforms="linux/arm64,linux/amd64")
+
+
+def test_out_goes_anywhere_and_stays_relative_inside_the_checkout(g5g, tmp_path):
+    root = g5g.root.parent
+    assert make_plan(g5g, out="build").out == "build"
+    assert make_plan(g5g, out=str(root / "gen" / "x")).out == "gen/x"  # inside: relative, as bake runs there
+    assert make_plan(g5g, out="gen/../other").out == "other"
+    outside = make_plan(g5g, out=str(tmp_path / "files"))
+    assert outside.out == str(tmp_path / "files") and outside.bake_file == str(tmp_path / "files/docker-bake.json")
+    assert all(i.dockerfile.startswith(str(tmp_path)) for i in outside.all_images)
+    assert make_plan(g5g, out="../elsewhere").out == str(root.parent / "elsewhere")
 
 
 def test_cpu_profile_builds_any_supported_platform(cpu):
@@ -124,6 +133,33 @@ def test_dry_run_json_subprocess_without_docker(tmp_path: Path):
     assert not (tmp_path / "build").exists()  # a dry run writes nothing
 
 
+def test_dry_run_in_a_pipe_prints_every_reference_whole():
+    """A CI log or `| tee` is no terminal: rich would fit the table to 80 columns and cut or fold the tags."""
+    argv = [sys.executable, str(REPO / "build.py"), "--runtime", "all", "--registry",
+            "registry.example.com/a-rather-long/namespace-for-images", "--dry-run"]
+    env = {**os.environ, "COLUMNS": "80"}
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    plan = json.loads(subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=60).stdout)
+    assert r.returncode == 0, r.stderr
+    assert "…" not in r.stdout
+    words = r.stdout.split()
+    assert all(tag in words for img in plan["images"] for tag in img["tags"])
+    assert all("$ " + " ".join(cmd) in r.stdout.splitlines() for cmd in plan["commands"])
+
+
+def test_build_summary_in_a_pipe_prints_every_tag_whole(cpu, tmp_path, buildx, monkeypatch, capsys):
+    """The table after a build (here a failed one: the engine is unreachable) is copied from: no tag cut to "…"."""
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/g5g-docker.sock")
+    monkeypatch.setenv("COLUMNS", "80")
+    plan = make_plan(cpu, runtime="pytorch", profile="cpu", out=str(tmp_path / "out"),
+                     registry="registry.example.com/a-rather-long/namespace-for-images")
+    render.write(plan, REPO)
+    assert build_cmd.execute(plan, REPO) == 1
+    out = capsys.readouterr().out
+    assert "Build failed" in out and "…" not in out
+    assert all(tag in out.split() for tag in plan.images[0].tags), out
+
+
 def test_manifests_outside_the_repository(tmp_path: Path):
     """--manifests DIR anywhere: the serving extra still comes from our pyproject.toml, not DIR's parent."""
     shutil.copytree(REPO / "manifests", tmp_path / "mine")
@@ -150,10 +186,27 @@ def test_ca_cert_resolution(tmp_path: Path):
     assert build_cmd.secrets(str(ca), {"HF_TOKEN": "hf_x"}) == (f"id=ca-cert,src={ca}", "id=hf-token,env=HF_TOKEN")
 
 
-def test_patch_check_is_called_before_building(g5g):
-    """The build asks g5g.patches whether our patches apply to the pinned sdist: must pass for our patches."""
+def test_our_patches_pass_the_pre_build_check(g5g):
+    """The check the build runs first (see the test below): our patches apply to the pinned sdist."""
     plan = make_plan(g5g, runtime="vllm")
     build_cmd.check_patches(plan)
+
+
+def test_the_build_runs_the_patch_check_before_writing_or_baking(tmp_path, docker_client, buildx):
+    """`build.py --runtime vllm` asks g5g.patches about the pinned sdist before it writes or bakes anything: a wrong
+    sdist pin stops it there, exit 2. The builder it names does not exist, so a build that skipped the check would
+    fail at once in bake (exit 1) instead of compiling for hours."""
+    from tests.fixtures.engine import engine_env
+
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "build.py", "--runtime", "vllm", "--sequential", "--out", str(out),
+                        "--set", "vllm.sdist_sha256=" + "a" * 64], cwd=REPO, capture_output=True, text=True,
+                       env={**engine_env(), "BUILDX_BUILDER": "g5g-no-such-builder"}, timeout=600)
+    err = " ".join(r.stderr.split())
+    assert r.returncode == 2, r.stdout + r.stderr
+    # the sdist's digest against the pin (cached sdist), or the index it would come from (none cached, offline)
+    assert "vllm-0.33.0.tar.gz: sha256" in err or "package index" in err, err
+    assert not out.exists()
 
 
 def test_missing_wheels_directory_is_one_line_before_any_build(cpu, tmp_path: Path):

@@ -200,11 +200,8 @@ def test_sm75_check_refuses_a_torch_without_sm75():
         assert r.returncode == 1 and "lacks sm_75" in r.stderr, r.stderr
 
 
-def test_buildx_reads_the_bake_file_and_our_secret_flags(tmp_path):
+def test_buildx_reads_the_bake_file_and_our_secret_flags(tmp_path, buildx):
     """`docker buildx bake --print` (no engine needed) accepts the generated file and the argv the build runs."""
-    if shutil.which("docker") is None or subprocess.run(["docker", "buildx", "version"], capture_output=True,
-                                                        timeout=30).returncode != 0:
-        pytest.skip("docker buildx not installed")
     ca = tmp_path / "ca.pem"
     ca.write_text("x")
     root = tmp_path / "repo"
@@ -224,3 +221,24 @@ def test_buildx_reads_the_bake_file_and_our_secret_flags(tmp_path):
     assert vllm["secret"] == [f"id=ca-cert,src={ca}", "id=hf-token,env=HF_TOKEN"]
     assert vllm["contexts"] == {plan.images[0].build_args["TORCH_BASE"]: "target:torch-base"}
     assert vllm["tags"] == list(plan.images[0].tags) and vllm["args"] == plan.images[0].build_args
+
+
+def test_generate_writes_outside_the_checkout_and_bake_reads_it(tmp_path, buildx):
+    """`generate --out DIR` anywhere: contexts under DIR are absolute, the checkout's wheels stay relative to it
+    (bake runs there), and the torch base's Dockerfile is named absolutely; `bake --print` accepts the file."""
+    out = tmp_path / "gen"
+    r = subprocess.run([sys.executable, "build.py", "generate", "--profile", "cpu", "--out", str(out)], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"wrote {out / 'docker-bake.json'}" in r.stdout.splitlines()
+    assert (out / "pytorch/serving/__main__.py").is_file()
+    env = {k: v for k, v in os.environ.items() if k != "DOCKER_HOST"}
+    p = subprocess.run([buildx, "buildx", "bake", "--file", str(out / "docker-bake.json"), "--print"], cwd=REPO,
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 0, p.stderr
+    targets = json.loads(p.stdout)["target"]
+    assert targets["pytorch"]["context"] == str(out / "pytorch")
+    assert targets["torch-base"]["context"] == ".whl"
+    assert targets["torch-base"]["dockerfile"] == str(out / "torch-base/Dockerfile")
+    assert not (REPO / "build" / "gen").exists()
+

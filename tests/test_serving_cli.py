@@ -2,64 +2,53 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import pytest
 import requests
 
 from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
 from tests.fixtures.net import free_port
+from tests.fixtures.server import serving, serving_env
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+ENV = serving_env()
 
 
-def _wait_health(proc: subprocess.Popen, url: str, timeout: float = 120) -> list[int]:
-    codes = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()[1][-2000:]
-        try:
-            codes.append(requests.get(f"{url}/health", timeout=2).status_code)
-            if codes[-1] == 200:
-                return codes
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError("server not healthy in time")
-
-
-def _stop(proc: subprocess.Popen) -> str:
-    """SIGTERM, as `docker stop` does; returns stderr. uvicorn shuts down gracefully, then re-raises the signal."""
-    proc.send_signal(signal.SIGTERM)
-    try:
-        _, err = proc.communicate(timeout=20)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == -signal.SIGTERM, err[-2000:]
-    return err
-
-
-def test_build_py_serve_runs_the_server(tiny_gemma4):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "build.py", "serve", "--runtime", "pytorch", "--model", str(tiny_gemma4),
-                             "--port", str(port), "--served-model-name", "tiny"],
-                            cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_health(proc, url)
-        assert requests.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"] == "tiny"
-        r = requests.post(f"{url}/v1/chat/completions", timeout=60,
+def test_build_py_serve_runs_the_server(tiny_gemma4, tmp_path):
+    with serving("pytorch", tiny_gemma4, "--served-model-name", "tiny", "--max-model-len", "200",
+                 via="build.py serve", log=tmp_path / "server.log") as srv:
+        card = requests.get(f"{srv.url}/v1/models", timeout=5).json()["data"][0]
+        assert (card["id"], card["max_model_len"]) == ("tiny", 200)  # server flags pass through build.py serve
+        r = requests.post(f"{srv.url}/v1/chat/completions", timeout=60,
                           json={"model": "tiny", "messages": [{"role": "user", "content": QUESTION}]})
         assert r.json()["choices"][0]["message"]["content"] == ANSWER
-    finally:
-        err = _stop(proc)
-    assert "Finished server process" in err
+    # SIGTERM, as `docker stop` sends: uvicorn shuts down gracefully, then re-raises the signal.
+    assert srv.returncode == -signal.SIGTERM, srv.output[-2000:]
+    assert "Finished server process" in srv.output
+
+
+def test_build_py_serve_passes_every_server_flag_through(tmp_path):
+    """`python -m serving`'s flags are defined once, in serving/: build.py serve hands each one over unchanged."""
+    from g5g import cli
+    from g5g.commands import serve
+    from serving.__main__ import parse as server_parse, build_parser as server_parser
+
+    flags = [a for a in server_parser()._actions if a.option_strings and a.dest not in ("help", "runtime", "model")]
+    assert {a.dest for a in flags} >= {"host", "port", "served_model_name", "max_model_len", "max_waiting", "log_level"}
+    given = []
+    for a in flags:  # a value its type accepts, unlike the default
+        given += [a.option_strings[-1], *([] if a.nargs == 0 else [str(a.choices[-1]) if a.choices else "7"])]
+    args = cli.parse(["serve", "--runtime", "pytorch", "--model", str(tmp_path), *given])
+    cmd = serve.argv(args)
+    assert cmd[1:3] == ["-m", "serving"]
+    assert server_parse(cmd[3:]) == server_parse(["--runtime", "pytorch", "--model", str(tmp_path.resolve()), *given])
+    # other commands still refuse flags they do not know
+    with pytest.raises(SystemExit):
+        cli.parse(["bench", "--url", "http://127.0.0.1:9", "--max-model-len", "7"])
 
 
 def test_unloadable_checkpoint_exits_nonzero(tmp_path):

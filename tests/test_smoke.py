@@ -156,22 +156,6 @@ TIMED = Path(__file__).parent / "fixtures" / "timed_server.py"
 
 
 @pytest.fixture(scope="session")
-def docker_client():
-    docker = pytest.importorskip("docker")
-    env_file = Path(__file__).parents[1] / ".cache" / "docker.env"
-    if not os.environ.get("DOCKER_HOST") and env_file.is_file():
-        for line in env_file.read_text().splitlines():  # what scripts/test.sh would have sourced
-            if line.startswith("export DOCKER_HOST="):
-                os.environ["DOCKER_HOST"] = line.split("=", 1)[1].strip().strip("'\"")
-    try:
-        c = docker.from_env()
-        c.ping()
-    except Exception as e:
-        pytest.skip(f"no Docker engine reachable ({type(e).__name__}); scripts/provision.sh starts one")
-    return c
-
-
-@pytest.fixture(scope="session")
 def timed_images(docker_client):
     """Two images from the local Debian base (python3, no pip): the timed server, and one that dies on start."""
     import docker

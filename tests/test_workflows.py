@@ -131,21 +131,19 @@ def test_no_expression_injection_in_run_steps():
                 assert "${{" not in step.get("run", ""), f"{path.name}: job {name}: ${{{{ }}}} inside run:"
 
 
-def test_build_step_gives_every_bake_target_its_registry_cache(tmp_path):
+def test_build_step_gives_every_bake_target_its_registry_cache(tmp_path, buildx):
     """Run the workflow's own build script against a generated g5g bake file, with `docker` shimmed to add
     `--print`: buildx must accept it, and every target (torch-base too) reads and writes its own cache."""
-    docker = shutil.which("docker")
-    if not docker or subprocess.run([docker, "buildx", "version"], capture_output=True).returncode != 0:
-        pytest.skip("docker CLI with the buildx plugin not installed (scripts/provision.sh installs both)")
+    docker = buildx
     job = _load(IMAGES)["jobs"]["build"]
     script = next(s["run"] for s in job["steps"] if s.get("name", "").startswith("Build"))
 
-    out = "build/test-workflows"
+    out = tmp_path / "generated"  # never into the checkout
     gen = _run([sys.executable, "build.py", "generate", "--runtime", "vllm", "--profile", "g5g",
-                "--registry", "ghcr.io/acme", "--out", out])
+                "--registry", "ghcr.io/acme", "--out", str(out)])
     assert gen.returncode == 0, gen.stdout + gen.stderr
     (tmp_path / "build").mkdir()
-    shutil.copy(ROOT / out / "docker-bake.json", tmp_path / "build" / "docker-bake.json")
+    shutil.copy(out / "docker-bake.json", tmp_path / "build" / "docker-bake.json")
     shim = tmp_path / "bin"
     shim.mkdir()
     (shim / "docker").write_text(f'#!/bin/sh\nexec {docker} "$@" --print\n')

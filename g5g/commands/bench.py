@@ -190,6 +190,13 @@ def load_results(files: list[str]) -> list[dict]:
             raise UserError(f"{f}: not a bench result (no 'completed' key)")
         r.setdefault("label", Path(f).stem)
         results.append(r)
+    # Labels name the table's columns and the plot's bars: two runs with one label (the same runtime, measured
+    # twice) would share one bar. The file tells them apart, else the position.
+    for suffix in (lambda i: f"({Path(files[i]).stem})", lambda i: f"#{i + 1}"):
+        names = [str(r["label"]) for r in results]
+        for i, r in enumerate(results):
+            if names.count(names[i]) > 1:
+                r["label"] = f"{names[i]} {suffix(i)}"
     return results
 
 

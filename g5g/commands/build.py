@@ -15,12 +15,13 @@ from rich.live import Live
 from rich.table import Table
 
 from g5g import REPO_ROOT, buildx, manifest, patches, render
+from g5g.console import print_table
 from g5g.errors import FAILED, OK, UserError
 from g5g.plan import Plan, make_plan
 
 CA_ENV = ("REQUESTS_CA_BUNDLE", "SSL_CERT_FILE", "PIP_CERT")
 
-console = Console(highlight=False)
+console = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
@@ -76,13 +77,13 @@ def check_contexts(plan: Plan, repo_root: Path) -> None:
 def print_plan(plan: Plan) -> None:
     t = Table(title=f"Plan · profile {plan.profile.name}", show_lines=False)
     for col in ("image", "tags", "platforms", "upstream"):
-        t.add_column(col, overflow="fold")
+        t.add_column(col)
     for img in plan.images:
         t.add_row(img.runtime, "\n".join(img.tags), ",".join(img.platforms),
                   " ".join(f"{k}={v}" for k, v in img.upstream.items()))
-    console.print(t)
+    print_table(console, t)
     for argv in plan.commands():
-        console.print("$ " + " ".join(argv), markup=False)
+        console.print("$ " + " ".join(argv), markup=False, soft_wrap=True)
 
 
 def run(args) -> int:
@@ -145,7 +146,7 @@ def execute(plan: Plan, repo_root: Path, as_json: bool = False) -> int:
             t.add_column(col)
         for img in result["images"]:
             t.add_row(img["runtime"], "\n".join(img["tags"]), img["digest"] or "-")
-        console.print(t)
+        print_table(console, t)
         if error:
             err.print(f"[bold red]build failed:[/] {error}", markup=True, highlight=False)
         console.print(f"log: {log_path}" + ("" if rc == 0 else f" (docker buildx bake exited {rc})"))

@@ -13,5 +13,6 @@ console = Console(highlight=False, soft_wrap=True)
 def run(args) -> int:
     plan = plan_from_args(args, with_secrets=False)
     for path in render.write(plan, REPO_ROOT):
-        console.print(f"wrote {path.relative_to(REPO_ROOT)}", markup=False)
+        shown = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+        console.print(f"wrote {shown}", markup=False)
     return OK

@@ -1,4 +1,4 @@
-"""`python build.py serve --runtime R --model DIR [--host] [--port]`: run the image's server locally.
+"""`python build.py serve --runtime R --model DIR [python -m serving's flags]`: run the image's server locally.
 
 Execs `python -m serving …`, the same entrypoint the jax/pytorch images run. The driver never imports torch or
 jax: it only checks that the checkpoint directory and the runtime's packages are there, then replaces itself.
@@ -18,11 +18,9 @@ RUNTIME_PACKAGES = {"pytorch": ("torch", "transformers", "fastapi", "uvicorn"),
 
 
 def argv(args) -> list[str]:
-    cmd = [sys.executable, "-m", "serving", "--runtime", args.runtime, "--model", str(Path(args.model).resolve()),
-           "--host", args.host, "--port", str(args.port)]
-    if getattr(args, "served_model_name", None):
-        cmd += ["--served-model-name", args.served_model_name]
-    return cmd
+    """`python -m serving`'s own flags are defined there only: everything but --runtime/--model passes through."""
+    return [sys.executable, "-m", "serving", "--runtime", args.runtime, "--model", str(Path(args.model).resolve()),
+            *args.server_args]
 
 
 def run(args) -> int:

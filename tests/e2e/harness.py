@@ -2,28 +2,15 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
+from tests.fixtures.engine import engine_env, unavailable  # noqa: F401 - the e2e tests' names
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCKER_ENV = ROOT / ".cache" / "docker.env"
-
-
-def engine_env() -> dict[str, str]:
-    """os.environ plus what provision.sh wrote into .cache/docker.env (unless already set)."""
-    env = dict(os.environ)
-    if DOCKER_ENV.exists():
-        for line in DOCKER_ENV.read_text().splitlines():
-            if line.startswith("export ") and "=" in line:
-                key, value = line[len("export "):].split("=", 1)
-                env.setdefault(key.strip(), value.strip().strip("'\""))
-    return env
 
 
 @dataclass
@@ -81,11 +68,6 @@ class Run:
             except json.JSONDecodeError:
                 continue
         raise AssertionError(f"no JSON in the output of {self.why()}")
-
-
-def unavailable(reason: str):
-    """Skip, saying why (where e2e is required, tests/e2e/plugin.py turns the skip into a failure)."""
-    pytest.skip(reason)
 
 
 def plan_tag(engine: Engine, *args: str) -> str:

@@ -1,0 +1,40 @@
+"""Where a test needing the engine, buildx or the registry runs, and that CI never lets it skip (tests/fixtures/engine.py)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.fixtures.server import REPO
+
+TESTS = '''
+def test_unit():
+    pass
+
+def test_needs_the_registry(registry):
+    pass
+'''
+
+
+def pytest_run(tmp_path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    (tmp_path / "test_policy_sample.py").write_text(TESTS)
+    plugins = [a for p in ("tests.fixtures.engine", "tests.fixtures.registry", "tests.e2e.plugin") for a in ("-p", p)]
+    environ = {k: v for k, v in os.environ.items() if k != "G5G_REQUIRE_E2E"}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-c", str(REPO / "pyproject.toml"),
+                           "--rootdir", str(tmp_path), *plugins, str(tmp_path / "test_policy_sample.py"), *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**environ, "PYTHONPATH": str(REPO), **env})
+
+
+def test_registry_tests_are_end_to_end_so_the_unit_half_never_waits_on_provisioning(tmp_path):
+    r = pytest_run(tmp_path, "-m", "not e2e", G5G_REGISTRY_BIN="/nonexistent/docker-registry")
+    assert r.returncode == 0 and "1 passed, 1 deselected" in r.stdout, r.stdout
+
+
+def test_a_missing_registry_binary_skips_saying_why_and_fails_in_ci(tmp_path):
+    missing = "/nonexistent/docker-registry"
+    local = pytest_run(tmp_path, "-m", "e2e", G5G_REGISTRY_BIN=missing)
+    assert local.returncode == 0 and "1 skipped" in local.stdout and f"{missing} not found" in local.stdout, local.stdout
+    ci = pytest_run(tmp_path, "-m", "e2e", G5G_REGISTRY_BIN=missing, G5G_REQUIRE_E2E="1")
+    assert ci.returncode == 1 and "skipped" not in ci.stdout and "1 error" in ci.stdout, ci.stdout  # in its set-up
+    assert f"G5G_REQUIRE_E2E=1 and this end-to-end test cannot run: {missing} not found" in ci.stdout

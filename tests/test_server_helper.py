@@ -1,0 +1,52 @@
+"""tests/fixtures/server.py, the one way tests and benchmarks start a server, against a real process (timed_server)."""
+from __future__ import annotations
+
+import signal
+import sys
+
+import pytest
+import requests
+
+from tests.fixtures.net import free_port
+from tests.fixtures.server import REPO, ServerFailed, launch, running
+
+TIMED = str(REPO / "tests/fixtures/timed_server.py")
+
+
+def timed(*flags: str) -> tuple[list[str], str]:
+    port = free_port()
+    return [sys.executable, TIMED, "--port", str(port), *flags], f"http://127.0.0.1:{port}"
+
+
+def test_waits_for_health_then_stops_with_sigterm(tmp_path):
+    with running(*timed("--health-delay", "1"), log=tmp_path / "s.log") as srv:
+        assert srv.ready_s >= 1.0  # /health said 503 for a second: the wait is on 200, not on the port
+        assert requests.get(f"{srv.url}/health", timeout=5).status_code == 200
+    assert srv.returncode == -signal.SIGTERM
+    assert "timed_server: listening on" in srv.output
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"{srv.url}/health", timeout=5)
+
+
+def test_a_server_that_dies_in_start_up_is_an_error_with_its_output():
+    with pytest.raises(ServerFailed, match=r"exited with 3 before .*/health answered:\n(.|\n)*the engine failed"):
+        with running(*timed("--die-after", "0.2", "--die-message", "fatal: the engine failed to start")):
+            pass
+
+
+def test_never_ready_is_stopped_after_the_timeout():
+    argv, url = timed("--health-delay", "600")
+    with pytest.raises(ServerFailed, match=r"/health not ready after 2 s"):
+        with running(argv, url, timeout=2):
+            pass
+    with pytest.raises(requests.ConnectionError):  # stopped, not left behind
+        requests.get(f"{url}/health", timeout=5)
+
+
+def test_other_readiness_paths_and_codes_and_the_temp_log():
+    srv = launch(*timed())
+    assert srv.wait(ready="/nothing-here", ok=(404,), timeout=60) is srv
+    assert srv.log.is_file()
+    srv.stop()
+    assert not srv.log.exists()  # a temp log of ours is removed; its text stays
+    assert "timed_server: starting" in srv.output
