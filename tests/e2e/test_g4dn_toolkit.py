@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import unavailable
+from tests.fixtures.engine import unavailable
 
 pytestmark = pytest.mark.e2e
 
