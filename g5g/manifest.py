@@ -9,6 +9,7 @@ Pure: reads files, touches no docker, no network (a listed patch's sha256 is che
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from dataclasses import dataclass
@@ -82,9 +83,14 @@ def _max_jobs(v: str | int) -> str:
     return str(v)
 
 
+@functools.lru_cache(maxsize=None)
+def _compiled(expr: str):
+    return _EXPR.compile_expression(expr, undefined_to_none=False)
+
+
 def _expression(v: str) -> str:
     try:
-        _EXPR.compile_expression(v)
+        _compiled(v)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"{v!r} is not a Jinja expression ({e.message})") from None
     return v
@@ -264,18 +270,18 @@ class Runtime(Source):
         ns["base"] = from_image
         args = {k: v for k, e in src.args.items() if (v := value(f"args.{k}", e)) is not None}
         contexts = {k: v for k, e in src.contexts.items() if (v := value(f"contexts.{k}", e)) is not None}
+        context = src.context and self._eval(f"{prefix}context", src.context, ns, profile.name)
+        upstream = {k: self._eval(f"{prefix}upstream.{k}", e, ns, profile.name) for k, e in src.upstream.items()}
         copy = tuple(c.path for c in self.copy_ if self._eval("copy.if", c.if_, ns, profile.name, test=True))
-        return Resolved(source=src_name, from_runtime=src.from_.runtime, from_image=from_image, args=args,
-                        contexts=contexts, context=src.context and self._eval(f"{prefix}context", src.context, ns,
-                                                                              profile.name),
-                        context_expr=src.context, upstream={k: self._eval(f"{prefix}upstream.{k}", e, ns, profile.name)
-                                                        for k, e in src.upstream.items()},
-                        copy=copy)
+        return Resolved(source=src_name, from_image=from_image, args=args,
+                        contexts=contexts, context=context, context_expr=src.context, upstream=upstream, copy=copy)
 
     def _eval(self, key: str, expr: str, ns: dict, profile: str, test: bool = False, hint: str = "") -> Any:
+        """One expression's value as a string (lists joined with spaces), or its truth for test; none or undefined
+        is an error naming the file and the key."""
         why = ""
         try:
-            v = _EXPR.compile_expression(expr, undefined_to_none=False)(**ns)
+            v = _compiled(expr)(**ns)
             if test:
                 return bool(v)
         except jinja2.UndefinedError as e:
@@ -291,7 +297,6 @@ class Runtime(Source):
 @dataclass(frozen=True)
 class Resolved:
     source: str
-    from_runtime: str | None
     from_image: str
     args: dict[str, str]
     contexts: dict[str, str]
@@ -306,6 +311,16 @@ class Manifests:
     root: Path
     profiles: dict[str, Profile]
     runtimes: dict[str, Runtime]  # in build order
+
+    def base(self, rt: Runtime, profile: str) -> Runtime | None:
+        """The runtime whose image `rt`'s image is built FROM for `profile` (None: FROM an image)."""
+        name = rt.build_for(profile)[1].from_.runtime
+        return name and self.runtimes.get(name)
+
+    def usable(self, rt: Runtime, profile: Profile) -> bool:
+        """Whether the profile builds it: a runtime that needs CUDA (or is built FROM one that does) needs a cuda."""
+        base = self.base(rt, profile.name)
+        return (profile.cuda is not None or not rt.needs_cuda) and (base is None or self.usable(base, profile))
 
 
 # --- errors: one line naming the file and the key -------------------------------------------------------------------
@@ -512,25 +527,24 @@ def load(manifest_dir: str | Path, profile: str | None = None, overrides: list[s
     return m
 
 
-def usable(rt: Runtime, profile: Profile) -> bool:
-    return profile.cuda is not None or not rt.needs_cuda
-
-
 def _check_consistency(m: Manifests) -> None:
     """Cross-file rules: an image built FROM another runtime comes after it and pins its version pin (the torch every
     image runs on is the torch-base one); every source of every loaded profile resolves."""
     for rt in m.runtimes.values():
+        for prefix, src in [("", rt)] + [(f"sources.{n}.", s) for n, s in rt.sources.items()]:
+            base_name = src.from_ and src.from_.runtime
+            base = m.runtimes.get(base_name or "")
+            if base_name and (base is None or base.order >= rt.order):  # so no image is built FROM itself
+                why = "is not a runtime" if base is None else f"must come first (its order is {base.order})"
+                raise UserError(f"{rt.file}: {prefix}from.runtime: {base_name!r} {why} "
+                                f"(runtimes: {', '.join(m.runtimes)})")
+    for rt in m.runtimes.values():
         for prof in m.profiles.values():
-            if not usable(rt, prof):
+            if not m.usable(rt, prof):
                 continue
-            prefix, src = rt.build_for(prof.name)
-            base_name = src.from_.runtime
-            if base_name is not None:
-                base = m.runtimes.get(base_name)
-                if base is None or base.order >= rt.order:
-                    why = "is not a runtime" if base is None else f"must come first (its order is {base.order})"
-                    raise UserError(f"{rt.file}: {prefix}from.runtime: {base_name!r} {why} "
-                                    f"(runtimes: {', '.join(m.runtimes)})")
+            base = m.base(rt, prof.name)
+            if base is not None:
+                base_name = base.name
                 pin, want = base.version_pin, base.pins_for(prof.name)[base.version_pin]
                 got = rt.pins_for(prof.name).get(pin)
                 over = prof.name in rt.profiles and pin in rt.profiles[prof.name].pins
@@ -541,7 +555,7 @@ def _check_consistency(m: Manifests) -> None:
                 if got != want:
                     raise UserError(f"{rt.file}: {key}: {got} differs from {base_name}'s {pin} {want} "
                                     f"for profile {prof.name} ({base.file})")
-            rt.resolve(prof, base="" if base_name else None)
+            rt.resolve(prof, base="" if base else None)
 
 
 def check_patch_digests(manifests: Manifests, repo_root: str | Path) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from g5g.errors import UserError
-from g5g.manifest import Manifests, Profile, Resolved, Runtime, usable
+from g5g.manifest import Manifests, Profile, Resolved, Runtime
 
 IMAGE_NAME = "g5g-images"
 # A secret never travels as a build argument.
@@ -172,8 +172,8 @@ def _image(manifests: Manifests, profile: Profile, name: str, tags: dict[str, tu
     rt = manifests.runtimes[name]
     pins = rt.pins_for(profile.name)
     version = pins[rt.version_pin]
-    base = rt.build_for(profile.name)[1].from_.runtime
-    build = rt.resolve(profile, tags[base][0] if base else None)
+    base = manifests.base(rt, profile.name)
+    build = rt.resolve(profile, tags[base.name][0] if base else None)
     archs = " ".join(profile.cuda.archs) if profile.cuda else ""
     upstream = _upstream(rt, profile, build)
     patches = tuple({"path": p.path, "sha256": p.sha256} for p in rt.patches)
@@ -195,12 +195,11 @@ def _image(manifests: Manifests, profile: Profile, name: str, tags: dict[str, tu
         if any(w in k for w in SECRET_WORDS):
             raise UserError(f"{rt.file}: args.{k}: secrets travel only as BuildKit secrets (hf-token, ca-cert)")
     contexts = dict(build.contexts)
+    if base:  # bake links the image it is built FROM by its tag
+        contexts = {build.from_image: f"target:{base.name}", **contexts}
     depends: tuple[str, ...] = ()
-    while base:  # bake links the image it is built FROM (and so on down) by tag
-        depends = (base, *depends)
-        base = manifests.runtimes[base].build_for(profile.name)[1].from_.runtime
-    if build.from_runtime:
-        contexts = {build.from_image: f"target:{build.from_runtime}", **contexts}
+    while base:  # and what that one is built FROM, and so on
+        depends, base = (base.name, *depends), manifests.base(base, profile.name)
     ctx_vars = {"source": build.source, "serve_args": list(rt.serve_args), "port": rt.port,
                 "requirements": _requirements(rt, pins, repo_root)}
     origin = build.context_expr or ""
@@ -242,11 +241,12 @@ def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", 
     if Path(out).is_absolute() or ".." in PurePosixPath(out).parts:
         raise UserError(f"--out {out}: must be a directory inside the repository (bake paths are relative to it)")
     out = str(PurePosixPath(out))
-    names = [n for n, rt in manifests.runtimes.items() if usable(rt, prof)]  # in build order
+    names = [n for n, rt in manifests.runtimes.items() if manifests.usable(rt, prof)]  # in build order
     if runtime in manifests.runtimes and runtime not in names:
         rt = manifests.runtimes[runtime]
-        raise UserError(f"--runtime {runtime} --profile {profile}: {runtime} needs CUDA (needs_cuda in {rt.file}); "
-                        f"the {profile} profile has none and builds {', '.join(names)}: use a profile with cuda")
+        raise UserError(f"--runtime {runtime} --profile {profile}: {runtime} needs CUDA (needs_cuda in {rt.file} or "
+                        f"what it is built FROM); the {profile} profile has none and builds {', '.join(names)}: "
+                        "use a profile with cuda")
     tags = {n: _tags(reg, n, manifests.runtimes[n].pins_for(profile)[manifests.runtimes[n].version_pin], prof)
             for n in names}
     root = manifests.root.parent if repo_root is None else Path(repo_root)
