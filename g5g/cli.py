@@ -25,8 +25,9 @@ err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 def _add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runtime", default="all", metavar="RUNTIME",
-                   help=f"image to plan: {', '.join(RUNTIMES)} or all (the runtimes/*.yaml of --manifests; default: all)")
-    p.add_argument("--profile", default="g5g", help=f"target profile: {', '.join(PROFILES)} (the profiles/*.yaml of --manifests; default: g5g)")
+                   help=f"image to plan: {', '.join(RUNTIMES)} or all (runtimes/*.yaml of --manifests; default: all)")
+    p.add_argument("--profile", default="g5g",
+                   help=f"target profile: {', '.join(PROFILES)} (profiles/*.yaml of --manifests; default: g5g)")
     p.add_argument("--platform", help="comma-separated platforms, e.g. linux/arm64,linux/amd64 (default: the profile's)")
     p.add_argument("--registry", help="registry/namespace images are tagged for, e.g. ghcr.io/me (default: the manifest's)")
     p.add_argument("--manifests", default=None, help="manifest directory (default: ./manifests)")

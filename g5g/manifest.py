@@ -19,8 +19,8 @@ from typing import Annotated, Any, get_args
 import jinja2
 import yaml
 from jinja2.sandbox import SandboxedEnvironment
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr,
-                      ValidationError)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, StrictBool,
+                      StrictInt, StrictStr, ValidationError)
 
 from g5g.errors import UserError
 
@@ -62,7 +62,8 @@ def _archs(v: tuple[str, ...]) -> tuple[str, ...]:
         raise ValueError("needs at least one CUDA arch, e.g. [\"7.5\"]")
     for a in v:
         if "PTX" in a.upper():
-            raise ValueError(f"{a!r}: +PTX is not allowed (vLLM filters the global PTX flag; PTX cannot JIT down to 7.5)")
+            raise ValueError(f"{a!r}: +PTX is not allowed (vLLM filters the global PTX flag; "
+                             "PTX cannot JIT down to 7.5)")
         if not ARCH_RE.match(a):
             raise ValueError(f"{a!r} is not a CUDA arch like \"7.5\"")
     return v
@@ -361,7 +362,8 @@ def _validate(model: type[BaseModel], file: str, data: Any) -> Any:
     try:
         obj = model.model_validate(data)
     except ValidationError as e:
-        err = e.errors(include_url=False)[0]
+        errors = e.errors(include_url=False)
+        err = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])  # a typo: say it, not "missing"
         loc, kind, value = err["loc"], err["type"], err.get("input")
         # a union reports each branch: keep the path, drop the branch names pydantic adds ("str", "int")
         loc = tuple(p for p in loc if p not in ("str", "int") and not str(p).startswith("function-"))
@@ -395,7 +397,8 @@ def _profile(file: str, data: Any) -> Profile:
             raise UserError(f"{file}: cuda.{'pip_toolkit' if c.pip_toolkit else 'devel_image'}: needs devel_image and "
                             "runtime_image (NVIDIA's images) or pip_toolkit (NVIDIA's wheels), not both")
         if c.pip_toolkit and p.base_image is None:
-            raise UserError(f"{file}: base_image: cuda.pip_toolkit (no NVIDIA image) needs a base_image to install it on")
+            raise UserError(f"{file}: base_image: cuda.pip_toolkit (no NVIDIA image) needs a base_image "
+                            "to install it on")
     return p
 
 

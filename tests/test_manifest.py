@@ -128,9 +128,11 @@ def test_invalid_yaml_names_file_and_line(mdir: Path):
 def test_runtimes_and_profiles_are_the_files(mdir: Path):
     """The runtime and profile lists are the manifest files: a runtime whose base is gone is named, not skipped."""
     (mdir / "runtimes/jax.yaml").unlink()
-    (mdir / "profiles/g5g-east.yaml").write_text((mdir / "profiles/g5g.yaml").read_text().replace("name: g5g", "name: g5g-east"))
+    g5g = (mdir / "profiles/g5g.yaml").read_text()
+    (mdir / "profiles/g5g-east.yaml").write_text(g5g.replace("name: g5g", "name: g5g-east"))
     m = manifest.load(mdir)
-    assert list(m.runtimes) == ["torch-base", "vllm", "pytorch"] and set(m.profiles) == {"g5g", "g5g-east", "g4dn", "cpu"}
+    assert list(m.runtimes) == ["torch-base", "vllm", "pytorch"]
+    assert set(m.profiles) == {"g5g", "g5g-east", "g4dn", "cpu"}
     (mdir / "runtimes/torch-base.yaml").unlink()
     with pytest.raises(UserError, match=r"runtimes/vllm.yaml: from.runtime: 'torch-base' is not a runtime"):
         manifest.load(mdir)
