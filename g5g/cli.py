@@ -12,17 +12,22 @@ import sys
 from rich.console import Console
 from rich.markup import escape
 
+from g5g import REPO_ROOT
 from g5g.errors import UserError
 
 SUBCOMMANDS = ("build", "generate", "doctor", "inspect", "smoke", "bench", "serve", "patches")
-RUNTIMES = ("vllm", "jax", "pytorch", "torch-base", "all")
+# The runtimes are the manifests (runtimes/*.yaml): the planner checks --runtime against those of --manifests.
+RUNTIMES = sorted(p.stem for p in (REPO_ROOT / "manifests" / "runtimes").glob("*.yaml"))
+PROFILES = sorted(p.stem for p in (REPO_ROOT / "manifests" / "profiles").glob("*.yaml"))
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _add_plan_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--runtime", choices=RUNTIMES, default="all", help="image to plan (default: all)")
-    p.add_argument("--profile", default="g5g", help="target profile from manifests/profiles (g5g, cpu)")
+    p.add_argument("--runtime", default="all", metavar="RUNTIME",
+                   help=f"image to plan: {', '.join(RUNTIMES)} or all (runtimes/*.yaml of --manifests; default: all)")
+    p.add_argument("--profile", default="g5g",
+                   help=f"target profile: {', '.join(PROFILES)} (profiles/*.yaml of --manifests; default: g5g)")
     p.add_argument("--platform", help="comma-separated platforms, e.g. linux/arm64,linux/amd64 (default: the profile's)")
     p.add_argument("--registry", help="registry/namespace images are tagged for, e.g. ghcr.io/me (default: the manifest's)")
     p.add_argument("--manifests", default=None, help="manifest directory (default: ./manifests)")

@@ -1,342 +1,450 @@
-"""Manifests: target profiles and runtimes in YAML, validated strictly before anything runs.
+"""Manifests: target profiles and runtimes in YAML, validated strictly (pydantic models) before anything runs.
 
 `load(manifest_dir) -> Manifests`. Every error is a UserError naming the file and the key, e.g.
 `manifests/runtimes/vllm.yaml: pins.vllm: 0.27.1 is below the Gemma 4 floor 0.28.0`.
+The profiles are the files in profiles/, the runtimes the files in runtimes/. A runtime says how its image is built
+(`Runtime.resolve`): FROM another runtime or an image, build args, contexts — Jinja expressions over the profile,
+the pins and the runtime itself, so a new runtime is a manifest and a template, no code.
 Pure: reads files, touches no docker, no network (a listed patch's sha256 is checked separately, `check_patch_digests`).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, get_args
 
+import jinja2
 import yaml
+from jinja2.sandbox import SandboxedEnvironment
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, StrictBool,
+                      StrictInt, StrictStr, ValidationError)
 
 from g5g.errors import UserError
 
-RUNTIMES = ("torch-base", "vllm", "jax", "pytorch")
-PROFILES = ("g5g", "g4dn", "cpu")
-VLLM_FLOOR = (0, 28, 0)  # Gemma 4's per-layer head_dim is handled from vLLM 0.28.0
 PLATFORM_RE = re.compile(r"^linux/(amd64|arm64)$")
 ARCH_RE = re.compile(r"^\d+\.\d+$")  # "7.5"; "+PTX", "sm_75", "75" are refused
 VERSION_RE = re.compile(r"^\d+(\.\d+)*([a-z0-9.+]*)$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/:@-]*$")
 DIGEST_RE = re.compile(r"@sha256:[0-9a-f]{64}$")
-TORCH_SOURCES = ("build", "image", "pypi")  # pypi: the index's CUDA wheel, checked for the profile's SASS
+_EXPR = SandboxedEnvironment(undefined=jinja2.StrictUndefined)
 
 
-@dataclass(frozen=True)
-class Cuda:
+# --- value checks (a ValueError becomes "FILE: KEY: message") -------------------------------------------------------
+
+def _check(test, message: str):
+    def run(v):
+        if v is not None and not test(v):
+            raise ValueError(message.format(v=v))
+        return v
+    return AfterValidator(run)
+
+
+def _image_ref(v: str) -> str:
+    if not IMAGE_RE.match(v):
+        raise ValueError(f"{v!r} is not an image reference")
+    if "@" in v and not DIGEST_RE.search(v):
+        raise ValueError(f"{v!r}: a digest is @sha256: and 64 hex digits")
+    return v
+
+
+def _in_repo(v: str) -> str:
+    if v.startswith("/") or ".." in Path(v).parts:
+        raise ValueError(f"{v!r} must be a directory inside the repository (it is a build context)")
+    return v
+
+
+def _archs(v: tuple[str, ...]) -> tuple[str, ...]:
+    if not v:
+        raise ValueError("needs at least one CUDA arch, e.g. [\"7.5\"]")
+    for a in v:
+        if "PTX" in a.upper():
+            raise ValueError(f"{a!r}: +PTX is not allowed (vLLM filters the global PTX flag; "
+                             "PTX cannot JIT down to 7.5)")
+        if not ARCH_RE.match(a):
+            raise ValueError(f"{a!r} is not a CUDA arch like \"7.5\"")
+    return v
+
+
+def _platforms(v: tuple[str, ...]) -> tuple[str, ...]:
+    if not v:
+        raise ValueError("needs at least one platform")
+    for p in v:
+        if not PLATFORM_RE.match(p):
+            raise ValueError(f"{p!r} is not a supported platform (linux/amd64 or linux/arm64)")
+    return v
+
+
+def _max_jobs(v: str | int) -> str:
+    if (isinstance(v, int) and v < 1) or (isinstance(v, str) and v != "auto"):
+        raise ValueError(f"{v!r} must be a positive number or \"auto\"")
+    return str(v)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(expr: str):
+    return _EXPR.compile_expression(expr, undefined_to_none=False)
+
+
+def _expression(v: str) -> str:
+    try:
+        _compiled(v)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"{v!r} is not a Jinja expression ({e.message})") from None
+    return v
+
+
+def _regex(v: str) -> str:
+    try:
+        re.compile(v)
+    except re.error as e:
+        raise ValueError(f"{v!r} is not a regular expression ({e})") from None
+    return v
+
+
+Image = Annotated[StrictStr, AfterValidator(_image_ref)]
+Pin = Annotated[StrictStr, _check(VERSION_RE.match, "{v!r} is not an exact version (a pin is X.Y.Z, no ranges)")]
+Sha256 = Annotated[StrictStr, _check(SHA256_RE.match, "{v!r} is not a 64-hex sha256")]
+Expr = Annotated[StrictStr, AfterValidator(_expression)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+# --- profiles -----------------------------------------------------------------------------------------------------
+
+class Cuda(_Model):
     """Where the toolkit comes from: NVIDIA's images (devel + runtime, g5g) or NVIDIA's wheels (pip, g4dn)."""
-    version: str
-    archs: tuple[str, ...]
-    devel_image: str | None = None
-    runtime_image: str | None = None
-    pip_toolkit: str | None = None  # cuda-toolkit==X on the index, e.g. "13.0.3" (what PyPI's torch is built on)
-    cuobjdump: str = ""  # nvidia-cuda-cuobjdump==X: lists the SASS of torch's and vLLM's libraries at build time
-    nccl: str | None = None  # nvidia-nccl-cu13==X for a source-built torch: one version to build and run with
+    version: Annotated[StrictStr, _check(re.compile(r"^\d+\.\d+$").match, "{v!r} must be MAJOR.MINOR, e.g. \"13.2\"")]
+    archs: Annotated[tuple[StrictStr, ...], AfterValidator(_archs)]
+    devel_image: Image | None = None
+    runtime_image: Image | None = None
+    pip_toolkit: StrictStr | None = None  # cuda-toolkit==X on the index, e.g. "13.0.3" (what PyPI's torch is built on)
+    cuobjdump: StrictStr = ""  # nvidia-cuda-cuobjdump==X: lists the SASS of torch's and vLLM's libraries at build time
+    nccl: StrictStr | None = None  # nvidia-nccl-cu13==X for a source-built torch: one version to build and run with
 
 
-@dataclass(frozen=True)
-class Profile:
-    name: str
-    description: str
-    platforms: tuple[str, ...]
-    registry: str
-    python: str
-    dtype: str
+class Build(_Model):
+    max_jobs: Annotated[StrictStr | StrictInt, AfterValidator(_max_jobs)] = "auto"
+    nvcc_threads: Annotated[StrictInt, _check(lambda n: n >= 1, "must be at least 1")] = 1
+    rust_frontend: StrictBool = True  # vLLM's Rust frontend (vllm-rs) needs the crates registry at build time
+    vllm_sources: Annotated[StrictStr, AfterValidator(_in_repo)] | None = None  # local tree of vLLM's external
+    # projects (tools/vllm_sources.py), not GitHub
+
+
+class Profile(_Model):
+    name: StrictStr
+    description: StrictStr
+    platforms: Annotated[tuple[StrictStr, ...], AfterValidator(_platforms)]
+    registry: Annotated[StrictStr, _check(lambda r: IMAGE_RE.match(r) and not r.endswith("/"),
+                                          "{v!r} is not a registry/namespace like ghcr.io/me")]
+    python: StrictStr
+    dtype: StrictStr
     cuda: Cuda | None = None
-    cpu_baseline: str | None = None
-    base_image: str | None = None
-    wheels: str | None = None
-    max_jobs: str = "auto"
-    nvcc_threads: int = 1
-    rust_frontend: bool = True  # vLLM's Rust frontend (vllm-rs) needs the crates registry at build time
-    vllm_sources: str | None = None  # local tree of vLLM's external projects (tools/vllm_sources.py), not GitHub
-    torch_source: str | None = None  # overrides torch-base's source for this profile
-    tag_suffix: str = ""  # appended to the image tags: "" for the flagship profile, "-<name>" by default
-    source: str = ""
+    cpu_baseline: StrictStr | None = None
+    base_image: Image | None = None
+    wheels: Annotated[StrictStr, AfterValidator(_in_repo)] | None = None
+    build: Build = Build()
+    tag_suffix: StrictStr | None = None  # appended to the image tags: "" for the flagship profile, "-<name>" by default
+    _file: str = PrivateAttr("")
+
+    @property
+    def source(self) -> str:
+        return self._file
+
+    @property
+    def suffix(self) -> str:
+        return f"-{self.name}" if self.tag_suffix is None else self.tag_suffix
 
 
-@dataclass(frozen=True)
-class Patch:
-    path: str
-    sha256: str
+# --- runtimes -----------------------------------------------------------------------------------------------------
+
+class From(_Model):
+    """What an image is built FROM: another runtime's image (bake links the targets) or an image (an expression)."""
+    runtime: StrictStr | None = None
+    image: Expr | None = None
 
 
-@dataclass(frozen=True)
-class Smoke:
-    prompt: str
-    expect: str
+class When(_Model):
+    """A value used only when `if` is true, e.g. {value: pins.rust, if: profile.build.rust_frontend}; a plain
+    expression is used always."""
+    value: Expr
+    if_: Expr = Field(alias="if")
 
 
-@dataclass(frozen=True)
-class Runtime:
-    name: str
-    description: str
-    pins: dict[str, str]
-    profile_pins: dict[str, dict[str, str]] = field(default_factory=dict)
-    source: str = "build"
-    image: str | None = None
-    sdist_sha256: str | None = None
-    patches: tuple[Patch, ...] = ()
-    serve_args: tuple[str, ...] = ()
-    port: int = 8000
+class Copy(_Model):
+    path: StrictStr
+    if_: Expr = Field(alias="if")
+
+
+def _always(key: str) -> BeforeValidator:
+    return BeforeValidator(lambda v: v if isinstance(v, dict) else {key: v, "if": "true"})
+
+
+Value = Annotated[When, _always("value")]
+
+
+class Source(_Model):
+    """How an image is built: FROM, build args (exactly the ARGs its Dockerfile declares), named contexts that are local
+    directories, the build context itself when it is not the image's own directory, and extra upstream pins."""
+    from_: From | None = Field(None, alias="from")
+    args: dict[StrictStr, Value] = {}
+    contexts: dict[StrictStr, Value] = {}
+    context: Expr | None = None
+    upstream: dict[StrictStr, Expr] = {}
+
+
+class Patch(_Model):
+    path: StrictStr
+    sha256: Sha256
+
+
+class Smoke(_Model):
+    prompt: StrictStr
+    expect: Annotated[StrictStr, AfterValidator(_regex)]
+
+
+class ProfileSection(_Model):
+    pins: dict[StrictStr, Pin] = {}
+    source: StrictStr | None = None
+
+
+class Runtime(Source):
+    runtime: StrictStr
+    description: StrictStr
+    order: StrictInt  # images are planned (and listed) in this order; an image comes after what it is built FROM
+    version_pin: StrictStr  # the pin that versions the image's tags
+    pins: dict[StrictStr, Pin]
+    min_pins: dict[StrictStr, Pin] = {}  # floors, e.g. vllm >= 0.28.0 for Gemma 4
+    profiles: dict[StrictStr, ProfileSection] = {}  # per-profile pins and source
+    needs_cuda: StrictBool = False
+    source: StrictStr | None = None  # which of `sources` (instead of from/args/contexts at the top level)
+    sources: dict[StrictStr, Source] = {}
+    image: Image | None = None
+    sdist_sha256: Sha256 | None = None
+    patches: tuple[Patch, ...] = ()  # copied into the build context's patches/
+    copy_: tuple[Annotated[Copy, _always("path")], ...] = Field((), alias="copy")  # repository paths copied into
+    # the build context
+    requirements: StrictStr | None = None  # a pyproject.toml extra the image installs (template: `requirements`)
+    serve_args: tuple[StrictStr, ...] = ()
+    port: Annotated[StrictInt, _check(lambda p: 1 <= p <= 65535, "{v} is not a TCP port")] = 8000
     smoke: Smoke | None = None
-    file: str = ""
+    _file: str = PrivateAttr("")
+
+    @property
+    def name(self) -> str:
+        return self.runtime
+
+    @property
+    def file(self) -> str:
+        return self._file
 
     def pins_for(self, profile: str) -> dict[str, str]:
-        return {**self.pins, **self.profile_pins.get(profile, {})}
+        return {**self.pins, **(self.profiles[profile].pins if profile in self.profiles else {})}
+
+    def source_for(self, profile: str) -> str | None:
+        section = self.profiles.get(profile)
+        return (section and section.source) or self.source
+
+    def build_for(self, profile: str) -> tuple[str, Source]:
+        """(key prefix for errors, the source) of this runtime's image for `profile`."""
+        src = self.source_for(profile)
+        return (f"sources.{src}.", self.sources[src]) if src else ("", self)
+
+    def resolve(self, profile: Profile, base: str | None) -> Resolved:
+        """Evaluate the expressions of the profile's source. base: the tag of the runtime it is built FROM."""
+        prefix, src = self.build_for(profile.name)
+        ns = {"profile": profile, "pins": self.pins_for(profile.name), "runtime": self}
+
+        def value(key: str, v: When) -> str | None:
+            if not self._eval(f"{prefix}{key}.if", v.if_, ns, profile.name, test=True):
+                return None
+            return self._eval(f"{prefix}{key}", v.value, ns, profile.name)
+
+        src_name = self.source_for(profile.name) or ""
+        from_image = base if src.from_.runtime else self._eval(f"{prefix}from.image", src.from_.image, ns,
+                                                                profile.name, hint=src_name)
+        ns["base"] = from_image
+        args = {k: v for k, e in src.args.items() if (v := value(f"args.{k}", e)) is not None}
+        contexts = {k: v for k, e in src.contexts.items() if (v := value(f"contexts.{k}", e)) is not None}
+        context = src.context and self._eval(f"{prefix}context", src.context, ns, profile.name)
+        upstream = {k: self._eval(f"{prefix}upstream.{k}", e, ns, profile.name) for k, e in src.upstream.items()}
+        copy = tuple(c.path for c in self.copy_ if self._eval("copy.if", c.if_, ns, profile.name, test=True))
+        return Resolved(source=src_name, from_image=from_image, args=args,
+                        contexts=contexts, context=context, context_expr=src.context, upstream=upstream, copy=copy)
+
+    def _eval(self, key: str, expr: str, ns: dict, profile: str, test: bool = False, hint: str = "") -> Any:
+        """One expression's value as a string (lists joined with spaces), or its truth for test; none or undefined
+        is an error naming the file and the key."""
+        why = ""
+        try:
+            v = _compiled(expr)(**ns)
+            if test:
+                return bool(v)
+        except jinja2.UndefinedError as e:
+            v, why = None, f" ({e.message})"
+        except jinja2.TemplateError as e:
+            raise UserError(f"{self.file}: {key}: {expr}: {e}") from None
+        if v is None or isinstance(v, jinja2.Undefined):
+            hint = f", source: {hint}" if hint else ""
+            raise UserError(f"{self.file}: {key}: {expr} is not set for profile {profile}{hint}{why}")
+        return " ".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    source: str
+    from_image: str
+    args: dict[str, str]
+    contexts: dict[str, str]
+    context: str | None
+    context_expr: str | None
+    upstream: dict[str, str]
+    copy: tuple[str, ...]
 
 
 @dataclass(frozen=True)
 class Manifests:
     root: Path
     profiles: dict[str, Profile]
-    runtimes: dict[str, Runtime]
+    runtimes: dict[str, Runtime]  # in build order
+
+    def base(self, rt: Runtime, profile: str) -> Runtime | None:
+        """The runtime whose image `rt`'s image is built FROM for `profile` (None: FROM an image)."""
+        name = rt.build_for(profile)[1].from_.runtime
+        return name and self.runtimes.get(name)
+
+    def usable(self, rt: Runtime, profile: Profile) -> bool:
+        """Whether the profile builds it: a runtime that needs CUDA (or is built FROM one that does) needs a cuda."""
+        base = self.base(rt, profile.name)
+        return (profile.cuda is not None or not rt.needs_cuda) and (base is None or self.usable(base, profile))
 
 
-# --- a small strict schema reader -------------------------------------------------------------------------------
+# --- errors: one line naming the file and the key -------------------------------------------------------------------
 
-class _Reader:
-    """Walks one YAML mapping, remembering the file and key path for error messages."""
+def _where(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
 
-    def __init__(self, file: str, data: Any, path: str = ""):
-        self.file, self.path = file, path
-        if not isinstance(data, dict):
-            self.fail(f"expected a mapping, got {type(data).__name__}")
-        self.data: dict = data
-        self.seen: set[str] = set()
 
-    def key(self, k: str) -> str:
-        return f"{self.path}.{k}" if self.path else k
+def _allowed(model: type, loc: tuple) -> list[str]:
+    """The keys the model at `loc` takes (for "unknown key" errors)."""
+    for part in loc:
+        if isinstance(part, int) or not (isinstance(model, type) and issubclass(model, BaseModel)):
+            continue
+        field = next((f for n, f in model.model_fields.items() if (f.alias or n) == part), None)
+        if field is None:  # a key of a dict field: the model of its values
+            continue
+        model = _model_in(field.annotation)
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return []
+    return sorted(f.alias or n for n, f in model.model_fields.items())
 
-    def fail(self, msg: str, key: str | None = None) -> None:
-        where = self.key(key) if key else (self.path or "(top level)")
-        raise UserError(f"{self.file}: {where}: {msg}")
 
-    def get(self, k: str, kind: type | tuple, required: bool = True, default: Any = None) -> Any:
-        self.seen.add(k)
-        if k not in self.data or self.data[k] is None:
-            if required:
-                self.fail("missing (required)", k)
-            return default
-        v = self.data[k]
-        if kind is str and isinstance(v, (int, float)) and not isinstance(v, bool):
-            self.fail(f"must be a quoted string, got {v!r} (YAML reads it as a number)", k)
-        if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
-            names = kind.__name__ if isinstance(kind, type) else "/".join(t.__name__ for t in kind)
-            self.fail(f"must be {names}, got {type(v).__name__} {v!r}", k)
-        return v
+def _model_in(annotation: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for a in get_args(annotation):
+        if (m := _model_in(a)) is not None:
+            return m
+    return None
 
-    def sub(self, k: str, required: bool = True) -> _Reader | None:
-        v = self.get(k, dict, required)
-        return None if v is None else _Reader(self.file, v, self.key(k))
 
-    def strings(self, k: str, required: bool = True) -> tuple[str, ...]:
-        v = self.get(k, list, required, [])
-        for i, item in enumerate(v):
-            if not isinstance(item, str):
-                self.fail(f"item {i} must be a quoted string, got {item!r}", k)
-        return tuple(v)
+def _validate(model: type[BaseModel], file: str, data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise UserError(f"{file}: (top level): expected a mapping, got {type(data).__name__}")
+    try:
+        obj = model.model_validate(data)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        err = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])  # a typo: say it, not "missing"
+        loc, kind, value = err["loc"], err["type"], err.get("input")
+        # a union reports each branch: keep the path, drop the branch names pydantic adds ("str", "int")
+        loc = tuple(p for p in loc if p not in ("str", "int") and not str(p).startswith("function-"))
+        where = _where(loc) or "(top level)"
+        if kind == "missing":
+            msg = "missing (required)"
+        elif kind == "extra_forbidden":
+            msg = f"unknown key (allowed: {', '.join(_allowed(model, loc[:-1]))})"
+        elif kind == "string_type" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            msg = f"must be a quoted string, got {value!r} (YAML reads it as a number)"
+        elif kind.endswith("_type"):
+            want = {"dict": "a mapping", "model": "a mapping", "tuple": "a list", "string": "a string",
+                    "int": "a number", "bool": "true or false"}.get(kind.removesuffix("_type"), kind)
+            msg = f"must be {want}, got {type(value).__name__} {value!r}"
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+        raise UserError(f"{file}: {where}: {msg}") from None
+    obj._file = file
+    return obj
 
-    def done(self) -> None:
-        extra = sorted(set(self.data) - self.seen)
-        if extra:
-            self.fail(f"unknown key (allowed: {', '.join(sorted(self.seen))})", extra[0])
+
+def _profile(file: str, data: Any) -> Profile:
+    p = _validate(Profile, file, data)
+    if p.name != Path(file).stem:
+        raise UserError(f"{file}: name: {p.name!r} does not match the file name {Path(file).stem!r}")
+    if p.cuda is None and p.base_image is None:
+        raise UserError(f"{file}: base_image: a profile without cuda needs a base_image")
+    if p.cuda is not None:
+        c = p.cuda
+        if (c.devel_image is None) != (c.runtime_image is None) or (c.devel_image is None) == (c.pip_toolkit is None):
+            raise UserError(f"{file}: cuda.{'pip_toolkit' if c.pip_toolkit else 'devel_image'}: needs devel_image and "
+                            "runtime_image (NVIDIA's images) or pip_toolkit (NVIDIA's wheels), not both")
+        if c.pip_toolkit and p.base_image is None:
+            raise UserError(f"{file}: base_image: cuda.pip_toolkit (no NVIDIA image) needs a base_image "
+                            "to install it on")
+    return p
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", v.split("+")[0])[:3])
 
 
-def _pins(r: _Reader, k: str, required: bool = True) -> dict[str, str]:
-    sub = r.sub(k, required)
-    if sub is None:
-        return {}
-    out = {}
-    for name in list(sub.data):
-        v = sub.get(name, str)
-        if not VERSION_RE.match(v):
-            sub.fail(f"{v!r} is not an exact version (a pin is X.Y.Z, no ranges)", name)
-        out[name] = v
-    sub.done()
-    return out
-
-
-# --- profiles -----------------------------------------------------------------------------------------------------
-
-def _profile(file: str, data: Any) -> Profile:
-    r = _Reader(file, data)
-    name = r.get("name", str)
-    if name != Path(file).stem:
-        r.fail(f"{name!r} does not match the file name {Path(file).stem!r}", "name")
-    platforms = r.strings("platforms")
-    if not platforms:
-        r.fail("needs at least one platform", "platforms")
-    for p in platforms:
-        if not PLATFORM_RE.match(p):
-            r.fail(f"{p!r} is not a supported platform (linux/amd64 or linux/arm64)", "platforms")
-    cuda = None
-    c = r.sub("cuda", required=False)
-    if c is not None:
-        version = c.get("version", str)
-        if not re.match(r"^\d+\.\d+$", version):
-            c.fail(f"{version!r} must be MAJOR.MINOR, e.g. \"13.2\"", "version")
-        archs = c.strings("archs")
-        if not archs:
-            c.fail("needs at least one CUDA arch, e.g. [\"7.5\"]", "archs")
-        for a in archs:
-            if "PTX" in a.upper():
-                c.fail(f"{a!r}: +PTX is not allowed (vLLM filters the global PTX flag; PTX cannot JIT down to 7.5)",
-                       "archs")
-            if not ARCH_RE.match(a):
-                c.fail(f"{a!r} is not a CUDA arch like \"7.5\"", "archs")
-        devel, runtime = c.get("devel_image", str, required=False), c.get("runtime_image", str, required=False)
-        pip_toolkit = c.get("pip_toolkit", str, required=False)
-        if (devel is None) != (runtime is None) or (devel is None) == (pip_toolkit is None):
-            c.fail("needs devel_image and runtime_image (NVIDIA's images) or pip_toolkit (NVIDIA's wheels), "
-                   "not both", "pip_toolkit" if pip_toolkit else "devel_image")
-        cuda = Cuda(version, archs, devel, runtime, pip_toolkit, c.get("cuobjdump", str, required=False, default=""),
-                    c.get("nccl", str, required=False))
-        c.done()
-    base_image = r.get("base_image", str, required=False)
-    if cuda is None and base_image is None:
-        r.fail("a profile without cuda needs a base_image", "base_image")
-    if cuda is not None and cuda.pip_toolkit and base_image is None:
-        r.fail("cuda.pip_toolkit (no NVIDIA image) needs a base_image to install it on", "base_image")
-    for key, img in (("base_image", base_image),) + (
-            (("cuda.devel_image", cuda.devel_image), ("cuda.runtime_image", cuda.runtime_image)) if cuda else ()):
-        if img is not None and not IMAGE_RE.match(img):
-            r.fail(f"{img!r} is not an image reference", key)
-        if img is not None and "@" in img and not DIGEST_RE.search(img):
-            r.fail(f"{img!r}: a digest is @sha256: and 64 hex digits", key)
-    max_jobs, nvcc_threads, rust_frontend, vllm_sources = "auto", 1, True, None
-    b = r.sub("build", required=False)
-    if b is not None:
-        mj = b.get("max_jobs", (str, int), required=False, default="auto")
-        if isinstance(mj, bool) or (isinstance(mj, int) and mj < 1) or (isinstance(mj, str) and mj != "auto"):
-            b.fail(f"{mj!r} must be a positive number or \"auto\"", "max_jobs")
-        max_jobs = str(mj)
-        nvcc_threads = b.get("nvcc_threads", int, required=False, default=1)
-        if nvcc_threads < 1:
-            b.fail("must be at least 1", "nvcc_threads")
-        rust_frontend = b.get("rust_frontend", bool, required=False, default=True)
-        vllm_sources = b.get("vllm_sources", str, required=False)
-        if vllm_sources is not None and (vllm_sources.startswith("/") or ".." in Path(vllm_sources).parts):
-            b.fail(f"{vllm_sources!r} must be a directory inside the repository (it is a build context)",
-                   "vllm_sources")
-        b.done()
-    wheels = r.get("wheels", str, required=False)
-    if wheels is not None and (wheels.startswith("/") or ".." in Path(wheels).parts):
-        r.fail(f"{wheels!r} must be a directory inside the repository (it is a build context)", "wheels")
-    torch_source = r.get("torch_source", str, required=False)
-    if torch_source is not None and torch_source not in TORCH_SOURCES:
-        r.fail(f"{torch_source!r} must be one of {', '.join(TORCH_SOURCES)}", "torch_source")
-    registry = r.get("registry", str)
-    if not IMAGE_RE.match(registry) or registry.endswith("/"):
-        r.fail(f"{registry!r} is not a registry/namespace like ghcr.io/me", "registry")
-    profile = Profile(
-        name=name, description=r.get("description", str), platforms=platforms, registry=registry,
-        python=r.get("python", str), dtype=r.get("dtype", str), cuda=cuda,
-        cpu_baseline=r.get("cpu_baseline", str, required=False), base_image=base_image,
-        wheels=wheels, max_jobs=max_jobs, nvcc_threads=nvcc_threads, rust_frontend=rust_frontend,
-        vllm_sources=vllm_sources, torch_source=torch_source,
-        tag_suffix=r.get("tag_suffix", str, required=False, default=f"-{name}"), source=file)
-    r.done()
-    return profile
-
-
-# --- runtimes -----------------------------------------------------------------------------------------------------
-
-REQUIRED_PINS = {
-    "torch-base": ("torch",),
-    "vllm": ("vllm", "torch", "torchvision", "transformers", "rust", "triton"),
-    "jax": ("jax", "transformers"),
-    "pytorch": ("torch", "transformers"),
-}
-
-
-def _runtime(file: str, data: Any) -> Runtime:
-    r = _Reader(file, data)
-    name = r.get("runtime", str)
-    if name not in RUNTIMES:
-        r.fail(f"{name!r} is not a runtime ({', '.join(RUNTIMES)})", "runtime")
-    if name != Path(file).stem:
-        r.fail(f"{name!r} does not match the file name {Path(file).stem!r}", "runtime")
-    pins = _pins(r, "pins")
-    for p in REQUIRED_PINS[name]:
-        if p not in pins:
-            r.fail(f"missing pin {p!r}", f"pins.{p}")
-    profile_pins: dict[str, dict[str, str]] = {}
-    pr = r.sub("profiles", required=False)
-    if pr is not None:
-        for prof in list(pr.data):
-            if prof not in PROFILES:
-                pr.fail(f"unknown profile (known: {', '.join(PROFILES)})", prof)
-            sub = pr.sub(prof)
-            profile_pins[prof] = _pins(sub, "pins")
-            for p in profile_pins[prof]:
-                if p not in pins:
-                    sub.fail(f"overrides a pin the runtime does not have ({', '.join(pins)})", f"pins.{p}")
-            sub.done()
-        pr.done()
-    if name == "vllm":
-        for prof, prof_pins in [("", pins), *profile_pins.items()]:
-            v = prof_pins.get("vllm", pins["vllm"])
-            if _version_tuple(v) < VLLM_FLOOR:
-                key = f"profiles.{prof}.pins.vllm" if prof else "pins.vllm"
-                r.fail(f"{v} is below the Gemma 4 floor {'.'.join(map(str, VLLM_FLOOR))}", key)
-    source = r.get("source", str, required=False, default="build")
-    image = r.get("image", str, required=False)
-    if name == "torch-base":
-        if source not in ("build", "image"):
-            r.fail(f"{source!r} must be build or image", "source")
-        if source == "image" and not image:
-            r.fail("source: image needs the image reference", "image")
-        if image is not None and not IMAGE_RE.match(image):
-            r.fail(f"{image!r} is not an image reference", "image")
-    elif "source" in r.data or "image" in r.data:
-        r.fail("only torch-base takes source/image", "source" if "source" in r.data else "image")
-    sdist = r.get("sdist_sha256", str, required=(name == "vllm"))
-    if sdist is not None and (name != "vllm" or not SHA256_RE.match(sdist)):
-        r.fail("must be the 64-hex sha256 of the vLLM sdist" if name == "vllm" else "only vllm takes it",
-               "sdist_sha256")
-    patches: list[Patch] = []
-    if name == "vllm":
-        raw = r.get("patches", list, required=False, default=[])
-        for i, item in enumerate(raw):
-            pr_ = _Reader(file, item, f"patches[{i}]")
-            path, sha = pr_.get("path", str), pr_.get("sha256", str)
-            if not SHA256_RE.match(sha):
-                pr_.fail(f"{sha!r} is not a 64-hex sha256", "sha256")
-            if not re.match(rf"^patches/vllm/{re.escape(pins['vllm'])}/[\w.-]+\.patch$", path):
-                pr_.fail(f"{path!r} must live under patches/vllm/{pins['vllm']}/ and end in .patch", "path")
-            pr_.done()
-            patches.append(Patch(path, sha))
-    elif "patches" in r.data:
-        r.fail("only vllm takes patches", "patches")
-    serve_args = r.strings("serve_args", required=False)
-    port = r.get("port", int, required=False, default=8000)
-    if not 1 <= port <= 65535:
-        r.fail(f"{port} is not a TCP port", "port")
-    smoke = None
-    s = r.sub("smoke", required=(name != "torch-base"))
-    if s is not None:
-        expect = s.get("expect", str)
-        try:
-            re.compile(expect)
-        except re.error as e:
-            s.fail(f"{expect!r} is not a regular expression ({e})", "expect")
-        smoke = Smoke(s.get("prompt", str), expect)
-        s.done()
-    rt = Runtime(name=name, description=r.get("description", str), pins=pins, profile_pins=profile_pins,
-                 source=source, image=image, sdist_sha256=sdist, patches=tuple(patches),
-                 serve_args=serve_args, port=port, smoke=smoke, file=file)
-    r.done()
+def _runtime(file: str, data: Any, profiles: list[str]) -> Runtime:
+    rt = _validate(Runtime, file, data)
+    if rt.runtime != Path(file).stem:
+        raise UserError(f"{file}: runtime: {rt.runtime!r} does not match the file name {Path(file).stem!r}")
+    if rt.version_pin not in rt.pins:
+        raise UserError(f"{file}: version_pin: {rt.version_pin!r} is not one of the pins ({', '.join(rt.pins)})")
+    for prof, section in rt.profiles.items():
+        if prof not in profiles:
+            raise UserError(f"{file}: profiles.{prof}: unknown profile (known: {', '.join(profiles)})")
+        for p in section.pins:
+            if p not in rt.pins:
+                raise UserError(f"{file}: profiles.{prof}.pins.{p}: overrides a pin the runtime does not have "
+                                f"({', '.join(rt.pins)})")
+    for pin, floor in rt.min_pins.items():
+        for prof, pins in [("", rt.pins), *((p, s.pins) for p, s in rt.profiles.items())]:
+            if pin in pins and _version_tuple(pins[pin]) < _version_tuple(floor):
+                key = f"profiles.{prof}.pins.{pin}" if prof else f"pins.{pin}"
+                raise UserError(f"{file}: {key}: {pins[pin]} is below the Gemma 4 floor {floor}")
+    for key, src in [("source", rt.source), *((f"profiles.{p}.source", s.source) for p, s in rt.profiles.items())]:
+        if src is not None and src not in rt.sources:
+            raise UserError(f"{file}: {key}: {src!r} must be one of {', '.join(rt.sources) or '(no sources)'}")
+    if rt.sources and rt.source is None:
+        raise UserError(f"{file}: source: missing (required with sources: one of {', '.join(rt.sources)})")
+    for prefix, src in [("", rt)] + [(f"sources.{n}.", s) for n, s in rt.sources.items()]:
+        if rt.sources and prefix == "":
+            if src.from_ or src.args or src.contexts or src.context or src.upstream:
+                raise UserError(f"{file}: from: with sources, each source says how the image is built")
+            continue
+        f = src.from_
+        if f is None or (f.runtime is None) == (f.image is None):
+            raise UserError(f"{file}: {prefix}from: needs runtime (another runtime's image) or image, one of them")
+    for field in ("image", "sdist_sha256"):  # values only some runtimes' expressions read
+        if getattr(rt, field) is not None and f"runtime.{field}" not in yaml.safe_dump(data):
+            raise UserError(f"{file}: {field}: {rt.runtime} does not use it (no expression reads runtime.{field})")
+    for i, p in enumerate(rt.patches):
+        if not re.match(rf"^patches/{re.escape(rt.runtime)}/{re.escape(rt.pins[rt.version_pin])}/[\w.-]+\.patch$",
+                        p.path):
+            raise UserError(f"{file}: patches[{i}].path: {p.path!r} must live under "
+                            f"patches/{rt.runtime}/{rt.pins[rt.version_pin]}/ and end in .patch")
     return rt
 
 
@@ -376,6 +484,11 @@ def _apply_overrides(raw: dict[str, Any], overrides: list[str], files: dict[str,
             raise UserError(f"--set {item}: {value!r} is not a YAML value ({getattr(e, 'problem', None) or e})") from None
 
 
+def names(manifest_dir: str | Path, kind: str) -> list[str]:
+    """The profiles or runtimes a manifest directory holds: its profiles/*.yaml or runtimes/*.yaml, by file name."""
+    return sorted(p.stem for p in (Path(manifest_dir) / kind).glob("*.yaml"))
+
+
 def load(manifest_dir: str | Path, profile: str | None = None, overrides: list[str] | None = None) -> Manifests:
     """Load and validate every manifest (or only `profile` among the profiles); raise UserError on the first problem.
 
@@ -388,16 +501,19 @@ def load(manifest_dir: str | Path, profile: str | None = None, overrides: list[s
     def shown(p: Path) -> str:
         return f"{root.name}/{p.relative_to(root)}"
 
+    known = names(root, "profiles")
+    runtime_names = names(root, "runtimes")
+    for kind, found in (("profiles", known), ("runtimes", runtime_names)):
+        if not found:
+            raise UserError(f"{shown(root / kind)}: no *.yaml manifests")
     raw: dict[str, Any] = {}
     files: dict[str, str] = {}
-    names = [profile] if profile else list(PROFILES)
-    for n in names:
+    for n in [profile] if profile else known:
         p = root / "profiles" / f"{n}.yaml"
         if profile and not p.exists():
-            known = sorted(x.stem for x in (root / "profiles").glob("*.yaml"))
             raise UserError(f"--profile {n}: no {shown(p)} (known: {', '.join(known)})")
         raw[f"profile:{n}"], files[f"profile:{n}"] = _read_yaml(p, shown(p)), shown(p)
-    for n in RUNTIMES:
+    for n in runtime_names:
         p = root / "runtimes" / f"{n}.yaml"
         raw[n], files[n] = _read_yaml(p, shown(p)), shown(p)
     if overrides:
@@ -407,37 +523,52 @@ def load(manifest_dir: str | Path, profile: str | None = None, overrides: list[s
         if profile:
             raw[f"profile:{profile}"], files[f"profile:{profile}"] = raw.pop("profile"), files.pop("profile")
     profiles = {k.split(":", 1)[1]: _profile(files[k], raw[k]) for k in raw if k.startswith("profile:")}
-    runtimes = {n: _runtime(files[n], raw[n]) for n in RUNTIMES}
-    _check_consistency(profiles, runtimes)
-    return Manifests(root=root, profiles=profiles, runtimes=runtimes)
+    runtimes = [_runtime(files[n], raw[n], known) for n in runtime_names]
+    runtimes.sort(key=lambda r: (r.order, r.name))
+    m = Manifests(root=root, profiles=profiles, runtimes={r.name: r for r in runtimes})
+    _check_consistency(m)
+    return m
 
 
-def _check_consistency(profiles: dict[str, Profile], runtimes: dict[str, Runtime]) -> None:
-    """Cross-file rules: the torch every image runs on is the torch-base one."""
-    base = runtimes["torch-base"]
-    for prof in PROFILES:
-        want = base.pins_for(prof)["torch"]
-        for name in ("vllm", "pytorch"):
-            rt = runtimes[name]
-            if name == "vllm" and prof == "cpu":
-                continue  # vLLM is refused on the cpu profile at plan time
-            got = rt.pins_for(prof)["torch"]
-            if got != want:
-                key = f"profiles.{prof}.pins.torch" if prof in rt.profile_pins and "torch" in rt.profile_pins[
-                    prof] else "pins.torch"
-                raise UserError(f"{rt.file}: {key}: {got} differs from torch-base's torch {want} "
-                                f"for profile {prof} ({base.file})")
-    if "g5g" in profiles and profiles["g5g"].cuda is None:
-        raise UserError(f"{profiles['g5g'].source}: cuda: missing (the g5g profile targets a GPU)")
+def _check_consistency(m: Manifests) -> None:
+    """Cross-file rules: an image built FROM another runtime comes after it and pins its version pin (the torch every
+    image runs on is the torch-base one); every source of every loaded profile resolves."""
+    for rt in m.runtimes.values():
+        for prefix, src in [("", rt)] + [(f"sources.{n}.", s) for n, s in rt.sources.items()]:
+            base_name = src.from_ and src.from_.runtime
+            base = m.runtimes.get(base_name or "")
+            if base_name and (base is None or base.order >= rt.order):  # so no image is built FROM itself
+                why = "is not a runtime" if base is None else f"must come first (its order is {base.order})"
+                raise UserError(f"{rt.file}: {prefix}from.runtime: {base_name!r} {why} "
+                                f"(runtimes: {', '.join(m.runtimes)})")
+    for rt in m.runtimes.values():
+        for prof in m.profiles.values():
+            if not m.usable(rt, prof):
+                continue
+            base = m.base(rt, prof.name)
+            if base is not None:
+                base_name = base.name
+                pin, want = base.version_pin, base.pins_for(prof.name)[base.version_pin]
+                got = rt.pins_for(prof.name).get(pin)
+                over = prof.name in rt.profiles and pin in rt.profiles[prof.name].pins
+                key = f"profiles.{prof.name}.pins.{pin}" if over else f"pins.{pin}"
+                if got is None:
+                    raise UserError(f"{rt.file}: {key}: missing pin {pin!r} (the {base_name} image it is built FROM "
+                                    f"has {pin} {want})")
+                if got != want:
+                    raise UserError(f"{rt.file}: {key}: {got} differs from {base_name}'s {pin} {want} "
+                                    f"for profile {prof.name} ({base.file})")
+            rt.resolve(prof, base="" if base else None)
 
 
 def check_patch_digests(manifests: Manifests, repo_root: str | Path) -> None:
     """Each listed patch exists under repo_root and has the sha256 the manifest pins (file + key on failure)."""
-    rt = manifests.runtimes["vllm"]
-    for i, p in enumerate(rt.patches):
-        path = Path(repo_root) / p.path
-        if not path.is_file():
-            raise UserError(f"{rt.file}: patches[{i}].path: {p.path} does not exist")
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        if digest != p.sha256:
-            raise UserError(f"{rt.file}: patches[{i}].sha256: {p.path} has sha256 {digest}, manifest says {p.sha256}")
+    for rt in manifests.runtimes.values():
+        for i, p in enumerate(rt.patches):
+            path = Path(repo_root) / p.path
+            if not path.is_file():
+                raise UserError(f"{rt.file}: patches[{i}].path: {p.path} does not exist")
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            if digest != p.sha256:
+                raise UserError(f"{rt.file}: patches[{i}].sha256: {p.path} has sha256 {digest}, "
+                                f"manifest says {p.sha256}")

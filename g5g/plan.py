@@ -11,11 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from g5g.errors import UserError
-from g5g.manifest import Manifests, Profile, Runtime
+from g5g.manifest import Manifests, Profile, Resolved, Runtime
 
 IMAGE_NAME = "g5g-images"
-ORDER = ("torch-base", "vllm", "jax", "pytorch")  # dependencies first
-PRIMARY_PIN = {"torch-base": "torch", "vllm": "vllm", "jax": "jax", "pytorch": "torch"}
 # A secret never travels as a build argument.
 SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "CREDENTIAL")
 
@@ -33,8 +31,11 @@ class ImagePlan:
     dockerfile: str  # path relative to the repo root (absolute with an --out outside it)
     template: str
     contexts: dict[str, str]  # bake named contexts: image ref or name -> "target:…" / local dir
-    depends_on: tuple[str, ...]
+    depends_on: tuple[str, ...]  # the targets it is built FROM, nearest last
     context_vars: dict = field(default_factory=dict, compare=False)  # extra template variables
+    context: str | None = None  # the build context when it is not the image's own directory (cpu: the wheels)
+    context_origin: str = ""  # "FILE: KEY" the context comes from, for errors
+    copy: tuple[str, ...] = ()  # repository paths copied into the build context
 
     def contract(self, commands: list[list[str]]) -> dict:
         """The `--dry-run --json` entry (docs/CONTRACTS.md)."""
@@ -59,6 +60,8 @@ class Plan:
     sequential: bool
     secrets: tuple[str, ...]  # bake secret specs, e.g. "id=ca-cert,src=/etc/ssl/certs/ca.pem"
     all_images: tuple[ImagePlan, ...]  # the selected images and what they are built FROM (the bake file's targets)
+    bases: tuple[str, ...] = ()  # the runtimes other runtimes are built FROM (sequential builds load them first)
+    templates: str = ""  # the template directory searched first (the manifests' repository), before ours
 
     @property
     def bake_file(self) -> str:
@@ -82,17 +85,18 @@ class Plan:
         Default: one bake for every selected target (named contexts link them, the torch base is built once).
         With push: the same bake twice, first without pushing, then with --push from the cache, so a failing
         image means nothing is pushed, and every tag of an image goes in one export.
-        Sequential (engines whose BuildKit lacks named contexts, e.g. Docker 20.10): the torch base is built and
-        loaded into the engine first; the other images then find it by its tag.
+        Sequential (engines whose BuildKit lacks named contexts, e.g. Docker 20.10): each base (the torch base) is
+        built and loaded into the engine first; the other images then find it by its tag.
         """
         names = [i.target for i in self.images]
         cmds: list[list[str]] = []
         if self.sequential:
-            base_needed = "torch-base" in names or any("torch-base" in i.depends_on for i in self.images)
-            rest = [n for n in names if n != "torch-base"]
-            if base_needed:
-                cmds.append(self.bake_argv(["torch-base"], push=False, load=True,
-                                           metadata=metadata if not rest else None))
+            needed = {n for i in self.images for n in (i.target, *i.depends_on)}
+            bases = [i.target for i in self.all_images if i.target in self.bases and i.target in needed]
+            rest = [n for n in names if n not in bases]
+            for b in bases:
+                cmds.append(self.bake_argv([b], push=False, load=True,
+                                           metadata=metadata if not rest and b == bases[-1] else None))
             if rest:
                 cmds.append(self.bake_argv(rest, push=False, load=True, metadata=metadata))
             if self.push:
@@ -118,14 +122,14 @@ class Plan:
         }
 
 
-def serving_requirements(repo_root: Path) -> tuple[str, ...]:
-    """pyproject.toml's `serving` extra: what goes into the jax and pytorch images (pinned in one place)."""
+def serving_requirements(repo_root: Path, extra: str = "serving") -> tuple[str, ...]:
+    """A pyproject.toml extra, e.g. `serving`: what goes into the jax and pytorch images (pinned in one place)."""
     path = repo_root / "pyproject.toml"
     try:
         extras = tomllib.loads(path.read_text())["project"]["optional-dependencies"]
-        return tuple(extras["serving"])
+        return tuple(extras[extra])
     except (OSError, KeyError, tomllib.TOMLDecodeError) as e:
-        raise UserError(f"{path}: project.optional-dependencies.serving: cannot read it ({e})") from None
+        raise UserError(f"{path}: project.optional-dependencies.{extra}: cannot read it ({e})") from None
 
 
 def _tags(registry: str, runtime: str, version: str, profile: Profile) -> tuple[str, ...]:
@@ -133,7 +137,7 @@ def _tags(registry: str, runtime: str, version: str, profile: Profile) -> tuple[
     …:vllm-0.33.0-cu130-sm75-g4dn + …:vllm-g4dn, …:jax-0.10.2-cpu + …:jax-cpu."""
     repo = f"{registry}/{IMAGE_NAME}"
     v = version.split("+")[0]
-    suffix = profile.tag_suffix
+    suffix = profile.suffix
     if profile.cuda:
         cu = "cu" + profile.cuda.version.replace(".", "")
         sm = "sm" + "-".join(a.replace(".", "") for a in profile.cuda.archs)
@@ -141,36 +145,44 @@ def _tags(registry: str, runtime: str, version: str, profile: Profile) -> tuple[
     return f"{repo}:{runtime}-{v}{suffix}", f"{repo}:{runtime}{suffix}"
 
 
-def _upstream(rt: Runtime, profile: Profile) -> dict[str, str]:
-    up = {k: v for k, v in rt.pins_for(profile.name).items()}
+def _upstream(rt: Runtime, profile: Profile, build: Resolved) -> dict[str, str]:
+    up = dict(rt.pins_for(profile.name))
     if profile.cuda:
         up["cuda"] = profile.cuda.version
     up["python"] = profile.python
-    if rt.name == "torch-base" and rt.source == "image":
-        up["base_image"] = rt.image or ""
-    return dict(sorted(up.items()))
+    return dict(sorted((up | build.upstream).items()))
 
 
-def _image(manifests: Manifests, profile: Profile, name: str, registry: str, platforms: tuple[str, ...],
-           out: str, base_tag: str, repo_root: Path) -> ImagePlan:
+def _requirements(rt: Runtime, pins: dict[str, str], repo_root: Path) -> list[str]:
+    """The pyproject extra the image installs; a pin of the runtime that the extra also pins must agree with it."""
+    if rt.requirements is None:
+        return []
+    reqs = serving_requirements(repo_root, rt.requirements)
+    for r in reqs:
+        m = re.match(r"^([\w.-]+)==(.+)$", r)
+        if m and m.group(1) in pins and m.group(2) != pins[m.group(1)]:
+            raise UserError(f"{rt.file}: pins.{m.group(1)}: {pins[m.group(1)]} differs from "
+                            f"pyproject.toml's {rt.requirements} extra ({r}); the image installs that one")
+    return list(reqs)
+
+
+def _image(manifests: Manifests, profile: Profile, name: str, tags: dict[str, tuple[str, ...]],
+           platforms: tuple[str, ...], out: str, repo_root: Path) -> ImagePlan:
+    """One image, from its runtime manifest: what it is built FROM, its build args and contexts (Runtime.resolve)."""
     rt = manifests.runtimes[name]
     pins = rt.pins_for(profile.name)
-    version = pins[PRIMARY_PIN[name]]
-    tags = _tags(registry, name, version, profile)
+    version = pins[rt.version_pin]
+    base = manifests.base(rt, profile.name)
+    build = rt.resolve(profile, tags[base.name][0] if base else None)
     archs = " ".join(profile.cuda.archs) if profile.cuda else ""
-    upstream = _upstream(rt, profile)
+    upstream = _upstream(rt, profile, build)
     patches = tuple({"path": p.path, "sha256": p.sha256} for p in rt.patches)
-    cuda = profile.cuda
-    torch_source = (profile.torch_source or rt.source) if cuda else "wheels"
-    base_name = (rt.image if (name == "torch-base" and torch_source == "image") else
-                 cuda.runtime_image if (cuda and cuda.runtime_image and name in ("torch-base", "jax")) else
-                 profile.base_image if name in ("torch-base", "jax") else base_tag)
     labels = {
         "org.opencontainers.image.title": f"{IMAGE_NAME} {name}",
         "org.opencontainers.image.description": rt.description,
         "org.opencontainers.image.version": version,
         "org.opencontainers.image.vendor": IMAGE_NAME,
-        "org.opencontainers.image.base.name": base_name or "",
+        "org.opencontainers.image.base.name": build.from_image,
         "io.g5g.runtime": name,
         "io.g5g.profile": profile.name,
         "io.g5g.cuda-archs": archs,
@@ -178,68 +190,26 @@ def _image(manifests: Manifests, profile: Profile, name: str, registry: str, pla
         "io.g5g.patches": json.dumps([dict(p) for p in patches], separators=(",", ":")),
     }
     # Build args: exactly the ARGs the image's Dockerfile declares (a render test holds us to it).
-    args: dict[str, str] = {}
-    ctx_vars: dict = {}
-    contexts: dict[str, str] = {}
-    depends: tuple[str, ...] = ()
-    if name == "torch-base":
-        args["TORCH_VERSION"] = pins["torch"]
-        if torch_source == "build":
-            args |= {"CUDA_DEVEL_IMAGE": cuda.devel_image, "CUDA_RUNTIME_IMAGE": cuda.runtime_image,
-                     "TORCH_CUDA_ARCH_LIST": archs, "MAX_JOBS": profile.max_jobs, "NCCL_VERSION": cuda.nccl or "",
-                     "NVCC_THREADS": str(profile.nvcc_threads), "CPU_BASELINE": profile.cpu_baseline or "native"}
-        elif torch_source == "image":
-            args["TORCH_BASE_IMAGE"] = rt.image or ""
-        else:
-            args["BASE_IMAGE"] = profile.base_image or ""
-            if torch_source == "pypi":
-                args |= {"TORCH_CUDA_ARCH_LIST": archs, "CUOBJDUMP_VERSION": cuda.cuobjdump}
-            elif profile.wheels:
-                contexts["wheels"] = profile.wheels
-        ctx_vars["source"] = torch_source
-    else:
-        if name in ("vllm", "pytorch"):
-            args["TORCH_BASE"] = base_tag
-            contexts[base_tag] = "target:torch-base"
-            depends = ("torch-base",)
-        if name == "jax":
-            args["BASE_IMAGE"] = (cuda and cuda.runtime_image) or profile.base_image or ""
-            args["JAX_VERSION"] = pins["jax"]
-            if cuda:
-                args["JAX_EXTRA"] = f"cuda{cuda.version.split('.')[0]}"
-        if name == "vllm":
-            args |= {"VLLM_VERSION": pins["vllm"], "VLLM_SDIST_SHA256": rt.sdist_sha256 or "",
-                     "TORCHVISION_VERSION": pins["torchvision"], "TRANSFORMERS_VERSION": pins["transformers"],
-                     "TRITON_VERSION": pins["triton"], "TORCH_CUDA_ARCH_LIST": archs, "MAX_JOBS": profile.max_jobs,
-                     "NVCC_THREADS": str(profile.nvcc_threads)}
-            if cuda.pip_toolkit:
-                args |= {"CUDA_TOOLKIT_VERSION": cuda.pip_toolkit, "CUOBJDUMP_VERSION": cuda.cuobjdump,
-                         "BASE_IMAGE": profile.base_image or ""}
-            else:
-                args["CUDA_DEVEL_IMAGE"] = cuda.devel_image
-            if profile.rust_frontend:
-                args["RUST_VERSION"] = pins["rust"]
-            if profile.vllm_sources:
-                contexts["vllm-sources"] = str(PurePosixPath(profile.vllm_sources) / pins["vllm"])
-            ctx_vars |= {"toolkit": "pip" if cuda.pip_toolkit else "image", "rust_frontend": profile.rust_frontend,
-                         "vllm_sources": bool(profile.vllm_sources)}
-        if name in ("jax", "pytorch"):
-            reqs = serving_requirements(repo_root)
-            for r in reqs:
-                m = re.match(r"^transformers==(.+)$", r)
-                if m and m.group(1) != pins["transformers"]:
-                    raise UserError(f"{rt.file}: pins.transformers: {pins['transformers']} differs from "
-                                    f"pyproject.toml's serving extra ({r}); the image installs that one")
-            ctx_vars["requirements"] = list(reqs)
-        ctx_vars["serve_args"] = list(rt.serve_args)
-        ctx_vars["port"] = rt.port
+    args = build.args
     for k in args:
         if any(w in k for w in SECRET_WORDS):
-            raise UserError(f"build arg {k}: secrets travel only as BuildKit secrets (hf-token, ca-cert)")
-    return ImagePlan(runtime=name, target=name, tags=tags, platforms=platforms, build_args=dict(sorted(args.items())),
-                     labels=labels, patches=patches, upstream=upstream,
+            raise UserError(f"{rt.file}: args.{k}: secrets travel only as BuildKit secrets (hf-token, ca-cert)")
+    contexts = dict(build.contexts)
+    if base:  # bake links the image it is built FROM by its tag
+        contexts = {build.from_image: f"target:{base.name}", **contexts}
+    depends: tuple[str, ...] = ()
+    while base:  # and what that one is built FROM, and so on
+        depends, base = (base.name, *depends), manifests.base(base, profile.name)
+    ctx_vars = {"source": build.source, "serve_args": list(rt.serve_args), "port": rt.port,
+                "requirements": _requirements(rt, pins, repo_root)}
+    origin = build.context_expr or ""
+    origin = (f"{profile.source}: {origin.removeprefix('profile.')}" if re.match(r"^profile\.[\w.]+$", origin)
+              else f"{rt.file}: context")
+    return ImagePlan(runtime=name, target=name, tags=tags[name], platforms=platforms,
+                     build_args=dict(sorted(args.items())), labels=labels, patches=patches, upstream=upstream,
                      dockerfile=str(PurePosixPath(out) / name / "Dockerfile"), template=f"{name}.Dockerfile.j2",
-                     contexts=contexts, depends_on=depends, context_vars=ctx_vars)
+                     contexts=contexts, depends_on=depends, context_vars=ctx_vars, context=build.context,
+                     context_origin=origin, copy=build.copy)
 
 
 def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", platforms: str | None = None,
@@ -272,17 +242,20 @@ def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", 
     # Generated files go anywhere: inside the checkout the paths stay relative to it (bake runs there), else absolute.
     where = (root / out).resolve()
     out = where.relative_to(root.resolve()).as_posix() if where.is_relative_to(root.resolve()) else where.as_posix()
-    cpu = prof.cuda is None
-    if runtime == "vllm" and cpu:
-        raise UserError(f"--runtime vllm --profile {profile}: vLLM needs CUDA here; use --profile g5g or g4dn "
-                        f"(the {profile} profile builds jax, pytorch and torch-base)")
-    names = [n for n in ORDER if not (cpu and n == "vllm")]
-    base_rt = manifests.runtimes["torch-base"]
-    base_tag = _tags(reg, "torch-base", base_rt.pins_for(profile)["torch"], prof)[0]
-    every = tuple(_image(manifests, prof, n, reg, plats, out, base_tag, root) for n in names)
+    names = [n for n, rt in manifests.runtimes.items() if manifests.usable(rt, prof)]  # in build order
+    if runtime in manifests.runtimes and runtime not in names:
+        rt = manifests.runtimes[runtime]
+        raise UserError(f"--runtime {runtime} --profile {profile}: {runtime} needs CUDA (needs_cuda in {rt.file} or "
+                        f"what it is built FROM); the {profile} profile has none and builds {', '.join(names)}: "
+                        "use a profile with cuda")
+    tags = {n: _tags(reg, n, manifests.runtimes[n].pins_for(profile)[manifests.runtimes[n].version_pin], prof)
+            for n in names}
+    every = tuple(_image(manifests, prof, n, tags, plats, out, root) for n in names)
     selected = every if runtime == "all" else tuple(i for i in every if i.runtime == runtime)
     if not selected:
         raise UserError(f"--runtime {runtime}: unknown runtime (known: {', '.join(names)}, all)")
     return Plan(profile=prof, images=selected, out=out, push=push, sequential=sequential,
                 secrets=tuple(secrets),
-                all_images=tuple(i for i in every if i in selected or any(i.target in s.depends_on for s in selected)))
+                all_images=tuple(i for i in every if i in selected or any(i.target in s.depends_on for s in selected)),
+                bases=tuple(n for n in names if any(i.depends_on and i.depends_on[-1] == n for i in every)),
+                templates=str(root / "dockerfiles"))

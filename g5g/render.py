@@ -19,13 +19,15 @@ from g5g.plan import ImagePlan, Plan
 TEMPLATES = REPO_ROOT / "dockerfiles"
 
 
-def _env() -> jinja2.Environment:
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
-                              keep_trailing_newline=True, autoescape=False)
+def _env(plan: Plan) -> jinja2.Environment:
+    """Templates from the manifests' repository first (a new runtime's template), then ours (the shared macros)."""
+    loader = jinja2.FileSystemLoader([d for d in (plan.templates, str(TEMPLATES)) if d])
+    return jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                              autoescape=False)
 
 
 def dockerfile(plan: Plan, image: ImagePlan) -> str:
-    text = _env().get_template(image.template).render(
+    text = _env(plan).get_template(image.template).render(
         image=image, profile=plan.profile, requirements=image.context_vars.get("requirements", []))
     lines = [ln.rstrip() for ln in text.strip("\n").splitlines()]
     out: list[str] = []
@@ -36,15 +38,13 @@ def dockerfile(plan: Plan, image: ImagePlan) -> str:
 
 
 def context_dir(plan: Plan, image: ImagePlan) -> str:
-    """The build context of an image, relative to the repo root: its own directory under the output dir;
-    for the cpu torch base, the local wheels directory (too big to copy)."""
-    if "wheels" in image.contexts:
-        return image.contexts["wheels"]
-    return str(PurePosixPath(image.dockerfile).parent)
+    """The build context of an image, relative to the repo root: its own directory under the output dir, or the one
+    its manifest names (the cpu torch base: the local wheels directory, too big to copy)."""
+    return image.context or str(PurePosixPath(image.dockerfile).parent)
 
 
 def bake(plan: Plan) -> dict:
-    """docker-bake.json for every image of the profile; `contexts` link an image to the torch-base target."""
+    """docker-bake.json for every image of the profile; `contexts` link an image to the target it is built FROM."""
     targets = {}
     for img in plan.all_images:
         ctx = context_dir(plan, img)
@@ -61,9 +61,8 @@ def bake(plan: Plan) -> dict:
             "args": dict(img.build_args),
         }
         # Named contexts: links to other targets (not for engines without named contexts: sequential builds
-        # find those by tag) and local directories (e.g. vllm-sources); the cpu torch base's wheels are its context.
-        links = {k: v for k, v in img.contexts.items()
-                 if (v.startswith("target:") and not plan.sequential) or (not v.startswith("target:") and k != "wheels")}
+        # find those by tag) and local directories (e.g. vllm-sources).
+        links = {k: v for k, v in img.contexts.items() if not (v.startswith("target:") and plan.sequential)}
         if links:
             t["contexts"] = links
         targets[img.target] = t
@@ -78,7 +77,7 @@ def render(plan: Plan) -> dict[str, str]:
 
 
 def write(plan: Plan, repo_root: str | Path) -> list[Path]:
-    """Write the rendered files under repo_root and fill each build context (serving/ code, our patches)."""
+    """Write the rendered files under repo_root and fill each build context (its manifest's `copy`, its patches)."""
     root = Path(repo_root)
     written = []
     for rel, text in render(plan).items():
@@ -88,16 +87,18 @@ def write(plan: Plan, repo_root: str | Path) -> list[Path]:
         written.append(path)
     for img in plan.all_images:
         ctx = root / PurePosixPath(img.dockerfile).parent
-        if img.runtime in ("jax", "pytorch"):
-            dest = ctx / "serving"
-            shutil.rmtree(dest, ignore_errors=True)
-            shutil.copytree(root / "serving", dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        if img.runtime == "vllm":
+        for rel in img.copy:  # from the repository, or ours (e.g. dockerfiles/cuda-check.cu)
+            src = root / rel if (root / rel).exists() else REPO_ROOT / rel
+            dest = ctx / PurePosixPath(rel).name
+            if src.is_dir():
+                shutil.rmtree(dest, ignore_errors=True)
+                shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            else:
+                shutil.copy2(src, dest)
+        if img.patches:
             dest = ctx / "patches"
             shutil.rmtree(dest, ignore_errors=True)
             dest.mkdir(parents=True)
             for p in img.patches:
                 shutil.copy2(root / p["path"], dest / PurePosixPath(p["path"]).name)
-            if img.context_vars.get("toolkit") == "pip":
-                shutil.copy2(TEMPLATES / "cuda-check.cu", ctx / "cuda-check.cu")
     return written

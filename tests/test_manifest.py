@@ -85,7 +85,16 @@ BROKEN = [
     ("runtimes/pytorch.yaml", _set("pins.torch", "2.13.0"), ["runtimes/pytorch.yaml", "pins.torch", "torch-base"]),
     ("runtimes/pytorch.yaml", _set("port", 70000), ["runtimes/pytorch.yaml", "port"]),
     ("runtimes/torch-base.yaml", _set("source", "image"), ["runtimes/torch-base.yaml", "image", "source: image"]),
-    ("runtimes/jax.yaml", _set("image", "foo:1"), ["runtimes/jax.yaml", "image", "only torch-base"]),
+    ("runtimes/jax.yaml", _set("image", "foo:1"), ["runtimes/jax.yaml", "image", "does not use it"]),
+    ("runtimes/torch-base.yaml", _set("order", 9), ["runtimes/vllm.yaml", "from.runtime", "must come first"]),
+    ("runtimes/torch-base.yaml", _set("sources.build.argz", {}),
+     ["runtimes/torch-base.yaml", "sources.build.argz", "unknown key (allowed: args, context, contexts, from"]),
+    ("runtimes/jax.yaml", _set("args.JAX_VERSION", "pins.jaxx"),
+     ["runtimes/jax.yaml", "args.JAX_VERSION", "pins.jaxx is not set for profile"]),
+    ("runtimes/jax.yaml", _set("args.JAX_VERSION", "pins.("), ["runtimes/jax.yaml", "args.JAX_VERSION", "Jinja"]),
+    ("runtimes/jax.yaml", _set("version_pin", "flax"), ["runtimes/jax.yaml", "version_pin", "not one of the pins"]),
+    ("runtimes/pytorch.yaml", _set("from", {"runtime": "torch-base", "image": "x"}),
+     ["runtimes/pytorch.yaml", "from", "one of them"]),
     ("profiles/g5g.yaml", _set("cuda.archs", ["7.5+PTX"]), ["profiles/g5g.yaml", "cuda.archs", "+PTX"]),
     ("profiles/g5g.yaml", _set("cuda.archs", ["sm_75"]), ["profiles/g5g.yaml", "cuda.archs"]),
     ("profiles/g5g.yaml", _set("platforms", ["linux/riscv64"]), ["profiles/g5g.yaml", "platforms", "linux/riscv64"]),
@@ -116,9 +125,20 @@ def test_invalid_yaml_names_file_and_line(mdir: Path):
         manifest.load(mdir)
 
 
-def test_missing_manifest_file(mdir: Path):
-    (mdir / "runtimes/pytorch.yaml").unlink()
-    with pytest.raises(UserError, match="runtimes/pytorch.yaml: missing"):
+def test_runtimes_and_profiles_are_the_files(mdir: Path):
+    """The runtime and profile lists are the manifest files: a runtime whose base is gone is named, not skipped."""
+    (mdir / "runtimes/jax.yaml").unlink()
+    g5g = (mdir / "profiles/g5g.yaml").read_text()
+    (mdir / "profiles/g5g-east.yaml").write_text(g5g.replace("name: g5g", "name: g5g-east"))
+    m = manifest.load(mdir)
+    assert list(m.runtimes) == ["torch-base", "vllm", "pytorch"]
+    assert set(m.profiles) == {"g5g", "g5g-east", "g4dn", "cpu"}
+    (mdir / "runtimes/torch-base.yaml").unlink()
+    with pytest.raises(UserError, match=r"runtimes/vllm.yaml: from.runtime: 'torch-base' is not a runtime"):
+        manifest.load(mdir)
+    for p in (mdir / "runtimes").iterdir():
+        p.unlink()
+    with pytest.raises(UserError, match=r"manifests/runtimes: no \*.yaml manifests"):
         manifest.load(mdir)
 
 

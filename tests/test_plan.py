@@ -64,7 +64,7 @@ def test_vllm_build_args(g5g):
 
 
 def test_vllm_refused_on_cpu(cpu):
-    with pytest.raises(UserError, match="vLLM needs CUDA"):
+    with pytest.raises(UserError, match="vllm needs CUDA"):
         make_plan(cpu, runtime="vllm", profile="cpu")
     assert [i.runtime for i in make_plan(cpu, profile="cpu").images] == ["torch-base", "jax", "pytorch"]
 
@@ -172,7 +172,7 @@ def test_manifests_outside_the_repository(tmp_path: Path):
 def test_cli_user_error_exit_code(tmp_path: Path):
     r = subprocess.run([sys.executable, str(REPO / "build.py"), "--runtime", "vllm", "--profile", "cpu", "--dry-run"],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "vLLM needs CUDA" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "vllm needs CUDA" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_ca_cert_resolution(tmp_path: Path):

@@ -16,6 +16,7 @@ import dockerfile
 import pytest
 
 from g5g import manifest, render
+from g5g.errors import UserError
 from g5g.plan import make_plan
 
 REPO = Path(__file__).resolve().parent.parent
@@ -242,3 +243,103 @@ def test_generate_writes_outside_the_checkout_and_bake_reads_it(tmp_path, buildx
     assert targets["torch-base"]["dockerfile"] == str(out / "torch-base/Dockerfile")
     assert not (REPO / "build" / "gen").exists()
 
+
+# A new runtime is one manifest and one template: llama.cpp's server, written in a temp dir, no code change.
+LLAMA_MANIFEST = """\
+runtime: llama-cpp
+description: llama.cpp's OpenAI-compatible server (llama-server), compiled for the profile's CUDA archs
+order: 5
+version_pin: llama-cpp
+pins:
+  llama-cpp: "7100"                # the release tag b7100
+from: {image: "profile.cuda.devel_image if profile.cuda and profile.cuda.devel_image else profile.base_image"}
+args:
+  BASE_IMAGE: base
+  LLAMA_CPP_VERSION: pins['llama-cpp']
+  CUDA_ARCHS: {value: "profile.cuda.archs | map('replace', '.', '') | join(';')", if: profile.cuda}
+port: 8080
+"""
+LLAMA_TEMPLATE = """\
+{%- import "_macros.j2" as m -%}
+{{ m.header(image, profile) }}
+{%- set a = image.build_args %}
+ARG BASE_IMAGE={{ a.BASE_IMAGE }}
+FROM ${BASE_IMAGE} AS llama-cpp
+ARG LLAMA_CPP_VERSION={{ a.LLAMA_CPP_VERSION }}
+{%- if a.CUDA_ARCHS is defined %}
+ARG CUDA_ARCHS="{{ a.CUDA_ARCHS }}"
+{%- endif %}
+{{ m.root() }}
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ENV DEBIAN_FRONTEND=noninteractive
+RUN apt-get update \\
+ && apt-get install -y --no-install-recommends ca-certificates cmake g++ git make \\
+ && rm -rf /var/lib/apt/lists/*
+RUN git clone --depth 1 --branch "b${LLAMA_CPP_VERSION}" https://github.com/ggml-org/llama.cpp /src/llama.cpp \\
+ && cmake -S /src/llama.cpp -B /src/build{% if a.CUDA_ARCHS is defined %} -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS}"{% endif %} \\
+ && cmake --build /src/build --target llama-server -j "$(nproc)" \\
+ && cp /src/build/bin/llama-server /usr/local/bin/ && rm -rf /src
+{{ m.user() }}
+EXPOSE {{ image.context_vars.port }}
+ENTRYPOINT ["llama-server", "--host", "0.0.0.0", "--port", "{{ image.context_vars.port }}"]
+"""
+
+
+@pytest.mark.parametrize("profile", ["g5g", "g4dn", "cpu"])
+def test_a_new_runtime_is_a_manifest_and_a_template(profile, tmp_path):
+    root = tmp_path / "repo"
+    shutil.copytree(REPO / "manifests", root / "manifests")
+    shutil.copy(REPO / "pyproject.toml", root)
+    (root / "manifests/runtimes/llama-cpp.yaml").write_text(LLAMA_MANIFEST)
+    (root / "dockerfiles").mkdir()
+    (root / "dockerfiles/llama-cpp.Dockerfile.j2").write_text(LLAMA_TEMPLATE)
+    plan = make_plan(manifest.load(root / "manifests", profile=profile), profile=profile)
+    assert [i.runtime for i in plan.images][-1] == "llama-cpp"
+    img = plan.images[-1]
+    suffix = {"g5g": "-cu132-sm75", "g4dn": "-cu130-sm75-g4dn", "cpu": "-cpu"}[profile]
+    assert img.tags[0] == f"{plan.profile.registry}/g5g-images:llama-cpp-7100{suffix}"
+    assert img.build_args.get("CUDA_ARCHS") == (None if profile == "cpu" else "75")
+    files = render.render(plan)
+    text = files[img.dockerfile]
+    cmds = dockerfile.parse_string(text)  # BuildKit's parser
+    assert {c.value[0].split("=", 1)[0] for c in cmds if c.cmd == "ARG"} == set(img.build_args)
+    assert [c for c in cmds if c.cmd == "FROM"][-1].value[-1] == img.target
+    assert [c.value[0] for c in cmds if c.cmd == "USER"][-1] == "1000:1000"
+    path = tmp_path / "Dockerfile"
+    path.write_text(text)
+    r = subprocess.run([HADOLINT, "--config", str(REPO / ".hadolint.yaml"), str(path)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    bake = json.loads(files[plan.bake_file])
+    assert bake["group"]["default"]["targets"][-1] == "llama-cpp"
+    assert bake["target"]["llama-cpp"]["args"] == img.build_args and "contexts" not in bake["target"]["llama-cpp"]
+    # the CLI takes it from the manifests too
+    r = subprocess.run([sys.executable, str(REPO / "build.py"), "--manifests", str(root / "manifests"), "--profile",
+                        profile, "--runtime", "llama-cpp", "--dry-run", "--json"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert [i["runtime"] for i in json.loads(r.stdout)["images"]] == ["llama-cpp"]
+
+
+def test_a_runtime_built_from_another_runtime_links_the_chain(tmp_path):
+    """FROM pytorch (itself FROM torch-base): the bake file links both, a sequential build loads both bases first."""
+    mdir = tmp_path / "manifests"
+    shutil.copytree(REPO / "manifests", mdir)
+    (mdir / "runtimes/pytorch-extra.yaml").write_text(
+        "runtime: pytorch-extra\ndescription: pytorch and one more package\norder: 6\nversion_pin: torch\n"
+        "pins: {torch: \"2.14.0\"}\nprofiles: {cpu: {pins: {torch: \"2.13.0+cpu\"}}}\n"
+        "from: {runtime: pytorch}\nargs: {PYTORCH_IMAGE: base}\n")
+    m = manifest.load(mdir, profile="cpu")
+    plan = make_plan(m, profile="cpu", runtime="pytorch-extra", sequential=True, repo_root=REPO)
+    img = plan.images[0]
+    assert img.depends_on == ("torch-base", "pytorch")
+    assert [i.target for i in plan.all_images] == ["torch-base", "pytorch", "pytorch-extra"]
+    assert img.build_args["PYTORCH_IMAGE"] == plan.all_images[1].tags[0]
+    assert [c[-1] for c in plan.commands()] == ["torch-base", "pytorch", "pytorch-extra"]
+    linked = make_plan(m, profile="cpu", runtime="pytorch-extra", repo_root=REPO)
+    assert linked.images[0].contexts == {plan.all_images[1].tags[0]: "target:pytorch"}
+    (mdir / "runtimes/pytorch-extra.yaml").write_text(
+        (mdir / "runtimes/pytorch-extra.yaml").read_text().replace("torch: \"2.13.0+cpu\"", "torch: \"2.12.0\""))
+    with pytest.raises(UserError, match=r"pytorch-extra.yaml: profiles.cpu.pins.torch: 2.12.0 differs from "
+                                        r"pytorch's torch 2.13.0\+cpu"):
+        manifest.load(mdir, profile="cpu")

@@ -66,12 +66,13 @@ def check_patches(plan: Plan) -> None:
 
 
 def check_contexts(plan: Plan, repo_root: Path) -> None:
-    """The profile's local wheels directory (a build context) must exist, or bake fails with a context error."""
+    """A build context a manifest names (the profile's local wheels directory) must exist, or bake fails with a
+    context error."""
     for img in plan.all_images:
-        ctx = img.contexts.get("wheels")
-        if ctx and not (repo_root / ctx).is_dir():
-            raise UserError(f"{plan.profile.source}: wheels: {ctx}/ not found in {repo_root} (the {img.runtime} "
-                            f"image installs torch {img.build_args['TORCH_VERSION']} from a wheel there)")
+        if img.context and not (repo_root / img.context).is_dir():
+            pins = ", ".join(f"{k} {v}" for k, v in img.upstream.items())
+            raise UserError(f"{img.context_origin}: {img.context}/ not found in {repo_root} (the build context of the "
+                            f"{img.runtime} image: {pins})")
 
 
 def print_plan(plan: Plan) -> None:
