@@ -164,12 +164,13 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=cache,target=/root/.
     find /src/vllm/build -name .ninja_log -exec cp {} /report/ninja_log \; ; \
     [ $rc = 0 ] || exit $rc; \
     grep -E "CUDA target arch|CUDA supported arch" /report/build.log | sort -u
-# Every .so in the wheel: SASS for the target archs only, no ptx; and the FA extensions it carries (none below 8.0).
-WORKDIR /tmp/so
-RUN python3 -c "import glob, zipfile; z = zipfile.ZipFile(glob.glob('/wheels/vllm-*.whl')[0]); \
-n = z.namelist(); [z.extract(f) for f in n if f.endswith('.so')]; \
+# The FA extensions the wheel carries (none below 8.0), and FA's rotary module, which Gemma 4's rotary embedding imports.
+RUN python3 -c "import glob, zipfile; n = zipfile.ZipFile(glob.glob('/wheels/vllm-*.whl')[0]).namelist(); \
 print('FlashAttention extensions in the wheel:', [f for f in n if '/_vllm_fa' in f] or 'none'); \
-r = 'vllm/vllm_flash_attn/layers/rotary.py'; assert r in n, r + ' missing from the wheel'" \
+r = 'vllm/vllm_flash_attn/layers/rotary.py'; assert r in n, r + ' missing from the wheel'"
+# Every .so in the wheel: SASS for the target archs only, no ptx.
+WORKDIR /tmp/so
+RUN python3 -m zipfile -e /wheels/vllm-*.whl . \
  && want=$(for a in $(echo "${TORCH_CUDA_ARCH_LIST}" | tr -d .); do printf 'sm_%s\n' "$a"; done) \
  && for f in $(find . -name '*.so' | sort); do \
       elf=$(cuobjdump --list-elf "$f" 2>/dev/null | grep -o 'sm_[0-9]*[af]\?' | sort -u | tr '\n' ' '); \
