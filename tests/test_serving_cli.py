@@ -34,14 +34,14 @@ def _wait_health(proc: subprocess.Popen, url: str, timeout: float = 120) -> list
 
 
 def _stop(proc: subprocess.Popen) -> str:
-    """SIGTERM, as `docker stop` does; returns stderr. uvicorn shuts down gracefully, then re-raises the signal."""
+    """SIGTERM, as `docker stop` does; returns stderr. The server drains, then exits 0."""
     proc.send_signal(signal.SIGTERM)
     try:
         _, err = proc.communicate(timeout=20)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == -signal.SIGTERM, err[-2000:]
+    assert proc.returncode == 0, err[-2000:]     # a drained shutdown exits 0
     return err
 
 
