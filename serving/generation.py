@@ -83,9 +83,9 @@ class Sampler:
 
 # ------------------------------------------------------------------------------------------ tokenisation
 class PromptTooLong(ValueError):
-    def __init__(self, at_least: int):
-        super().__init__(f"at least {at_least} tokens")
-        self.at_least = at_least
+    def __init__(self, tokens: int, exact: bool = True):
+        super().__init__(f"{'' if exact else 'at least '}{tokens} tokens")
+        self.tokens, self.exact = tokens, exact
 
 
 @dataclass
@@ -145,12 +145,17 @@ class TokenizerInfo:
             return self.prompt_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def encode(self, text: str, add_special_tokens: bool = False, limit: int | None = None) -> list[int]:
-        """Token ids of `text`. With a limit, text that cannot fit in `limit` tokens is refused before the
-        tokenizer runs (a normaliser may merge up to 4 characters into one: the bound allows for it)."""
+        """Token ids of `text`; PromptTooLong past `limit` tokens. Text that cannot fit is refused before the
+        tokenizer runs (a normaliser may merge up to 4 characters into one: the bound allows for it); otherwise
+        the Rust tokenizer runs without the GIL (encode_batch) and the ids become a Python list only when they
+        fit, so a huge prompt costs a worker thread, never the event loop."""
         if limit is not None and len(text) > 4 * self.max_token_chars * limit:
-            raise PromptTooLong(len(text) // (4 * self.max_token_chars))
+            raise PromptTooLong(len(text) // (4 * self.max_token_chars), exact=False)
         with self.prompt_lock:
-            return self.prompt_tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            enc = self.prompt_tokenizer.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        if limit is not None and len(enc) > limit:
+            raise PromptTooLong(len(enc))
+        return enc.ids
 
     def decode(self, ids: Sequence[int]) -> str:
         with self.prompt_lock:

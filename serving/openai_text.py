@@ -22,11 +22,11 @@ from serving.protocol import APIError, ChatRequest, CompletionRequest, messages,
 router = APIRouter()
 
 
-def context_error(ctx_len: int, prompt: int | str, max_tokens: int | None, where: str) -> APIError:
-    total = f"{prompt + (max_tokens or 0)}" if isinstance(prompt, int) else f"at least {prompt}"
+def context_error(ctx_len: int, n: int, max_tokens: int | None, where: str, exact: bool = True) -> APIError:
+    some = "" if exact else "at least "
     return APIError(400, f"This model's maximum context length is {ctx_len} tokens. However, you requested "
-                         f"{total} tokens ({prompt} in the {where}, {max_tokens or 0} in the completion).",
-                    param=where, code="context_length_exceeded")
+                         f"{some}{n + (max_tokens or 0)} tokens ({some}{n} in the {where}, {max_tokens or 0} in "
+                         f"the completion).", param=where, code="context_length_exceeded")
 
 
 async def prompt_ids(ctx, build: Callable[[int], list[int]], max_tokens: int | None, where: str) -> list[int]:
@@ -35,7 +35,7 @@ async def prompt_ids(ctx, build: Callable[[int], list[int]], max_tokens: int | N
     try:
         ids = await asyncio.to_thread(build, ctx_len)
     except PromptTooLong as e:
-        raise context_error(ctx_len, f"{e.at_least}", max_tokens, where) from None
+        raise context_error(ctx_len, e.tokens, max_tokens, where, e.exact) from None
     if not ids:
         raise APIError(400, f"{where} is empty", param=where)
     if len(ids) >= ctx_len or (max_tokens and len(ids) + max_tokens > ctx_len):
