@@ -125,7 +125,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     # No subcommand means `build`: `python build.py --runtime vllm --push`.
     if not argv or argv[0] not in SUBCOMMANDS + ("-h", "--help"):
         argv = ["build", *argv]
-    return build_parser().parse_args(argv)
+    parser = build_parser()
+    if argv[0] == "serve":
+        # Every other flag of `python -m serving` (--max-model-len, --api-key, ...) passes through; it checks them.
+        args, args.server_args = parser.parse_known_args(argv)
+        return args
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

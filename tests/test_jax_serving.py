@@ -26,25 +26,10 @@ def _env(jax_cache: Path) -> dict:
             "G5G_JAX_CACHE_DIR": str(jax_cache), "G5G_JAX_BUCKETS": "32,64,256"}
 
 
-@pytest.fixture(scope="module")
-def servers(tiny_gemma4, tmp_path_factory):
-    """{runtime: base URL} for `build.py serve --runtime jax` and `--runtime pytorch` on the fixture."""
-    env = _env(tmp_path_factory.mktemp("jaxcache"))
-    procs, urls = {}, {}
-    try:
-        for runtime in ("jax", "pytorch"):
-            port = free_port()
-            procs[runtime] = subprocess.Popen(
-                [sys.executable, "build.py", "serve", "--runtime", runtime, "--model", str(tiny_gemma4),
-                 "--port", str(port), "--served-model-name", "tiny"], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            urls[runtime] = f"http://127.0.0.1:{port}"
-        for runtime, url in urls.items():
-            _wait_health(procs[runtime], url, timeout=600)
-        yield urls
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                _stop(proc)
+@pytest.fixture()
+def servers(runtime_servers):
+    """{runtime: base URL}: `python -m serving --runtime jax` and `--runtime pytorch` on the fixture (shared)."""
+    return runtime_servers
 
 
 def _chat(url: str, **kw) -> dict:

@@ -105,3 +105,10 @@ def test_serving_imports_only_what_the_images_install():
                     found.setdefault(top, path.relative_to(REPO))
     assert "g5g" not in found
     assert {m: str(p) for m, p in found.items() if m not in allowed} == {}
+
+
+def test_build_py_serve_passes_server_flags_through(tiny_gemma4):
+    """Flags of `python -m serving` that build.py does not know reach it (and it checks them)."""
+    proc = subprocess.run([sys.executable, "build.py", "serve", "--runtime", "pytorch", "--model", str(tiny_gemma4),
+                           "--max-waiting", "-1"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--max-waiting: must be 0 or more" in proc.stderr, proc.stderr

@@ -1,4 +1,4 @@
-"""`python build.py serve --runtime R --model DIR [--host] [--port]`: run the image's server locally.
+"""`python build.py serve --runtime R --model DIR [--host] [--port] [server flags…]`: run the image's server locally.
 
 Execs `python -m serving …`, the same entrypoint the jax/pytorch images run. The driver never imports torch or
 jax: it only checks that the checkpoint directory and the runtime's packages are there, then replaces itself.
@@ -22,7 +22,7 @@ def argv(args) -> list[str]:
            "--host", args.host, "--port", str(args.port)]
     if getattr(args, "served_model_name", None):
         cmd += ["--served-model-name", args.served_model_name]
-    return cmd
+    return cmd + list(getattr(args, "server_args", []))
 
 
 def run(args) -> int:
