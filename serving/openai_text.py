@@ -184,7 +184,7 @@ async def collect(request: Request, job) -> tuple[str, Finish]:
             if isinstance(ev, Delta):
                 parts.append(ev.text)
                 continue
-            if job.shutdown:
+            if job.shutdown and ev.reason == "abort":
                 raise unavailable("server is shutting down: request aborted")
             return "".join(parts), ev
     finally:

@@ -39,7 +39,7 @@ def unavailable(message: str) -> APIError:
 # ----------------------------------------------------------------------------------------------- models
 class _Strict(BaseModel):
     # Unknown fields are ignored, as vLLM does (clients send `user`, `metadata`, ...); known parameters we do not
-    # honour are refused by `refuse_unsupported` before validation.
+    # honour are refused by `parse` (UNSUPPORTED) before validation.
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
@@ -174,11 +174,11 @@ def parse(model: type[_Strict], body: bytes) -> Any:
     return req
 
 
-def messages(msgs: list[Message], field: str = "messages") -> list[dict]:
+def messages(msgs: list[Message]) -> list[dict]:
     """Chat messages as the chat template takes them; only text content."""
     out = []
     for i, m in enumerate(msgs):
-        where = f"{field}.{i}"
+        where = f"messages.{i}"
         if m.role not in ROLES:
             raise APIError(400, f"{where}.role: unsupported role {m.role!r} (expected one of {', '.join(ROLES)})",
                            param=f"{where}.role")
@@ -188,9 +188,11 @@ def messages(msgs: list[Message], field: str = "messages") -> list[dict]:
                            param=f"{where}.{name}")
         if isinstance(m.content, list):
             for part in m.content:
-                if part.type != "text" or part.text is None:
+                if part.type != "text":
                     raise APIError(400, f"{where}.content: only text parts are supported, got {part.type!r}",
                                    param=f"{where}.content")
+                if part.text is None:
+                    raise APIError(400, f"{where}.content: a text part needs `text`", param=f"{where}.content")
             content = "".join(p.text for p in m.content)
         elif m.content is None:
             if m.role != "assistant":

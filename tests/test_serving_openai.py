@@ -6,6 +6,8 @@ started with those flags.
 """
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 import requests
@@ -158,10 +160,21 @@ def test_request_id_header_names_the_completion(url):
     assert len(r.headers["x-request-id"]) == 32                       # one is made up when the client sent none
 
 
-# ------------------------------------------------------------------------------------- api key, CORS
+@pytest.mark.parametrize("body,message", [
+    (b"[" * 100_000, "nested too deeply"),
+    (b'{"messages": [], "seed": 1' + b"0" * 5000 + b"}", "not valid JSON"),
+    (b'{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}', "lone surrogate"),
+])
+def test_bodies_python_cannot_hold_are_a_400_not_a_500(url, body, message):
+    r = requests.post(f"{url}/v1/chat/completions", data=body, headers={"content-type": "application/json"},
+                      timeout=30)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
+# ------------------------------------------------------------------------------- api key, CORS, body limit
 @pytest.fixture(scope="module")
 def guarded(tiny_gemma4):
-    srv = ServerProcess(tiny_gemma4, "pytorch", "--api-key", "s3cret",
+    srv = ServerProcess(tiny_gemma4, "pytorch", "--api-key", "s3cret", "--max-body-bytes", "65536",
                         "--allowed-origins", '["https://app.example"]').wait_ready()
     yield srv.url
     assert srv.stop() == 0
@@ -191,3 +204,17 @@ def test_cors_allows_only_the_configured_origin(guarded):
     r = requests.get(f"{guarded}/v1/models", headers={"Origin": "https://app.example",
                                                       "Authorization": "Bearer s3cret"}, timeout=5)
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+
+
+def test_body_limit_is_a_413_announced_or_chunked(guarded):
+    auth = {"Authorization": "Bearer s3cret", "content-type": "application/json"}
+    big = json.dumps({"messages": [{"role": "user", "content": "x" * 70_000}]}).encode()
+    r = requests.post(f"{guarded}/v1/chat/completions", data=big, headers=auth, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    chunked = (big[i:i + 8192] for i in range(0, len(big), 8192))       # no Content-Length: counted as it arrives
+    r = requests.post(f"{guarded}/v1/chat/completions", data=chunked, headers=auth, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    small = json.dumps({"messages": ASK}).encode()
+    r = requests.post(f"{guarded}/v1/chat/completions", data=(small[i:i + 7] for i in range(0, len(small), 7)),
+                      headers=auth, timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == ANSWER
