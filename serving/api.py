@@ -274,7 +274,7 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
     returns and a warm-up has produced a token. `app.state.begin_shutdown()` (thread-safe; `Server` calls it on
     SIGTERM) starts the drain: new requests get 503, running ones `shutdown_grace` seconds to finish, then
     every open stream ends with finish_reason "abort" and [DONE] and every other request gets a 503."""
-    from serving import openai_text, tokenization
+    from serving import openai_text, tokenization    # here: they import Job and QueueFull from this module
 
     model_dir = Path(model_dir)
     name = served_model_name or model_dir.name
@@ -302,9 +302,9 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
             return
         await sched.run()
 
+    drains: list[asyncio.Task] = []
+
     async def drain() -> None:
-        if ctx.draining:
-            return
         ctx.draining = True
         deadline = time.monotonic() + shutdown_grace
         log.info("shutting down: draining requests (up to %.1fs)", shutdown_grace)
@@ -317,7 +317,11 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         loop = asyncio.get_running_loop()
-        app.state.begin_shutdown = lambda: loop.call_soon_threadsafe(lambda: loop.create_task(drain()))
+        def start_drain() -> None:
+            if not drains:                                   # a second signal does not start a second drain
+                drains.append(loop.create_task(drain()))     # held: the loop keeps only weak task references
+
+        app.state.begin_shutdown = lambda: loop.call_soon_threadsafe(start_drain)
         task = asyncio.create_task(startup())
         try:
             yield
