@@ -17,22 +17,32 @@ from pathlib import Path
 RUNTIMES = {"pytorch": "serving.pytorch_runtime", "jax": "serving.jax_runtime"}
 
 
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
 def _count(text: str) -> int:
-    n = int(text)
+    n = _int(text)
     if n < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
     return n
 
 
 def _positive(text: str) -> int:
-    n = int(text)
+    n = _int(text)
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be 1 or more, got {n}")
     return n
 
 
 def _seconds(text: str) -> float:
-    x = float(text)
+    try:
+        x = float(text)
+    except ValueError:
+        x = float("nan")
     if not 0 <= x < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
     return x
