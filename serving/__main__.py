@@ -1,17 +1,61 @@
-"""python -m serving --runtime {jax,pytorch} --model DIR [--host H] [--port P] [--served-model-name N]
+"""python -m serving --runtime {jax,pytorch} --model DIR [--host H] [--port P] [--served-model-name N] [...]
 
 The images' entrypoint and what `python build.py serve` execs. The server listens at once (/health is 503 while
-the model loads) and exits non-zero if the model cannot be loaded.
+the model loads) and exits 1 if the model cannot be loaded. SIGTERM (or Ctrl-C) drains: new requests get 503,
+running ones --shutdown-timeout seconds to finish, then the rest are aborted; the exit status is 0.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
+import os
 import sys
 from pathlib import Path
 
 RUNTIMES = {"pytorch": "serving.pytorch_runtime", "jax": "serving.jax_runtime"}
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _count(text: str) -> int:
+    n = _int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
+    return n
+
+
+def _positive(text: str) -> int:
+    n = _int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {n}")
+    return n
+
+
+def _seconds(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        x = float("nan")
+    if not 0 <= x < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return x
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, e.g. '[\"*\"]', got {text}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,7 +68,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="model id clients ask for (default: the model dir's name)")
     p.add_argument("--max-model-len", type=int,
                    help="cap the context (default: the model's; jax: the top of G5G_JAX_BUCKETS)")
-    p.add_argument("--max-waiting", type=int, default=64, help="queued requests beyond which clients get 429")
+    p.add_argument("--max-waiting", type=_count, default=64,
+                   help="how many requests may wait while the engine is busy; one more gets a 429 at once "
+                        "(0: no queue, a request is admitted only when the engine is free; default: 64)")
+    p.add_argument("--shutdown-timeout", type=_seconds, default=5.0,
+                   help="on SIGTERM, seconds running and queued requests get to finish before they are aborted "
+                        "(streams end with finish_reason \"abort\", others get a 503; default: 5)")
+    p.add_argument("--max-body-bytes", type=_positive, default=16 * 2**20,
+                   help="largest request body; a larger one gets a 413 before it is read (default: 16 MiB)")
+    p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1/* (as vllm serve; default: $VLLM_API_KEY)")
+    p.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS origins, a JSON list")
+    p.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods, a JSON list")
+    p.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers, a JSON list")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -41,9 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --model {model}: no config.json there (expected a checkpoint directory)", file=sys.stderr)
         return 2
 
-    import uvicorn
-
-    from serving.api import create_app
+    from serving.api import create_app, server as make_server
 
     def load():
         # Imported here, in the engine thread, so the port opens before torch/jax are even imported.
@@ -58,9 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         failed.append(e)
         server.should_exit = True
 
-    app = create_app(load, model, args.served_model_name, max_waiting=args.max_waiting, on_load_error=on_load_error)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=5))
+    cors = {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
+            "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
+    app = create_app(load, model, args.served_model_name, max_waiting=args.max_waiting, on_load_error=on_load_error,
+                     shutdown_grace=args.shutdown_timeout, max_body_bytes=args.max_body_bytes,
+                     api_key=args.api_key, cors=cors)
+    server = make_server(app, args.host, args.port, args.shutdown_timeout, args.log_level)
     server.run()
     return 1 if failed else 0
 

@@ -1,152 +1,44 @@
-"""OpenAI-compatible HTTP API over any serving.engine.Engine (FastAPI + uvicorn).
+"""OpenAI-compatible HTTP API over any serving.engine.Engine (FastAPI + uvicorn): the app, its scheduler, shutdown.
 
-One generation at a time, in one worker thread (the event loop stays free to accept, stream and answer
-/health and /metrics), behind a FIFO queue with a bound: every accepted request is answered in order of arrival,
-beyond the bound the client gets a 429 at once. A client that goes away (mid-stream or while queued) frees its
-slot: its generation stops at the next token.
+One generation at a time, in one worker thread (the event loop stays free to accept, stream and answer /health and
+/metrics; tokenisation and the chat template run in other threads), behind a FIFO queue with a bound: every
+accepted request is answered in order of arrival, beyond the bound the client gets a 429 at once. A client that
+goes away (mid-stream or while queued) frees its slot: its generation stops at the next token.
 
-Endpoints: POST /v1/chat/completions (JSON or SSE), GET /v1/models, GET /health (200 only once the model is
-loaded and a warm-up produced a token), GET /metrics (Prometheus text, vLLM's metric names and model_name label).
-Every error is an OpenAI error body {"error": {"message", "type", "param", "code"}}.
+The endpoints live by family: serving/openai_text.py (chat and completions), serving/tokenization.py; this module
+holds what they share (Context, Scheduler, Metrics) and the small ones (health, models, version, metrics).
+Every error is an OpenAI error body {"error": {"message", "type", "param", "code"}} (serving/protocol.py).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
+import signal
 import threading
 import time
-import uuid
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
-from typing import Annotated, Any, Callable
+from typing import Any, Callable
 
+import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from serving.engine import Engine
-from serving.generation import Delta, Finish, SamplingParams, TokenizerInfo, generate
+from serving.generation import Finish, SamplingParams, TokenizerInfo, generate
+from serving.middleware import Guard
+from serving.protocol import APIError, unavailable
 
 log = logging.getLogger("serving.api")
 disable_created_metrics()
-
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-
-
-# ------------------------------------------------------------------------------------------------ errors
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
-
-
-# ----------------------------------------------------------------------------------------------- request
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class TextPart(_Strict):
-    type: str
-    text: str | None = None
-
-
-class Message(_Strict):
-    role: str
-    content: str | list[TextPart] | None = None
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
-class ChatRequest(_Strict):
-    model: str | None = None
-    messages: Annotated[list[Message], Field(min_length=1)]
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int | None = None
-    ignore_eos: bool = False
-    logprobs: bool | None = None
-    tools: list | None = None
-
-
-_FIELDS = {f for m in (ChatRequest, Message, TextPart, StreamOptions) for f in m.model_fields}
-
-
-def _param(loc: tuple) -> str:
-    """The request path of a validation error: pydantic puts union members ('str', 'list[str]') in `loc`,
-    which are not part of the request, so the path ends where they begin."""
-    out = []
-    for p in loc:
-        if not (isinstance(p, int) or p in _FIELDS):
-            break
-        out.append(str(p))
-    return ".".join(out)
-
-
-def _parse(body: bytes) -> ChatRequest:
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"request body is not valid JSON: {e}")
-    if not isinstance(data, dict):
-        raise APIError(400, "request body must be a JSON object")
-    try:
-        req = ChatRequest.model_validate(data)
-    except ValidationError as e:
-        first = e.errors()[0]
-        param = _param(first["loc"])
-        raise APIError(400, f"{param}: {first['msg']}", param=param)
-    if req.n not in (None, 1):
-        raise APIError(400, "n > 1 is not supported (one choice per request)", param="n")
-    if req.logprobs:
-        raise APIError(400, "logprobs are not supported", param="logprobs")
-    if req.tools:
-        raise APIError(400, "tools are not supported by this server", param="tools")
-    if req.stream_options is not None and not req.stream:
-        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-    return req
-
-
-def _messages(req: ChatRequest) -> list[dict]:
-    out = []
-    for i, m in enumerate(req.messages):
-        if m.role not in ROLES:
-            raise APIError(400, f"messages[{i}].role: unsupported role {m.role!r} "
-                                f"(expected one of {', '.join(ROLES)})", param=f"messages.{i}.role")
-        if isinstance(m.content, list):
-            for part in m.content:
-                if part.type != "text" or part.text is None:
-                    raise APIError(400, f"messages[{i}].content: only text parts are supported, got {part.type!r}",
-                                   param=f"messages.{i}.content")
-            content = "".join(p.text for p in m.content)
-        elif m.content is None:
-            if m.role != "assistant":
-                raise APIError(400, f"messages[{i}].content is required", param=f"messages.{i}.content")
-            content = ""
-        else:
-            content = m.content
-        out.append({"role": ROLES[m.role], "content": content})
-    return out
-
 
 # ----------------------------------------------------------------------------------------------- metrics
 class Metrics:
@@ -219,6 +111,7 @@ class Job:
     arrival: float = field(default_factory=time.monotonic)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    shutdown: bool = False        # aborted because the server is shutting down (not because the client left)
 
 
 class QueueFull(Exception):
@@ -226,43 +119,84 @@ class QueueFull(Exception):
 
 
 class Scheduler:
-    """A FIFO of jobs and the one worker that runs them, each to completion, in a dedicated thread."""
+    """A FIFO of jobs and the one worker that runs them, each to completion, in a dedicated thread.
+
+    The bound (`--max-waiting`): a request is admitted while fewer than `slots + max_waiting` admitted requests
+    are unfinished, counting the ones running and the ones waiting whose client is still there. So
+    `max_waiting` is exactly how many requests may wait while the engine is busy, whatever their arrival timing;
+    0 means no queue (a request is admitted only when the engine is free).
+    """
+    slots = 1     # requests the engine runs at once
 
     def __init__(self, metrics: Metrics, max_waiting: int):
+        if max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
         self.metrics = metrics
         self.max_waiting = max_waiting
-        self.queue: asyncio.Queue[Job] = asyncio.Queue()
-        self.queued: list[Job] = []      # what the queue holds, to count the clients still waiting
+        self.waiting: deque[Job] = deque()
+        self.wakeup = asyncio.Event()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.engine: Engine | None = None
         self.current: Job | None = None
         self.info: TokenizerInfo | None = None
 
-    def submit(self, job: Job) -> None:
+    def _live(self) -> int:
         # Clients that left while queued stay in the FIFO until the worker skips them; they hold no slot.
-        if sum(not j.cancelled.is_set() for j in self.queued) >= self.max_waiting:
+        return sum(not j.cancelled.is_set() for j in self.waiting)
+
+    def busy(self) -> bool:
+        return self.current is not None or self._live() > 0
+
+    def submit(self, job: Job) -> None:
+        if (self.current is not None) + self._live() >= self.slots + self.max_waiting:
             raise QueueFull
-        self.queued.append(job)
-        self.queue.put_nowait(job)
-        self.metrics.set_queue(self.queue.qsize())
+        self.waiting.append(job)
+        self.wakeup.set()
+        self.metrics.set_queue(self._live())
+
+    def abort_all(self) -> int:
+        """Shutdown past its grace period: end every queued job now and the running one at its next token.
+        Returns how many requests were aborted."""
+        n = 0
+        while self.waiting:
+            job = self.waiting.popleft()
+            if not job.cancelled.is_set():
+                n += 1
+            job.shutdown = True
+            self._drop(job)
+        if self.current is not None and not self.current.cancelled.is_set():
+            self.current.shutdown = True
+            self.current.cancelled.set()
+            n += 1
+        self.metrics.set_queue(0)
+        return n
+
+    def _drop(self, job: Job) -> None:
+        """A job that never ran: counted as aborted, its handler told so."""
+        job.cancelled.set()
+        fin = Finish("abort", len(job.prompt_ids), 0, [])
+        self.metrics.finished(job.arrival, fin)
+        job.events.put_nowait(fin)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            job = await self.queue.get()
-            self.queued.remove(job)
-            if job.cancelled.is_set():      # the client left while queued: skip it, end its handler
-                fin = Finish("abort", len(job.prompt_ids), 0, [])
-                self.metrics.set_queue(self.queue.qsize())
-                self.metrics.finished(job.arrival, fin)
-                job.events.put_nowait(fin)
+            if not self.waiting:
+                self.wakeup.clear()
+                await self.wakeup.wait()
                 continue
-            self.metrics.set_queue(self.queue.qsize(), running=1)
+            job = self.waiting.popleft()
+            if job.cancelled.is_set():      # the client left while queued: skip it, end its handler
+                self._drop(job)
+                self.metrics.set_queue(self._live())
+                continue
             self.current = job
+            self.metrics.set_queue(self._live(), running=1)
             try:
                 await loop.run_in_executor(self.executor, self._generate, job)
             finally:
-                self.metrics.set_queue(self.queue.qsize(), running=0)
+                self.current = None
+                self.metrics.set_queue(self._live(), running=0)
 
     def _generate(self, job: Job) -> None:
         """Engine thread: run the job, hand every event to the request's coroutine."""
@@ -285,17 +219,70 @@ class Scheduler:
         return asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
 
+# ---------------------------------------------------------------------------------------------- context
+@dataclass
+class Context:
+    """What every endpoint shares: app.state.ctx."""
+    name: str
+    model_dir: Path
+    metrics: Metrics
+    scheduler: Scheduler
+    created: int = field(default_factory=lambda: int(time.time()))
+    ready: bool = False
+    error: str | None = None
+    draining: bool = False
+
+    @property
+    def info(self) -> TokenizerInfo:
+        return self.scheduler.info
+
+    @property
+    def max_context(self) -> int:
+        return self.scheduler.engine.max_context
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.name:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    def check_serving(self) -> None:
+        if self.draining:
+            raise unavailable("server is shutting down")
+        if not self.ready:
+            raise unavailable(f"model failed to load: {self.error}" if self.error else "model is loading")
+
+    def model_card(self) -> dict:
+        card = {"id": self.name, "object": "model", "created": self.created, "owned_by": "g5g-images",
+                "root": str(self.model_dir), "parent": None}
+        if self.scheduler.engine is not None:
+            card["max_model_len"] = self.max_context
+        return card
+
+
+def version() -> str:
+    try:
+        return metadata.version("g5g-images")
+    except metadata.PackageNotFoundError:     # the images copy serving/ without installing the package
+        return "0+unknown"
+
+
 # --------------------------------------------------------------------------------------------------- app
 def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_model_name: str | None = None,
-               max_waiting: int = 64, on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+               max_waiting: int = 64, on_load_error: Callable[[BaseException], None] | None = None,
+               shutdown_grace: float = 5.0, max_body_bytes: int = 16 * 2**20, api_key: str | None = None,
+               cors: dict | None = None) -> FastAPI:
     """`load_engine` runs in the engine thread after the server starts listening; /health is 503 until it
-    returns and a warm-up has produced a token."""
+    returns and a warm-up has produced a token. `app.state.begin_shutdown()` (thread-safe; `Server` calls it on
+    SIGTERM) starts the drain: new requests get 503, running ones `shutdown_grace` seconds to finish, then
+    every open stream ends with finish_reason "abort" and [DONE] and every other request gets a 503."""
+    from serving import openai_text, tokenization    # here: they import Job and QueueFull from this module
+
     model_dir = Path(model_dir)
     name = served_model_name or model_dir.name
     metrics = Metrics(name)
-    state: dict[str, Any] = {"ready": False, "error": None, "created": int(time.time())}
+    sched = Scheduler(metrics, max_waiting)
+    ctx = Context(name, model_dir, metrics, sched)
 
-    async def startup(sched: Scheduler) -> None:
+    async def startup() -> None:
         try:
             sched.info = await asyncio.to_thread(TokenizerInfo.load, model_dir)
             t0 = time.monotonic()
@@ -304,22 +291,38 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
             # One prefill and one decode step: both code paths are compiled/warmed before we say ready.
             await sched.call(lambda: sched.engine.step(int(sched.engine.start(warm).argmax())))
             log.info("model %s ready in %.1fs (context %d)", name, time.monotonic() - t0, sched.engine.max_context)
-            state["ready"] = True
+            ctx.ready = True
         except asyncio.CancelledError:    # shut down while loading
             raise
         except BaseException as e:
             log.exception("loading %s failed", model_dir)
-            state["error"] = f"{type(e).__name__}: {e}"
+            ctx.error = f"{type(e).__name__}: {e}"
             if on_load_error:
                 on_load_error(e)
             return
         await sched.run()
 
+    drains: list[asyncio.Task] = []
+
+    async def drain() -> None:
+        ctx.draining = True
+        deadline = time.monotonic() + shutdown_grace
+        log.info("shutting down: draining requests (up to %.1fs)", shutdown_grace)
+        while sched.busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if sched.busy():
+            log.warning("shutdown grace period (%.1fs) over: aborting %d request(s)", shutdown_grace,
+                        sched.abort_all())
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        sched = Scheduler(metrics, max_waiting)
-        app.state.scheduler = sched
-        task = asyncio.create_task(startup(sched))
+        loop = asyncio.get_running_loop()
+        def start_drain() -> None:
+            if not drains:                                   # a second signal does not start a second drain
+                drains.append(loop.create_task(drain()))     # held: the loop keeps only weak task references
+
+        app.state.begin_shutdown = lambda: loop.call_soon_threadsafe(start_drain)
+        task = asyncio.create_task(startup())
         try:
             yield
         finally:
@@ -329,6 +332,12 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
             sched.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="g5g serving", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ctx = ctx
+    app.state.begin_shutdown = lambda: None          # replaced once the server runs
+    app.add_middleware(Guard, max_body_bytes=max_body_bytes, api_key=api_key)
+    cors = {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers": ["*"], "allow_credentials": False,
+            **(cors or {})}
+    app.add_middleware(CORSMiddleware, **cors)       # outermost: preflights never need the API key
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
@@ -337,131 +346,68 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException):
         return APIError(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500
-                        else "server_error").response()
+                        else "server_error").response(headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception):
         log.exception("unexpected error")
         return APIError(500, f"internal error: {type(e).__name__}", "server_error").response()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
-        if state["ready"]:
-            return JSONResponse({"status": "ok"})
-        msg = f"model failed to load: {state['error']}" if state["error"] else "model is loading"
-        return APIError(503, msg, "service_unavailable").response()
+        ctx.check_serving()
+        return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST", "HEAD"])    # SageMaker's health check, as vLLM
+    async def ping():
+        return await health()
+
+    @app.get("/version")
+    async def get_version():
+        return {"version": version()}
 
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.scrape(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models(request: Request):
-        sched: Scheduler = request.app.state.scheduler
-        card = {"id": name, "object": "model", "created": state["created"], "owned_by": "g5g-images",
-                "root": str(model_dir), "parent": None}
-        if sched.engine is not None:
-            card["max_model_len"] = sched.engine.max_context
-        return {"object": "list", "data": [card]}
+    async def models():
+        return {"object": "list", "data": [ctx.model_card()]}
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        sched: Scheduler = request.app.state.scheduler
-        req = _parse(await request.body())
-        if req.model is not None and req.model != name:
-            raise APIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found")
-        messages = _messages(req)
-        if not state["ready"]:
-            raise APIError(503, "model is loading", "service_unavailable")
-        try:
-            prompt = sched.info.chat_prompt(messages)
-        except Exception as e:             # e.g. the template rejects the conversation
-            raise APIError(400, f"chat template: {e}", param="messages")
-        ctx = sched.engine.max_context
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        if len(prompt) >= ctx or (max_tokens and len(prompt) + max_tokens > ctx):
-            raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
-                                f"{len(prompt) + (max_tokens or 0)} tokens ({len(prompt)} in the messages, "
-                                f"{max_tokens or 0} in the completion).", param="messages",
-                           code="context_length_exceeded")
-        d = sched.info.default_sampling
-        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-        params = SamplingParams(
-            temperature=req.temperature if req.temperature is not None else d.get("temperature", 1.0),
-            top_p=req.top_p if req.top_p is not None else d.get("top_p", 1.0),
-            top_k=max(0, req.top_k if req.top_k is not None else d.get("top_k", 0)),
-            max_tokens=max_tokens or ctx - len(prompt), stop=stop, seed=req.seed, ignore_eos=req.ignore_eos)
-        job = Job(prompt, params, asyncio.get_running_loop())
-        try:
-            sched.submit(job)
-        except QueueFull:
-            raise APIError(429, f"server busy: {sched.max_waiting} requests already waiting; retry later",
-                           "rate_limit_error", code="rate_limit_exceeded")
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_stream(job, rid, created, name, usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return await _complete(request, job, rid, created, name)
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        ctx.check_model(model_id)
+        return ctx.model_card()
 
+    app.include_router(openai_text.router)
+    app.include_router(tokenization.router)
     return app
 
 
-def _usage(fin: Finish) -> dict:
-    return {"prompt_tokens": fin.prompt_tokens, "completion_tokens": fin.completion_tokens,
-            "total_tokens": fin.prompt_tokens + fin.completion_tokens}
+# ------------------------------------------------------------------------------------------------ server
+class Server(uvicorn.Server):
+    """uvicorn with our shutdown: SIGTERM/SIGINT start the app's drain (see create_app), and the process exits
+    with its own status (0 after a drain) instead of re-raising the signal. A second SIGINT forces the exit."""
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.config.app.state.begin_shutdown()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
 
-async def _complete(request: Request, job: Job, rid: str, created: int, model: str) -> JSONResponse:
-    async def watch_disconnect():
-        while not await request.is_disconnected():
-            await asyncio.sleep(0.25)
-        job.cancelled.set()
-
-    watcher = asyncio.create_task(watch_disconnect())
-    parts = []
-    try:
-        while True:
-            ev = await job.events.get()
-            if isinstance(ev, APIError):
-                raise ev
-            if isinstance(ev, Delta):
-                parts.append(ev.text)
-                continue
-            return JSONResponse({
-                "id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
-                             "logprobs": None, "finish_reason": ev.reason}],
-                "usage": _usage(ev)})
-    finally:
-        watcher.cancel()
-        job.cancelled.set()
-
-
-async def _stream(job: Job, rid: str, created: int, model: str, include_usage: bool):
-    def chunk(delta: dict, finish: str | None = None) -> str:
-        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-        if include_usage:
-            body["usage"] = None
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-    try:
-        yield chunk({"role": "assistant", "content": ""})
-        while True:
-            ev = await job.events.get()
-            if isinstance(ev, Delta):
-                if ev.text:
-                    yield chunk({"content": ev.text})
-            elif isinstance(ev, Finish):
-                yield chunk({}, ev.reason)
-                if include_usage:
-                    yield "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                                 "model": model, "choices": [], "usage": _usage(ev)}) + "\n\n"
-                break
-            else:                          # an APIError from the engine thread, after headers went out
-                yield f"data: {json.dumps({'error': {'message': ev.message, 'type': ev.type, 'param': None, 'code': None}})}\n\n"
-                break
-        yield "data: [DONE]\n\n"
-    finally:
-        job.cancelled.set()               # client gone (or done): stop generating, free the slot
+def server(app: FastAPI, host: str, port: int, shutdown_grace: float, log_level: str = "info") -> Server:
+    # uvicorn's own deadline is a backstop only: our drain answers every request by `shutdown_grace` (plus the
+    # time the running generation takes to reach its next token).
+    return Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                 timeout_graceful_shutdown=shutdown_grace + 10))

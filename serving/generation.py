@@ -82,18 +82,28 @@ class Sampler:
 
 
 # ------------------------------------------------------------------------------------------ tokenisation
+class PromptTooLong(ValueError):
+    def __init__(self, tokens: int, exact: bool = True):
+        super().__init__(f"{'' if exact else 'at least '}{tokens} tokens")
+        self.tokens, self.exact = tokens, exact
+
+
 @dataclass
 class TokenizerInfo:
     """The checkpoint's tokenizer plus what the generation loop needs to know about its special tokens."""
-    tokenizer: object
+    tokenizer: object                   # the engine thread's: detokenising the output
     stop_ids: frozenset[int]
     hidden_ids: frozenset[int]          # special tokens: never detokenised for the client
     thought_start: int | None
     thought_end: int | None
     default_sampling: dict = field(default_factory=dict)
-    # transformers' fast tokenizer reconfigures its Rust backend on every encode; concurrent use from the event
-    # loop (prompts) and the engine thread (detokenising) can fail with "Already borrowed". One lock for both.
+    # A second instance for requests (chat template, prompts, /tokenize), used from worker threads: a long prompt
+    # never waits on, nor stalls, the detokeniser of the generation in flight. transformers' fast tokenizer
+    # reconfigures its Rust backend on every encode ("Already borrowed" when shared), so each has its own lock.
+    prompt_tokenizer: object = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    prompt_lock: threading.Lock = field(default_factory=threading.Lock)
+    max_token_chars: int = 1            # the longest token's text: n characters are at least n / this tokens
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "TokenizerInfo":
@@ -123,13 +133,38 @@ class TokenizerInfo:
             if gen.get("do_sample") is not False and gen.get(key) is not None:
                 defaults[key] = gen[key]
         return cls(tok, frozenset(stop), frozenset(hidden), vocab.get(THOUGHT_START), vocab.get(THOUGHT_END),
-                   defaults)
+                   defaults, prompt_tokenizer=AutoTokenizer.from_pretrained(model_dir),
+                   max_token_chars=max(map(len, vocab), default=1))
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
+    @property
+    def vocab_size(self) -> int:
+        return len(self.prompt_tokenizer)
+
+    def render_chat(self, messages: list[dict]) -> str:
+        with self.prompt_lock:
+            return self.prompt_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def encode(self, text: str, add_special_tokens: bool = False, limit: int | None = None) -> list[int]:
+        """Token ids of `text`; PromptTooLong past `limit` tokens. Text that cannot fit is refused before the
+        tokenizer runs (a normaliser may merge up to 4 characters into one: the bound allows for it); otherwise
+        the Rust tokenizer runs without the GIL (encode_batch) and the ids become a Python list only when they
+        fit, so a huge prompt costs a worker thread, never the event loop."""
+        if limit is not None and len(text) > 4 * self.max_token_chars * limit:
+            raise PromptTooLong(len(text) // (4 * self.max_token_chars), exact=False)
+        with self.prompt_lock:
+            enc = self.prompt_tokenizer.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        if limit is not None and len(enc) > limit:
+            raise PromptTooLong(len(enc))
+        return enc.ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        with self.prompt_lock:
+            return self.prompt_tokenizer.decode(list(ids), skip_special_tokens=False,
+                                                clean_up_tokenization_spaces=False)
+
+    def chat_prompt(self, messages: list[dict], limit: int | None = None) -> list[int]:
         """Token ids of the conversation rendered with the checkpoint's own chat template."""
-        with self.lock:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.encode(self.render_chat(messages), limit=limit)
 
 
 class Detokenizer:
@@ -174,38 +209,56 @@ class Detokenizer:
         return after[len(before):]
 
 
+def _failure(s: str) -> list[int]:
+    """KMP failure function: f[i] = length of the longest proper prefix of s[:i+1] that is also its suffix."""
+    f, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = f[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        f[i] = k
+    return f
+
+
 class StopStrings:
-    """Holds back text that might be the start of a stop string; cuts the text at the first stop string."""
+    """Holds back text that might be the start of a stop string; cuts the text at the first stop string to
+    complete. One KMP matcher per stop string: the work per delta is linear in the delta (times the number of
+    stops), however long the stops and the output are."""
 
     def __init__(self, stops: Sequence[str]):
-        self.stops = [s for s in stops if s]
-        self.text = ""
-        self.sent = 0
+        self.stops = [s for s in dict.fromkeys(stops) if s]
+        self.fail = [_failure(s) for s in self.stops]
+        self.matched = [0] * len(self.stops)    # per stop: how many of its first characters end the text
+        self.pending = ""                       # unsent text: the longest possible start of a stop string
 
     def push(self, delta: str) -> tuple[str, bool]:
         """Returns (text safe to send, whether a stop string was hit)."""
-        self.text += delta
         if not self.stops:
-            out, self.sent = self.text[self.sent:], len(self.text)
-            return out, False
-        search_from = max(0, self.sent - max(map(len, self.stops)))
-        hits = [i for i in (self.text.find(s, search_from) for s in self.stops) if i >= 0]
-        if hits:
-            cut = min(hits)
-            out, self.sent = self.text[self.sent:cut], cut
-            return out, True
-        hold = 0
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(s[:n]):
-                    hold = max(hold, n)
-                    break
-        end = max(self.sent, len(self.text) - hold)
-        out, self.sent = self.text[self.sent:end], end
-        return out, False
+            return delta, False
+        text, base = self.pending + delta, len(self.pending)
+        for i, ch in enumerate(delta):
+            cut = None
+            for k, s in enumerate(self.stops):
+                q, f = self.matched[k], self.fail[k]
+                while q and s[q] != ch:
+                    q = f[q - 1]
+                if s[q] == ch:
+                    q += 1
+                if q == len(s):
+                    start = base + i + 1 - q
+                    cut = start if cut is None else min(cut, start)
+                    q = f[q - 1]
+                self.matched[k] = q
+            if cut is not None:
+                self.pending = ""
+                return text[:cut], True
+        keep = max(self.matched)
+        self.pending = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep], False
 
     def flush(self) -> str:
-        out, self.sent = self.text[self.sent:], len(self.text)
+        out, self.pending = self.pending, ""
         return out
 
 

@@ -4,5 +4,6 @@ pytest_plugins: list[str] = [
     "tests.fixtures.registry",
     "tests.fixtures.tiny_gemma4",
     "tests.fixtures.timed_server",
+    "tests.fixtures.serving",
     "tests.e2e.plugin",
 ]

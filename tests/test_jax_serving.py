@@ -20,19 +20,10 @@ def _env(jax_cache: Path) -> dict:
     return serving_env(JAX_PLATFORMS="cpu", G5G_JAX_CACHE_DIR=str(jax_cache), G5G_JAX_BUCKETS="32,64,256")
 
 
-@pytest.fixture(scope="module")
-def servers(tiny_gemma4, tmp_path_factory):
-    """{runtime: base URL} for `build.py serve --runtime jax` and `--runtime pytorch` on the fixture."""
-    env = _env(tmp_path_factory.mktemp("jaxcache"))
-    procs = {}
-    try:
-        for runtime in ("jax", "pytorch"):  # both load at once
-            procs[runtime] = launch(*serving_argv(runtime, tiny_gemma4, "--served-model-name", "tiny",
-                                                  via="build.py serve"), env=env)
-        yield {runtime: srv.wait(timeout=600).url for runtime, srv in procs.items()}
-    finally:
-        for srv in procs.values():
-            srv.stop()
+@pytest.fixture()
+def servers(runtime_servers):
+    """{runtime: base URL}: `python -m serving --runtime jax` and `--runtime pytorch` on the fixture (shared)."""
+    return runtime_servers
 
 
 def _chat(url: str, **kw) -> dict:

@@ -26,8 +26,8 @@ def test_build_py_serve_runs_the_server(tiny_gemma4, tmp_path):
         r = requests.post(f"{srv.url}/v1/chat/completions", timeout=60,
                           json={"model": "tiny", "messages": [{"role": "user", "content": QUESTION}]})
         assert r.json()["choices"][0]["message"]["content"] == ANSWER
-    # SIGTERM, as `docker stop` sends: uvicorn shuts down gracefully, then re-raises the signal.
-    assert srv.returncode == -signal.SIGTERM, srv.output[-2000:]
+    # SIGTERM, as `docker stop` sends: the server drains, then exits 0.
+    assert srv.returncode == 0, srv.output[-2000:]
     assert "Finished server process" in srv.output
 
 
@@ -41,7 +41,8 @@ def test_build_py_serve_passes_every_server_flag_through(tmp_path):
     assert {a.dest for a in flags} >= {"host", "port", "served_model_name", "max_model_len", "max_waiting", "log_level"}
     given = []
     for a in flags:  # a value its type accepts, unlike the default
-        given += [a.option_strings[-1], *([] if a.nargs == 0 else [str(a.choices[-1]) if a.choices else "7"])]
+        value = str(a.choices[-1]) if a.choices else '["7"]' if getattr(a.type, "__name__", "") == "_json_list" else "7"
+        given += [a.option_strings[-1], *([] if a.nargs == 0 else [value])]
     args = cli.parse(["serve", "--runtime", "pytorch", "--model", str(tmp_path), *given])
     cmd = serve.argv(args)
     assert cmd[1:3] == ["-m", "serving"]
@@ -94,3 +95,10 @@ def test_serving_imports_only_what_the_images_install():
                     found.setdefault(top, path.relative_to(REPO))
     assert "g5g" not in found
     assert {m: str(p) for m, p in found.items() if m not in allowed} == {}
+
+
+def test_build_py_serve_passes_server_flags_through(tiny_gemma4):
+    """Flags of `python -m serving` that build.py does not know reach it (and it checks them)."""
+    proc = subprocess.run([sys.executable, "build.py", "serve", "--runtime", "pytorch", "--model", str(tiny_gemma4),
+                           "--max-waiting", "-1"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--max-waiting: must be 0 or more" in proc.stderr, proc.stderr

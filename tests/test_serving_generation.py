@@ -1,6 +1,8 @@
 """The shared generation loop (serving/generation.py) and the PyTorch runtime, on the tiny Gemma 4 checkpoint."""
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 
@@ -88,6 +90,37 @@ def test_held_back_text_is_released_when_it_is_not_a_stop():
     assert s.push("iability") == ("Reliability", False)
     s = StopStrings(["xyz"])
     assert s.push("abcx") == ("abc", False) and s.flush() == "x"
+
+
+def _first_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """Reference: the text up to the first stop string to complete (the longest, if several end together)."""
+    for end in range(1, len(text) + 1):
+        starts = [end - len(s) for s in stops if s and text[:end].endswith(s)]
+        if starts:
+            return text[:min(starts)], True
+    return text, False
+
+
+def _held(text: str, stops: list[str]) -> int:
+    """Reference: the longest end of `text` that begins some stop string (and is not all of it)."""
+    return max([n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])], default=0)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_stop_strings_match_the_reference_however_the_text_is_split(seed):
+    rng = random.Random(seed)
+    stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 4))]
+    text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 40)))
+    s, sent, hit, pos = StopStrings(stops), "", False, 0
+    while pos < len(text) and not hit:
+        step = rng.randint(1, 5)
+        out, hit = s.push(text[pos:pos + step])
+        pos, sent = pos + step, sent + out
+        if not hit:          # holds back exactly what may still become a stop string, no more, no less
+            assert len(text[:pos]) - len(sent) == _held(text[:pos], stops), (stops, text[:pos], sent)
+    if not hit:
+        sent += s.flush()
+    assert (sent, hit) == _first_stop(text, stops), (stops, text)
 
 
 # ------------------------------------------------------------------------------------------------ sampler

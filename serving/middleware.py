@@ -1,0 +1,65 @@
+"""What every HTTP request passes through before an endpoint sees it (one pure-ASGI middleware, streaming-safe):
+
+- an `x-request-id` on every response: the client's own, or a new one (it also names the completion's id);
+- `--api-key`: /v1/* needs `Authorization: Bearer <key>`, as with `vllm serve --api-key` (401 otherwise);
+- a request-body limit (`--max-body-bytes`): 413 from the Content-Length alone, or as soon as a chunked body
+  passes the limit, before anything parses or tokenises it.
+"""
+from __future__ import annotations
+
+import hmac
+import uuid
+
+from serving.protocol import APIError
+
+
+class BodyTooLarge(APIError):
+    def __init__(self, limit: int):
+        super().__init__(413, f"request body is larger than the server's limit of {limit} bytes "
+                              f"(--max-body-bytes)", code="request_too_large")
+
+
+class Guard:
+    def __init__(self, app, max_body_bytes: int, api_key: str | None = None):
+        self.app, self.limit = app, max_body_bytes
+        self.auth = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        rid = headers.get(b"x-request-id", b"").decode("latin-1")[:256] or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-request-id", rid.encode("latin-1"))]}
+            await send(message)
+
+        async def refuse(error: APIError):
+            response = error.response()
+            if error.status == 401:
+                response.headers["www-authenticate"] = "Bearer"
+            await response(scope, receive, send_with_id)
+
+        if self.auth and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS" and \
+                not hmac.compare_digest(headers.get(b"authorization", b""), self.auth):
+            return await refuse(APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                                         "authentication_error", code="invalid_api_key"))
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            return await refuse(BodyTooLarge(self.limit) if length.isdigit() else
+                                APIError(400, "invalid Content-Length header"))
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise BodyTooLarge(self.limit)       # reaches the endpoint's body read: a 413 response
+            return message
+
+        await self.app(scope, limited_receive, send_with_id)

@@ -1,0 +1,204 @@
+"""The OpenAI wire format: error bodies, request models, and the parameters we refuse rather than ignore.
+
+Every error a client can cause is an APIError, rendered as {"error": {"message", "type", "param", "code"}}.
+A request is parsed in one place (`parse`): JSON that Python cannot represent (nesting too deep, integers too
+long, lone surrogates) is a 400 like any other malformed body.
+"""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+INT64 = (-2**63, 2**63 - 1)     # vLLM's seed range (torch.long)
+
+
+# ------------------------------------------------------------------------------------------------ errors
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self, headers: dict | None = None) -> Response:
+        # ASCII JSON: a message quoting client text (e.g. a lone surrogate in `model`) always encodes.
+        return Response(json.dumps(self.body()), status_code=self.status, media_type="application/json",
+                        headers=headers)
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, "service_unavailable")
+
+
+# ----------------------------------------------------------------------------------------------- models
+class _Strict(BaseModel):
+    # Unknown fields are ignored, as vLLM does (clients send `user`, `metadata`, ...); known parameters we do not
+    # honour are refused by `parse` (UNSUPPORTED) before validation.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class Message(_Strict):
+    role: str
+    content: str | list[TextPart] | None = None
+    tool_calls: list | None = None          # refused when set: an assistant turn we cannot render
+    function_call: dict | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+Seed = Annotated[int, Field(ge=INT64[0], le=INT64[1])]
+
+
+class _Sampling(_Strict):
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    stop: str | list[str] | None = None
+    seed: Seed | None = None
+    ignore_eos: bool = False
+
+
+class ChatRequest(_Sampling):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+class CompletionRequest(_Sampling):
+    # One prompt: a string or token ids, also as a one-element list (how the openai client sends batches).
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | TokenIds | \
+        Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16     # OpenAI's and vLLM's default for completions
+    echo: bool = False
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool | None = None      # default: True for a prompt, False for messages (as vLLM)
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: TokenIds
+
+
+_MODELS = (ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, Message, TextPart, StreamOptions)
+_FIELDS = {f for m in _MODELS for f in m.model_fields}
+
+# Parameters of the OpenAI / vLLM APIs that this server does not honour, with the values that mean "not used".
+# A request that sets one to anything else gets a 400 naming it: never a 200 that silently ignored it.
+_NOT_HONOURED = {
+    "n": (None, 1), "best_of": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0),
+    "prompt_logprobs": (None,), "logit_bias": (None, {}), "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0), "repetition_penalty": (None, 1), "min_p": (None, 0), "min_tokens": (None, 0),
+    "stop_token_ids": (None, []), "response_format": (None, {"type": "text"}), "structured_outputs": (None,),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "use_beam_search": (None, False), "length_penalty": (None, 1), "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "logits_processors": (None,), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
+}
+UNSUPPORTED = {
+    ChatRequest: {**_NOT_HONOURED, "echo": (None, False), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+                  "functions": (None, []), "function_call": (None, "none", "auto"), "chat_template": (None,),
+                  "chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
+                  "continue_final_message": (None, False)},
+    CompletionRequest: {**_NOT_HONOURED, "logprobs": (None,), "suffix": (None, "")},
+}
+
+
+def _param(loc: tuple) -> str:
+    """The request path of a validation error: pydantic puts union members ('str', 'list[str]') in `loc`,
+    which are not part of the request, so the path ends where they begin."""
+    out = []
+    for p in loc:
+        if not (isinstance(p, int) or p in _FIELDS):
+            break
+        out.append(str(p))
+    return ".".join(out)
+
+
+def _is_default(value: Any, defaults: tuple) -> bool:
+    return any(value is d if d is None or isinstance(d, bool) else
+               (type(value) is not bool and value == d) for d in defaults)
+
+
+def parse(model: type[_Strict], body: bytes) -> Any:
+    """The request body as `model`, or an APIError(400) naming what is wrong."""
+    try:
+        data = json.loads(body)
+        # Lone surrogates ("\ud800") parse, but no tokenizer or response can encode them.
+        json.dumps(data, ensure_ascii=False).encode()
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply") from None
+    except UnicodeEncodeError:
+        raise APIError(400, "request body contains an invalid unicode escape (a lone surrogate)") from None
+    except (ValueError, UnicodeDecodeError) as e:      # JSONDecodeError, and integers with too many digits
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object")
+    for name, defaults in UNSUPPORTED.get(model, {}).items():
+        if name in data and not _is_default(data[name], defaults):
+            raise APIError(400, f"{name} is not supported by this server (unset it, or send "
+                                f"{' or '.join(json.dumps(d) for d in defaults)})", param=name)
+    try:
+        req = model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        param = _param(first["loc"])
+        raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param or None) from None
+    if getattr(req, "stream_options", None) is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    return req
+
+
+def messages(msgs: list[Message]) -> list[dict]:
+    """Chat messages as the chat template takes them; only text content."""
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages.{i}"
+        if m.role not in ROLES:
+            raise APIError(400, f"{where}.role: unsupported role {m.role!r} (expected one of {', '.join(ROLES)})",
+                           param=f"{where}.role")
+        if m.tool_calls or m.function_call:
+            name = "tool_calls" if m.tool_calls else "function_call"
+            raise APIError(400, f"{where}.{name}: tool calls are not supported by this server",
+                           param=f"{where}.{name}")
+        if isinstance(m.content, list):
+            for part in m.content:
+                if part.type != "text":
+                    raise APIError(400, f"{where}.content: only text parts are supported, got {part.type!r}",
+                                   param=f"{where}.content")
+                if part.text is None:
+                    raise APIError(400, f"{where}.content: a text part needs `text`", param=f"{where}.content")
+            content = "".join(p.text for p in m.content)
+        elif m.content is None:
+            if m.role != "assistant":
+                raise APIError(400, f"{where}.content is required", param=f"{where}.content")
+            content = ""
+        else:
+            content = m.content
+        out.append({"role": ROLES[m.role], "content": content})
+    return out

@@ -1,0 +1,210 @@
+"""Bad and odd requests, as a careless client or an attacker sends them, to each runtime's real server process.
+
+For every request: no 5xx, every error an OpenAI error object, every 200 well-formed, no request slower than
+REQUEST_BOUND. Throughout: /health answers 200 within HEALTH_BOUND (a request that blocked the event loop, as a
+20 MiB prompt tokenised on it did for 23 s, would show here). Afterwards: the fixture's known answer.
+The bounds are an order of magnitude above what the requests take on a loaded 2-core machine.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import requests
+
+from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
+
+REQUEST_BOUND = 10.0
+HEALTH_BOUND = 2.0
+ASK = [{"role": "user", "content": QUESTION}]
+CHAT, COMPLETIONS, TOKENIZE, DETOKENIZE = "/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"
+
+
+def _cases() -> list[tuple[str, str, bytes | None, dict]]:
+    """(method, path, body, headers): each one distinct."""
+    out = []
+
+    def post(path, body, **headers):
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        out.append(("POST", path, raw, {"content-type": "application/json", **headers}))
+
+    # Bodies that are not a JSON object, or not one Python can hold, to every POST endpoint.
+    raw_bodies = [b"", b"{", b"null", b"[]", b'"text"', b"42", b"\xff\xfe\x00", b'{"a": }', b"[" * 100_000,
+                  b"{" + b'"a":{' * 50_000, b'{"seed": 1' + b"0" * 5000 + b"}", b'{"model": "\\ud800"}',
+                  b'{"messages": NaN}', b"\x00" * 64]
+    for path in (CHAT, COMPLETIONS, TOKENIZE, DETOKENIZE):
+        for raw in raw_bodies:
+            post(path, raw)
+
+    def chat(**kw):
+        return {"model": "tiny", "messages": ASK, "max_tokens": 4, **kw}
+
+    # Chat parameters of the wrong type or out of range.
+    bad_values = {
+        "temperature": ["hot", -0.5, 2.5, float("nan"), 1e309], "top_p": [0, 1.5, "x"], "top_k": [-2, 1.5, "3"],
+        "max_tokens": [0, -1, 1.5, "5", 10**30], "max_completion_tokens": [0, True], "stop": [3, [3], [None], {}],
+        "seed": [2**63, -2**63 - 1, 1.5, "1"], "stream": ["yes", 1], "stream_options": [{"include_usage": "x"}, []],
+        "model": [5, "gpt-4o", "tiny/../../etc/passwd"], "messages": [None, "hi", [], [None], [[]], {"role": "user"}],
+        "ignore_eos": ["true"],
+    }
+    for name, values in bad_values.items():
+        for v in values:
+            post(CHAT, chat(**{name: v}))
+    # Parameters we do not honour, set: refused with a 400 naming them.
+    unhonoured = {"logit_bias": {"5": 10}, "presence_penalty": 0.5, "frequency_penalty": -1,
+                  "repetition_penalty": 1.2, "min_p": 0.1, "response_format": {"type": "json_object"}, "echo": True,
+                  "best_of": 2, "n": 3, "logprobs": True, "top_logprobs": 2, "tools": [{"type": "function"}],
+                  "tool_choice": "required", "min_tokens": 3, "stop_token_ids": [5], "use_beam_search": True,
+                  "chat_template_kwargs": {"enable_thinking": True}, "skip_special_tokens": False,
+                  "guided_json": {"type": "object"}, "include_stop_str_in_output": True}
+    for name, v in unhonoured.items():
+        post(CHAT, chat(**{name: v}))
+    # Messages that are odd or wrong.
+    odd_messages = [
+        [{"role": "tool", "content": "x"}], [{"role": "function", "content": "x"}], [{"role": "user"}],
+        [{"role": "user", "content": None}], [{"role": "user", "content": 5}], [{"role": "user", "content": [5]}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}],
+        [{"role": "user", "content": [{"type": "text"}]}],
+        [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}],
+        [{"role": "user", "content": "word " * 400}], [{"role": "user", "content": "x" * 3_000_000}],
+        [{"role": "user", "content": ""}], [{"role": "system", "content": "Be brief."}],
+        [{"role": "user", "content": "\u0000\u202e\ufeff🤖 ünïcödé"}], [{"role": "assistant", "content": "hi"}],
+        [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        [{"role": "developer", "content": "x"}, {"role": "user", "content": "y"}],
+        [{"role": "user", "content": "hi", "name": "bob", "extra": {"deep": [1, 2]}}],
+    ]
+    for msgs in odd_messages:
+        post(CHAT, {"model": "tiny", "messages": msgs, "max_tokens": 3})
+    # Odd but valid sampling.
+    for kw in ({"stop": [""]}, {"stop": ["a"] * 64}, {"stop": "x" * 5000}, {"stop": ["(", "[", "\\", ".*"]},
+               {"temperature": 0}, {"temperature": 1e-30, "seed": 3}, {"top_k": -1}, {"top_k": 1}, {"top_k": 10**9},
+               {"top_p": 1e-9}, {"seed": 2**63 - 1}, {"seed": -(2**63)}, {"max_tokens": 1}, {"max_tokens": 230},
+               {"unknown_field": 1, "user": "u"}, {"stream": True, "max_tokens": 2},
+               {"stream": True, "stream_options": {"include_usage": True}, "max_tokens": 2},
+               {"stream": False, "stream_options": None}, {"n": 1, "logprobs": False, "presence_penalty": 0}):
+        post(CHAT, chat(**kw))
+    # Completions.
+    for kw in ({"prompt": ""}, {"prompt": []}, {"prompt": [[]]}, {"prompt": [1, 2, 3]}, {"prompt": [10**9]},
+               {"prompt": [-1]}, {"prompt": ["a", "b"]}, {"prompt": [[1], [2]]}, {"prompt": {"x": 1}},
+               {"prompt": None}, {}, {"prompt": "hi", "echo": True, "max_tokens": 0},
+               {"prompt": "hi", "suffix": "end"}, {"prompt": "hi", "logprobs": 2}, {"prompt": "hi", "best_of": 3},
+               {"prompt": "hi", "max_tokens": 10**6}, {"prompt": [2] * 300_000}, {"prompt": "hi " * 4_000_000},
+               {"prompt": ["hi"], "stream": True, "echo": True, "max_tokens": 2}, {"prompt": [[2, 105]]},
+               {"prompt": "hi", "messages": ASK}, {"prompt": 1.5}):
+        post(COMPLETIONS, {"model": "tiny", "max_tokens": 3, **kw} if "max_tokens" not in kw else
+             {"model": "tiny", **kw})
+    # Tokenize / detokenize.
+    for body in ({}, {"prompt": "a", "messages": ASK}, {"prompt": 5}, {"prompt": "a", "add_special_tokens": "no"},
+                 {"messages": [{"role": "wizard", "content": "x"}]}, {"messages": ASK, "add_generation_prompt": False},
+                 {"prompt": "x" * 3_000_000}, {"prompt": "", "model": "other"}):
+        post(TOKENIZE, body)
+    for body in ({}, {"tokens": [-1]}, {"tokens": [10**9]}, {"tokens": "abc"}, {"tokens": [1.5]}, {"tokens": []},
+                 {"tokens": [2, 105, 106, 1]}):
+        post(DETOKENIZE, body)
+    # The body limit: a body over 16 MiB is a 413, announced or chunked.
+    post(CHAT, b'{"messages": [{"role": "user", "content": "' + b"x" * (17 * 2**20) + b'"}]}')
+    out.append(("POST", CHAT, None, {"content-type": "application/json", "content-length": str(2**40)}))
+    # Headers, methods and paths.
+    post(CHAT, chat(), **{"content-type": "text/plain"})
+    post(CHAT, chat(), **{"x-request-id": "é" * 300})
+    post(CHAT, chat(), authorization="Bearer nobody-asked-for-one")
+    for method, path in (("GET", CHAT), ("PUT", "/health"), ("DELETE", "/v1/models"), ("GET", "/v1/nothing"),
+                         ("GET", "/v1/models/gpt-4"), ("GET", "/v1/models/tiny"), ("GET", "/%ff%fe"),
+                         ("GET", "/" + "a" * 8000), ("OPTIONS", CHAT), ("HEAD", "/health"), ("HEAD", COMPLETIONS),
+                         ("POST", "/v1/models"), ("GET", "/tokenize"), ("GET", "/version"), ("POST", "/ping"),
+                         ("GET", "/v1/chat/completions/../../health"), ("PATCH", "/metrics")):
+        out.append((method, path, None, {}))
+    return out
+
+
+CASES = _cases()
+
+
+def test_the_fuzz_cases_are_many_and_distinct():
+    assert len(CASES) >= 100
+    assert len({(m, p, b, tuple(sorted(h.items()))) for m, p, b, h in CASES}) == len(CASES)
+
+
+class HealthWatch(threading.Thread):
+    def __init__(self, url: str):
+        super().__init__(daemon=True)
+        self.url, self.stop, self.samples = url, threading.Event(), []
+        self.start()
+
+    def run(self):
+        with requests.Session() as s:
+            while not self.stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    code = s.get(f"{self.url}/health", timeout=30).status_code
+                except requests.RequestException as e:
+                    code = type(e).__name__
+                self.samples.append((time.monotonic() - t0, code))
+                self.stop.wait(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runtime", ["pytorch", "jax"])
+def test_fuzz(runtime_servers, runtime):
+    url = runtime_servers[runtime]
+    watch = HealthWatch(url)
+    failures, slowest = [], (0.0, None)
+    try:
+        for i, (method, path, body, headers) in enumerate(CASES):
+            t0 = time.monotonic()
+            try:
+                r = requests.request(method, url + path, data=body, headers=headers, timeout=60)
+                status, text, ctype = r.status_code, r.text, r.headers.get("content-type", "")
+            except requests.RequestException as e:
+                failures.append((i, path, f"no answer: {e}"))
+                continue
+            dt = time.monotonic() - t0
+            slowest = max(slowest, (dt, i))
+            problem = _check(method, path, status, text, ctype)
+            if problem or dt > REQUEST_BOUND:
+                failures.append((i, method, path, (body or b"")[:80], status, problem or f"took {dt:.1f}s", text[:200]))
+    finally:
+        watch.stop.set()
+        watch.join(30)
+    assert not failures, failures
+    assert slowest[0] <= REQUEST_BOUND
+    assert watch.samples and all(code == 200 for _, code in watch.samples), \
+        {c for _, c in watch.samples if c != 200}
+    assert max(t for t, _ in watch.samples) <= HEALTH_BOUND, max(watch.samples)
+    r = requests.post(f"{url}{CHAT}", json={"model": "tiny", "messages": ASK}, timeout=60)
+    assert r.json()["choices"][0]["message"]["content"] == ANSWER
+
+
+def _check(method: str, path: str, status: int, text: str, ctype: str) -> str | None:
+    """Why this answer is wrong, or None."""
+    if status >= 500:
+        return "5xx"
+    if method == "HEAD":
+        return None if status in (200, 405) else f"HEAD answered {status}"
+    if method == "OPTIONS" and status == 200:
+        return None
+    if status >= 400:
+        try:
+            err = json.loads(text)["error"]
+        except (ValueError, KeyError, TypeError):
+            return "error is not an OpenAI error object"
+        if set(err) != {"message", "type", "param", "code"} or not err["message"]:
+            return "error object malformed"
+        return None
+    if ctype.startswith("text/event-stream"):
+        events = [line for line in text.split("\n") if line]
+        if events[-1] != "data: [DONE]":
+            return "stream without [DONE]"
+        for e in events[:-1]:
+            body = json.loads(e[len("data: "):])
+            if "error" in body or not ("choices" in body):
+                return f"bad stream chunk {e[:100]}"
+        return None
+    if path in (CHAT, COMPLETIONS):
+        body = json.loads(text)
+        choice = body["choices"][0]
+        if choice["finish_reason"] not in ("stop", "length") or body["usage"]["total_tokens"] < 1:
+            return "malformed completion"
+    return None

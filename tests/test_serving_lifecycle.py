@@ -1,0 +1,232 @@
+"""Shutdown, the queue bound and disconnects, against real server processes (`python -m serving`).
+
+Where requests must be running or queued when something happens, the server runs the `paced` runtime: the real
+PyTorch engine with a pause before each decode step (tests/fixtures/paced_runtime.py).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.fixtures.serving import REPO, ServerProcess, server_env
+from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
+
+ASK = [{"role": "user", "content": QUESTION}]
+LONG = {"messages": ASK, "max_tokens": 200, "ignore_eos": True}        # 200 paced steps: seconds
+
+
+def gauges(url: str) -> dict[str, float]:
+    out = {}
+    for fam in text_string_to_metric_families(requests.get(f"{url}/metrics", timeout=5).text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def wait_until(cond, timeout: float = 30, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def in_flight(url: str) -> float:
+    m = gauges(url)
+    return m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"]
+
+
+class Call(threading.Thread):
+    """One request in a thread: .status, .body (JSON) or .events (SSE data lines) once joined."""
+
+    def __init__(self, url: str, body: dict, path: str = "/v1/chat/completions"):
+        super().__init__(daemon=True)
+        self.url, self.body, self.path = url, body, path
+        self.status, self.json, self.events, self.error = None, None, [], None
+        self.first = threading.Event()
+        self.start()
+
+    def run(self):
+        try:
+            with requests.post(self.url + self.path, json=self.body, stream=True, timeout=120) as r:
+                self.status = r.status_code
+                if r.headers.get("content-type", "").startswith("text/event-stream"):
+                    for line in r.iter_lines(decode_unicode=True):
+                        if line:
+                            self.events.append(line)
+                            self.first.set()
+                else:
+                    self.json = r.json()
+        except Exception as e:      # noqa: BLE001 - reported by the test
+            self.error = e
+        finally:
+            self.first.set()
+
+    def chunks(self) -> list[dict]:
+        return [json.loads(e[len("data: "):]) for e in self.events if e != "data: [DONE]"]
+
+
+# --------------------------------------------------------------------------------------------- shutdown
+def test_sigterm_lets_running_and_queued_requests_finish_then_exits_0(tiny_gemma4):
+    srv = ServerProcess(tiny_gemma4, "pytorch", "--shutdown-timeout", "60", pace=0.02).wait_ready()
+    try:
+        stream = Call(srv.url, {**LONG, "max_tokens": 60, "stream": True})
+        stream.first.wait(30)
+        queued = Call(srv.url, {"messages": ASK})
+        wait_until(lambda: in_flight(srv.url) == 2, what="one running, one queued")
+        srv.terminate()
+        stream.join(60), queued.join(60)
+        assert srv.wait(60) == 0, srv.log()[-3000:]
+    finally:
+        srv.stop()
+    assert stream.events[-1] == "data: [DONE]"
+    assert stream.chunks()[-1]["choices"][0]["finish_reason"] == "length"
+    assert len([c for c in stream.chunks() if c["choices"][0]["delta"].get("content")]) > 0
+    assert queued.status == 200 and queued.json["choices"][0]["message"]["content"] == ANSWER
+    with pytest.raises(requests.ConnectionError):      # gone: nothing listens any more
+        requests.get(f"{srv.url}/health", timeout=5)
+
+
+def test_past_the_grace_period_streams_end_with_abort_and_the_rest_get_503(tiny_gemma4):
+    srv = ServerProcess(tiny_gemma4, "pytorch", "--shutdown-timeout", "1", pace=0.05).wait_ready()
+    try:
+        running = Call(srv.url, {**LONG, "stream": True})
+        running.first.wait(30)
+        queued_stream = Call(srv.url, {**LONG, "stream": True})
+        queued = Call(srv.url, {"messages": ASK})
+        wait_until(lambda: in_flight(srv.url) == 3, what="one running, two queued")
+        t0 = time.monotonic()
+        srv.terminate()
+        time.sleep(0.3)                        # draining, within the grace period: new requests are refused
+        try:
+            late = requests.post(f"{srv.url}/v1/chat/completions", json={"messages": ASK}, timeout=10)
+            assert late.status_code == 503 and late.json()["error"]["type"] == "service_unavailable"
+        except requests.ConnectionError:
+            pass                               # or not even accepted: uvicorn closed the listener
+        for c in (running, queued_stream, queued):
+            c.join(60)
+        assert srv.wait(60) == 0, srv.log()[-3000:]
+        elapsed = time.monotonic() - t0
+    finally:
+        srv.stop()
+    assert elapsed < 8                         # grace 1 s, then one paced step: not 200 steps (10 s)
+    for c in (running, queued_stream):
+        assert c.status == 200 and c.error is None
+        assert c.events[-1] == "data: [DONE]", c.events[-3:]
+        assert c.chunks()[-1]["choices"][0]["finish_reason"] == "abort"
+    assert any(c["choices"][0]["delta"].get("content") for c in running.chunks())   # it had generated text
+    assert queued.status == 503 and set(queued.json["error"]) == {"message", "type", "param", "code"}
+    assert "shutting down" in queued.json["error"]["message"]
+
+
+def test_a_running_non_streamed_request_past_the_grace_period_gets_a_json_503(tiny_gemma4):
+    srv = ServerProcess(tiny_gemma4, "pytorch", "--shutdown-timeout", "0.5", pace=0.05).wait_ready()
+    try:
+        running = Call(srv.url, LONG)
+        wait_until(lambda: gauges(srv.url)["vllm:num_requests_running"] == 1, what="request running")
+        srv.terminate()
+        running.join(60)
+        assert srv.wait(60) == 0, srv.log()[-3000:]
+    finally:
+        srv.stop()
+    assert running.status == 503 and running.json["error"]["type"] == "service_unavailable"
+
+
+def test_an_idle_server_exits_0_at_once(tiny_gemma4):
+    srv = ServerProcess(tiny_gemma4, "pytorch", "--shutdown-timeout", "30").wait_ready()
+    t0 = time.monotonic()
+    srv.terminate()
+    assert srv.wait(30) == 0, srv.log()[-3000:]
+    assert time.monotonic() - t0 < 10          # the 30 s grace is for requests, not spent when there are none
+
+
+# ---------------------------------------------------------------------------------------------- queueing
+@pytest.fixture(scope="module")
+def paced(tiny_gemma4):
+    srv = ServerProcess(tiny_gemma4, "pytorch", "--max-waiting", "2", pace=0.05).wait_ready()
+    yield srv.url
+    assert srv.stop() == 0
+
+
+def test_a_burst_gets_exactly_the_running_slot_plus_max_waiting(paced):
+    wait_until(lambda: in_flight(paced) == 0, what="an idle server")
+    go = threading.Barrier(6)
+    results = []
+
+    def ask():
+        go.wait()
+        r = requests.post(f"{paced}/v1/chat/completions", json={**LONG, "max_tokens": 30}, timeout=120)
+        results.append(r)
+
+    threads = [threading.Thread(target=ask) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    codes = sorted(r.status_code for r in results)
+    assert codes == [200, 200, 200, 429, 429, 429], [r.text for r in results]      # 1 running + 2 waiting
+    for r in results:
+        if r.status_code == 429:
+            assert r.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_disconnect_mid_stream_frees_the_slot(paced):
+    wait_until(lambda: in_flight(paced) == 0, what="an idle server")
+    before = gauges(paced)
+    with requests.post(f"{paced}/v1/chat/completions", stream=True, timeout=60, json={**LONG, "stream": True}) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith(b"data: ")
+    wait_until(lambda: in_flight(paced) == 0, timeout=10, what="the abandoned generation to stop")
+    after = gauges(paced)
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 100
+    assert after["vllm:request_success_total{finished_reason=abort}"] - \
+        before.get("vllm:request_success_total{finished_reason=abort}", 0) == 1
+    r = requests.post(f"{paced}/v1/chat/completions", json={"messages": ASK}, timeout=60)
+    assert r.json()["choices"][0]["message"]["content"] == ANSWER
+
+
+def test_clients_that_left_the_queue_hold_no_slot(paced):
+    wait_until(lambda: in_flight(paced) == 0, what="an idle server")
+    running = Call(paced, {**LONG, "max_tokens": 80})
+    wait_until(lambda: gauges(paced)["vllm:num_requests_running"] == 1, what="request running")
+    for _ in range(2):                       # fill the queue (max 2), each client hangs up
+        with requests.post(f"{paced}/v1/chat/completions", stream=True, timeout=60,
+                           json={"messages": ASK, "stream": True}) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())
+    with requests.post(f"{paced}/v1/chat/completions", stream=True, timeout=60,
+                       json={"messages": ASK, "stream": True, "max_tokens": 2}) as r:
+        assert r.status_code == 200           # admitted (its headers are out) while the first request runs
+    assert running.is_alive()
+    running.join(60)
+
+
+def test_max_waiting_0_admits_only_when_the_engine_is_free(tiny_gemma4):
+    srv = ServerProcess(tiny_gemma4, "pytorch", "--max-waiting", "0", pace=0.05).wait_ready()
+    try:
+        first = Call(srv.url, {**LONG, "max_tokens": 60})
+        wait_until(lambda: gauges(srv.url)["vllm:num_requests_running"] == 1, what="request running")
+        r = requests.post(f"{srv.url}/v1/chat/completions", json={"messages": ASK}, timeout=60)
+        assert r.status_code == 429
+        first.join(60)
+        assert first.status == 200
+        r = requests.post(f"{srv.url}/v1/chat/completions", json={"messages": ASK}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == ANSWER
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("flag,value", [("--max-waiting", "-1"), ("--max-waiting", "many"),
+                                        ("--shutdown-timeout", "-2"), ("--shutdown-timeout", "inf"),
+                                        ("--max-body-bytes", "0"), ("--allowed-origins", "*")])
+def test_nonsense_flag_values_are_refused(tiny_gemma4, flag, value):
+    proc = subprocess.run([sys.executable, "-m", "serving", "--runtime", "pytorch", "--model", str(tiny_gemma4),
+                           flag, value], cwd=REPO, env=server_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and flag in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -1,0 +1,220 @@
+"""The OpenAI surface, driven with the official `openai` client against both runtimes' server processes.
+
+Chat, completions (string and token-id prompts, streaming, echo), the parameters refused with a 400, model
+retrieval, /tokenize, /detokenize, /version, /ping, HEAD /health, x-request-id; then --api-key and CORS on a server
+started with those flags.
+"""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+import requests
+
+from tests.fixtures.serving import ServerProcess
+from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
+
+ASK = [{"role": "user", "content": QUESTION}]
+RUNTIMES = ["pytorch", "jax"]
+
+
+def client(url: str, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+@pytest.fixture(params=RUNTIMES)
+def url(request, runtime_servers):
+    return runtime_servers[request.param]
+
+
+def chat_ids(url: str) -> list[int]:
+    """The fixture question rendered with the chat template, as token ids (from /tokenize)."""
+    r = requests.post(f"{url}/tokenize", json={"model": "tiny", "messages": ASK}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+# ----------------------------------------------------------------------------------------------- chat
+def test_chat_answer_streamed_and_not(url):
+    c = client(url)
+    r = c.chat.completions.create(model="tiny", messages=ASK)
+    assert r.choices[0].message.content == ANSWER and r.choices[0].finish_reason == "stop"
+    chunks = list(c.chat.completions.create(model="tiny", messages=ASK, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ANSWER
+    assert chunks[-1].usage == r.usage
+
+
+# ---------------------------------------------------------------------------------------- completions
+def test_completion_of_token_ids_is_the_chat_answer(url):
+    c = client(url)
+    ids = chat_ids(url)
+    r = c.completions.create(model="tiny", prompt=ids, max_tokens=100, temperature=0)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.choices[0].text == ANSWER and r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens == len(ids)
+    streamed = list(c.completions.create(model="tiny", prompt=ids, max_tokens=100, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == ANSWER
+    assert [ch.choices[0].finish_reason for ch in streamed if ch.choices][-1] == "stop"
+    assert streamed[-1].usage == r.usage
+
+
+def test_completion_of_a_string_prompt_adds_bos_and_respects_max_tokens(url):
+    c = client(url)
+    r = c.completions.create(model="tiny", prompt="Site Reliability", max_tokens=5, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+    n = requests.post(f"{url}/tokenize", json={"prompt": "Site Reliability"}, timeout=30).json()["count"]
+    assert r.usage.prompt_tokens == n
+    assert c.completions.create(model="tiny", prompt="Site Reliability").usage.completion_tokens <= 16  # default
+
+
+def test_echo_prepends_the_prompt(url):
+    c = client(url)
+    plain = c.completions.create(model="tiny", prompt="Hello there", max_tokens=4, temperature=0)
+    echoed = c.completions.create(model="tiny", prompt="Hello there", max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == "Hello there" + plain.choices[0].text
+    ids = chat_ids(url)
+    text = requests.post(f"{url}/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
+    streamed = c.completions.create(model="tiny", prompt=ids, max_tokens=100, temperature=0, echo=True, stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed) == text + ANSWER
+    only = c.completions.create(model="tiny", prompt="Hi", max_tokens=0, echo=True)
+    assert only.choices[0].text == "Hi" and only.usage.completion_tokens == 0
+
+
+def test_completion_stop_and_seed(url):
+    c = client(url)
+    ids = chat_ids(url)
+    r = c.completions.create(model="tiny", prompt=ids, max_tokens=100, temperature=0, stop=[" Engineering"])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == ("Site Reliability", "stop")
+    kw = dict(model="tiny", prompt=ids, max_tokens=12, temperature=1.5, seed=7)
+    assert c.completions.create(**kw).choices[0].text == c.completions.create(**kw).choices[0].text
+
+
+# ------------------------------------------------------------------------------------------- refused
+@pytest.mark.parametrize("kind,kw,param", [
+    ("chat", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("chat", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("chat", {"logit_bias": {"5": 3}}, "logit_bias"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ("chat", {"n": 2}, "n"),
+    ("chat", {"extra_body": {"repetition_penalty": 1.1}}, "repetition_penalty"),
+    ("chat", {"extra_body": {"min_p": 0.05}}, "min_p"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ("completions", {"best_of": 2}, "best_of"),
+    ("completions", {"logprobs": 1}, "logprobs"),
+    ("completions", {"suffix": "!"}, "suffix"),
+    ("completions", {"presence_penalty": 1.0}, "presence_penalty"),
+])
+def test_parameters_we_do_not_honour_are_a_400_naming_them(url, kind, kw, param):
+    c = client(url)
+    with pytest.raises(openai.BadRequestError) as e:
+        if kind == "chat":
+            c.chat.completions.create(model="tiny", messages=ASK, max_tokens=2, **kw)
+        else:
+            c.completions.create(model="tiny", prompt="hi", max_tokens=2, **kw)
+    assert e.value.body["param"] == param and param in e.value.body["message"]
+
+
+def test_defaults_of_unhonoured_parameters_are_accepted(url):
+    r = client(url).chat.completions.create(model="tiny", messages=ASK, n=1, presence_penalty=0, frequency_penalty=0,
+                                            logprobs=False, response_format={"type": "text"}, logit_bias={})
+    assert r.choices[0].message.content == ANSWER
+
+
+# ---------------------------------------------------------------------------------------- the rest
+def test_models_retrieve(url):
+    c = client(url)
+    m = c.models.retrieve("tiny")
+    assert m.id == "tiny" and m.object == "model" and m.model_extra["max_model_len"] == 256
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("gpt-4o")
+
+
+def test_tokenize_and_detokenize_round_trip(url, tiny_gemma4):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_gemma4)
+    r = requests.post(f"{url}/tokenize", json={"model": "tiny", "prompt": QUESTION}, timeout=30).json()
+    assert r == {"count": len(r["tokens"]), "max_model_len": 256, "tokens": tok.encode(QUESTION), "token_strs": None}
+    plain = requests.post(f"{url}/tokenize", json={"prompt": QUESTION, "add_special_tokens": False}, timeout=30)
+    assert plain.json()["tokens"] == tok.encode(QUESTION, add_special_tokens=False)
+    back = requests.post(f"{url}/detokenize", json={"model": "tiny", "tokens": plain.json()["tokens"]}, timeout=30)
+    assert back.json() == {"prompt": QUESTION}
+
+
+def test_version_ping_and_head_health(url):
+    assert requests.get(f"{url}/version", timeout=5).json()["version"]
+    assert requests.get(f"{url}/ping", timeout=5).status_code == 200
+    assert requests.post(f"{url}/ping", timeout=5).status_code == 200
+    r = requests.head(f"{url}/health", timeout=5)
+    assert r.status_code == 200 and r.content == b""
+
+
+def test_request_id_header_names_the_completion(url):
+    raw = client(url).chat.completions.with_raw_response.create(
+        model="tiny", messages=ASK, max_tokens=2, extra_headers={"x-request-id": "trace-42"})
+    assert raw.headers["x-request-id"] == "trace-42" and raw.parse().id == "chatcmpl-trace-42"
+    r = requests.get(f"{url}/v1/models", timeout=5)
+    assert len(r.headers["x-request-id"]) == 32                       # one is made up when the client sent none
+
+
+@pytest.mark.parametrize("body,message", [
+    (b"[" * 100_000, "nested too deeply"),
+    (b'{"messages": [], "seed": 1' + b"0" * 5000 + b"}", "not valid JSON"),
+    (b'{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}', "lone surrogate"),
+])
+def test_bodies_python_cannot_hold_are_a_400_not_a_500(url, body, message):
+    r = requests.post(f"{url}/v1/chat/completions", data=body, headers={"content-type": "application/json"},
+                      timeout=30)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
+# ------------------------------------------------------------------------------- api key, CORS, body limit
+@pytest.fixture(scope="module")
+def guarded(tiny_gemma4):
+    srv = ServerProcess(tiny_gemma4, "pytorch", "--api-key", "s3cret", "--max-body-bytes", "65536",
+                        "--allowed-origins", '["https://app.example"]').wait_ready()
+    yield srv.url
+    assert srv.stop() == 0
+
+
+def test_api_key_guards_v1_only(guarded):
+    with pytest.raises(openai.AuthenticationError):
+        client(guarded, "wrong").chat.completions.create(model="tiny", messages=ASK, max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        client(guarded, "wrong").models.list()
+    r = requests.post(f"{guarded}/v1/chat/completions", json={"messages": ASK}, timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert client(guarded, "s3cret").chat.completions.create(model="tiny", messages=ASK).choices[0].message.content \
+        == ANSWER
+    assert requests.get(f"{guarded}/health", timeout=5).status_code == 200        # probes need no key, as vLLM
+    assert requests.get(f"{guarded}/metrics", timeout=5).status_code == 200
+
+
+def test_cors_allows_only_the_configured_origin(guarded):
+    pre = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    ok = requests.options(f"{guarded}/v1/chat/completions", headers={"Origin": "https://app.example", **pre},
+                          timeout=5)
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://app.example"
+    bad = requests.options(f"{guarded}/v1/chat/completions", headers={"Origin": "https://evil.example", **pre},
+                           timeout=5)
+    assert bad.status_code == 400 and "access-control-allow-origin" not in bad.headers
+    r = requests.get(f"{guarded}/v1/models", headers={"Origin": "https://app.example",
+                                                      "Authorization": "Bearer s3cret"}, timeout=5)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+
+
+def test_body_limit_is_a_413_announced_or_chunked(guarded):
+    auth = {"Authorization": "Bearer s3cret", "content-type": "application/json"}
+    big = json.dumps({"messages": [{"role": "user", "content": "x" * 70_000}]}).encode()
+    r = requests.post(f"{guarded}/v1/chat/completions", data=big, headers=auth, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    chunked = (big[i:i + 8192] for i in range(0, len(big), 8192))       # no Content-Length: counted as it arrives
+    r = requests.post(f"{guarded}/v1/chat/completions", data=chunked, headers=auth, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    small = json.dumps({"messages": ASK}).encode()
+    r = requests.post(f"{guarded}/v1/chat/completions", data=(small[i:i + 7] for i in range(0, len(small), 7)),
+                      headers=auth, timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == ANSWER
