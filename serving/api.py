@@ -1,9 +1,9 @@
 """OpenAI-compatible HTTP API over any serving.engine.Engine (FastAPI + uvicorn).
 
-One generation at a time, in one worker thread (the event loop stays free to accept, stream and answer
-/health and /metrics), behind a FIFO queue with a bound: every accepted request is answered in order of arrival,
-beyond the bound the client gets a 429 at once. A client that goes away (mid-stream or while queued) frees its
-slot: its generation stops at the next token.
+Generation runs in one engine thread (the event loop stays free to accept, stream and answer /health and
+/metrics), continuously batched over the runtime's slots, behind a FIFO queue with a bound: requests take free
+slots in order of arrival, beyond the bound the client gets a 429 at once. A client that goes away (mid-stream
+or while queued) frees its slot: its generation stops at the next token.
 
 Endpoints: POST /v1/chat/completions (JSON or SSE), GET /v1/models, GET /health (200 only once the model is
 loaded and a warm-up produced a token), GET /metrics (Prometheus text, vLLM's metric names and model_name label).
@@ -12,6 +12,7 @@ Every error is an OpenAI error body {"error": {"message", "type", "param", "code
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -31,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.engine import Engine
-from serving.generation import Delta, Finish, SamplingParams, TokenizerInfo, generate
+from serving.generation import Batch, Delta, Finish, SamplingParams, TokenizerInfo
 
 log = logging.getLogger("serving.api")
 disable_created_metrics()
@@ -189,7 +190,6 @@ class Metrics:
 
     def finished(self, arrival: float, fin: Finish) -> None:
         with self.lock:
-            self.running.set(0)
             self.success.labels(self.model_name, fin.reason).inc()
             prefilled = fin.completion_tokens > 0 or fin.reason != "abort"
             self.prompt_tokens.inc(fin.prompt_tokens if prefilled else 0)
@@ -220,66 +220,87 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
+    def send(self, ev: Any) -> None:
+        """From the engine thread: hand an event to the request's coroutine."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+        except RuntimeError:             # the server is shutting down: its loop is gone
+            self.cancelled.set()
+
 
 class QueueFull(Exception):
     pass
 
 
 class Scheduler:
-    """A FIFO of jobs and the one worker that runs them, each to completion, in a dedicated thread."""
+    """A FIFO of jobs and the engine thread that runs them, continuously batched over the runtime's slots:
+    between two decode steps, waiting jobs join free slots in order of arrival and finished ones leave."""
 
     def __init__(self, metrics: Metrics, max_waiting: int):
         self.metrics = metrics
         self.max_waiting = max_waiting
-        self.queue: asyncio.Queue[Job] = asyncio.Queue()
-        self.queued: list[Job] = []      # what the queue holds, to count the clients still waiting
+        self.queued: collections.deque[Job] = collections.deque()   # waiting for a slot, in arrival order
+        self.wake = threading.Condition()
+        self.stopping = threading.Event()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.engine: Engine | None = None
-        self.current: Job | None = None
+        self.batch: Batch | None = None
         self.info: TokenizerInfo | None = None
 
     def submit(self, job: Job) -> None:
-        # Clients that left while queued stay in the FIFO until the worker skips them; they hold no slot.
-        if sum(not j.cancelled.is_set() for j in self.queued) >= self.max_waiting:
-            raise QueueFull
-        self.queued.append(job)
-        self.queue.put_nowait(job)
-        self.metrics.set_queue(self.queue.qsize())
+        with self.wake:
+            # Clients that left while queued stay in the FIFO until the engine thread drops them; they hold no slot.
+            if sum(not j.cancelled.is_set() for j in self.queued) >= self.max_waiting:
+                raise QueueFull
+            self.queued.append(job)
+            self.metrics.set_queue(len(self.queued))
+            self.wake.notify()
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            job = await self.queue.get()
-            self.queued.remove(job)
-            if job.cancelled.is_set():      # the client left while queued: skip it, end its handler
-                fin = Finish("abort", len(job.prompt_ids), 0, [])
-                self.metrics.set_queue(self.queue.qsize())
-                self.metrics.finished(job.arrival, fin)
-                job.events.put_nowait(fin)
-                continue
-            self.metrics.set_queue(self.queue.qsize(), running=1)
-            self.current = job
-            try:
-                await loop.run_in_executor(self.executor, self._generate, job)
-            finally:
-                self.metrics.set_queue(self.queue.qsize(), running=0)
+        self.batch = Batch(self.engine, self.info)
+        await asyncio.get_running_loop().run_in_executor(self.executor, self._loop)
 
-    def _generate(self, job: Job) -> None:
-        """Engine thread: run the job, hand every event to the request's coroutine."""
-        def emit(ev: Any) -> None:
-            try:
-                job.loop.call_soon_threadsafe(job.events.put_nowait, ev)
-            except RuntimeError:         # the server is shutting down: its loop is gone
+    def cancel_all(self) -> None:
+        """Server shutdown: every job ends (live ones when the engine thread sees the flag)."""
+        self.stopping.set()
+        with self.wake:
+            for job in self.queued:
                 job.cancelled.set()
-        try:
-            for ev in generate(self.engine, self.info, job.prompt_ids, job.params, job.cancelled.is_set):
-                if isinstance(ev, Finish):
-                    self.metrics.finished(job.arrival, ev)   # before the client can see the end
-                emit(ev)
-        except Exception as e:           # a runtime bug must not kill the worker: report it to this request
-            log.exception("generation failed")
+            self.wake.notify()
+
+    def _loop(self) -> None:
+        """Engine thread: admit, step, hand every event to its request's coroutine, until the server stops."""
+        batch = self.batch
+        while not self.stopping.is_set():
+            with self.wake:
+                while not self.queued and not batch.live and not self.stopping.is_set():
+                    self.wake.wait(timeout=1.0)
+                joining = [self.queued.popleft() for _ in range(min(batch.free, len(self.queued)))]
+                self.metrics.set_queue(len(self.queued), running=len(batch.live) + len(joining))
+            for job in joining:
+                try:
+                    self._emit(batch.join(job))
+                except Exception as e:    # a runtime bug must not kill the engine thread: report it to this request
+                    self._fail([job], e)
+            try:
+                self._emit(batch.step())
+            except Exception as e:
+                self._fail(batch.drop_all(), e)
+            self.metrics.set_queue(len(self.queued), running=len(batch.live))
+        for job in batch.drop_all():
+            job.cancelled.set()
+
+    def _emit(self, events) -> None:
+        for job, ev in events:
+            if isinstance(ev, Finish):
+                self.metrics.finished(job.arrival, ev)   # before the client can see the end
+            job.send(ev)
+
+    def _fail(self, jobs: list[Job], e: Exception) -> None:
+        log.exception("generation failed")
+        for job in jobs:
             self.metrics.finished(job.arrival, Finish("abort", len(job.prompt_ids), 0, []))
-            emit(APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error"))
+            job.send(APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error"))
 
     def call(self, fn: Callable, *args):
         return asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -302,7 +323,8 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
             sched.engine = await sched.call(load_engine)
             warm = sched.info.chat_prompt([{"role": "user", "content": "Hello"}])
             # One prefill and one decode step: both code paths are compiled/warmed before we say ready.
-            await sched.call(lambda: sched.engine.step(int(sched.engine.start(warm).argmax())))
+            greedy = SamplingParams(temperature=0.0)
+            await sched.call(lambda: sched.engine.step({0: sched.engine.start(0, warm, greedy)}))
             log.info("model %s ready in %.1fs (context %d)", name, time.monotonic() - t0, sched.engine.max_context)
             state["ready"] = True
         except asyncio.CancelledError:    # shut down while loading
@@ -324,8 +346,7 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
             yield
         finally:
             task.cancel()
-            if sched.current is not None:
-                sched.current.cancelled.set()
+            sched.cancel_all()
             sched.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="g5g serving", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
