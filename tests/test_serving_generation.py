@@ -185,7 +185,7 @@ def test_batch_gives_each_request_what_it_gets_alone(runtime, engine, jax_engine
         return "".join(e.text for e in events if isinstance(e, Delta)), [
             (e.reason, e.prompt_tokens, e.completion_tokens) for e in events if isinstance(e, Finish)]
 
-    alone = [text(generate(eng, info, j.prompt_ids, j.params)) for j in jobs]
+    alone = [text(list(generate(eng, info, j.prompt_ids, j.params))) for j in jobs]
     batch, got, waiting = Batch(eng, info), {i: [] for i in range(len(jobs))}, list(range(len(jobs)))
     index = {id(j): i for i, j in enumerate(jobs)}
     for _ in range(1000):
