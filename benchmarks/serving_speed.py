@@ -9,7 +9,7 @@ Each server runs as `python -m serving` and is measured by `build.py bench` (the
 - prefill of a ~512-token prompt: TTFT of 1-token requests.
 The peer, in-process, on the same checkpoint, prompts and lengths: decode tok/s of `generate(...,
 cache_implementation="static")` (greedy) as (N - 1) / (t(N tokens) - t(1 token)), batch 1 and 8, and prefill.
-Finally an in-process profile of JAX decode: executable time vs engine.step time (host gap), kernel count.
+Then an in-process profile of JAX decode: executable time vs engine.step time (host gap), a device trace.
 
     python benchmarks/serving_speed.py OUTDIR [--runs 5] [--layers 35] [--tiny]
 Writes OUTDIR/serving_speed.json (every figure, with spread) and prints a summary.
@@ -115,8 +115,8 @@ def bench(url: str, out: Path, name: str, *, requests_n: int, concurrency: int, 
     """`build.py bench` on the wire; returns its result with per-request TPOTs and their spread."""
     f = out / f"{name}.json"
     cmd = [sys.executable, "build.py", "bench", "--url", url, "--mode", "both", "--requests", str(requests_n),
-           "--concurrency", str(concurrency), "--max-tokens", str(max_tokens), "--ignore-eos", "--warmup",
-           str(max(1, concurrency)), "--timeout", "300", "--time-limit", "400", "--json", str(f)]
+           "--concurrency", str(concurrency), "--max-tokens", str(max_tokens), "--ignore-eos", "--warmup", "1",
+           "--timeout", "300", "--time-limit", "400", "--json", str(f)]
     if prompt:
         cmd += ["--prompt", prompt]
     subprocess.run(cmd, cwd=ROOT, check=True, timeout=600, stdout=subprocess.DEVNULL)
@@ -148,9 +148,13 @@ def measure_server(runtime: str, ckpt: Path, work: Path, runs: int, p: dict) -> 
         stop(proc)
         proc, res["boot_warm_s"] = start_server(runtime, ckpt, port, env, work / f"{runtime}-warm.log")
     try:
+        r = requests.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": p["short"]["text"]}], "max_tokens": 48, "temperature": 0,
+            "ignore_eos": True})
+        res["greedy_48_text"] = r.json()["choices"][0]["message"]["content"]   # runtimes agree? (a sanity check)
         res["single_64"] = bench(url, work, f"{runtime}-single64", requests_n=runs, concurrency=1, max_tokens=64)
         res["single_256"] = bench(url, work, f"{runtime}-single256", requests_n=runs, concurrency=1, max_tokens=256)
-        res["concurrent_8x256"] = bench(url, work, f"{runtime}-conc8", requests_n=max(16, 2 * SLOTS),
+        res["concurrent_8x256"] = bench(url, work, f"{runtime}-conc8", requests_n=SLOTS * (2 if runtime == "jax" else 1),
                                         concurrency=SLOTS, max_tokens=256)
         res["prefill_512"] = bench(url, work, f"{runtime}-prefill512", requests_n=runs, concurrency=1,
                                    max_tokens=1, prompt=p["long"]["text"])
@@ -205,33 +209,65 @@ def measure_peer(ckpt: Path, runs: int, p: dict) -> dict:
 
 
 # --------------------------------------------------------------------------------------------- profile
+def _trace_summary(path: Path, steps: int) -> dict:
+    """Per device line of a jax.profiler trace: kernels per step, their busy time per step, the span covered,
+    and the kernels that take the most time."""
+    from jax.profiler import ProfileData
+
+    out: dict = {}
+    for plane in ProfileData.from_file(str(path)).planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            ev = [(e.name, e.start_ns, e.duration_ns) for e in line.events]
+            if not ev:
+                continue
+            span = (max(s + d for _, s, d in ev) - min(s for _, s, _ in ev)) / 1e6
+            by: dict = {}
+            for name, _, d in ev:
+                by[name] = by.get(name, 0.0) + d / 1e6
+            top = sorted(by.items(), key=lambda kv: -kv[1])[:12]
+            out[f"{plane.name} | {line.name}"] = {
+                "events_per_step": round(len(ev) / steps, 1), "busy_ms_per_step": round(sum(by.values()) / steps, 3),
+                "span_ms_per_step": round(span / steps, 3),
+                "top_ms_per_step": {n[:90]: round(t / steps, 4) for n, t in top}}
+    return out
+
+
 def profile_jax(ckpt: Path, work: Path, p: dict) -> dict:
-    """Where single-stream decode time goes: the decode executable alone vs a whole engine.step, and how many
-    kernels the executable launches (fusions and library calls in the optimised HLO)."""
+    """Where decode time goes: the decode executable alone vs a whole engine.step (host gap), and a device trace
+    (kernels per step, GPU busy time per step vs wall time per step)."""
+    import glob
+
     import jax
     import numpy as np
     from serving.engine import SamplingParams
     from serving.jax_runtime import Settings, load
     from serving.jax_runtime.engine import parse_buckets
 
-    eng = load(ckpt, Settings(buckets=parse_buckets(BUCKETS), cache_dir=str(work / "jaxcache"), slots=SLOTS))
+    eng = load(ckpt, Settings(buckets=parse_buckets(BUCKETS), cache_dir=str(work / "jaxcache"), slots=SLOTS,
+                              batches=(1,)))
     res: dict = {"boot": eng.boot}
     greedy = SamplingParams(temperature=0.0)
+    n = 100
     for b in eng.batches:
         toks = {s: eng.start(s, p["short"]["ids"], greedy) for s in range(b)}
         for _ in range(5):
             toks = eng.step(toks)
         t0 = time.perf_counter()
-        n = 100
         for _ in range(n):
             toks = eng.step(toks)
         step_ms = (time.perf_counter() - t0) / n * 1000
+        tdir = work / f"trace_b{b}"
+        with jax.profiler.trace(str(tdir)):
+            for _ in range(20):
+                toks = eng.step(toks)
         # the executable alone, inputs already on the device, no host work between calls
         c = next(x for x in eng.buckets if x > int(eng._pos[:b].max()))
         exe = eng._decode[b, c]
-        args = [jax.device_put(a) for a in (np.zeros(b, np.int32), eng._pos[:b].copy(), eng._ple_rows(np.zeros(b, np.int32)),
-                                            np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32),
-                                            np.zeros((b, 2), np.uint32))]
+        zeros = np.zeros(b, np.int32)
+        args = [jax.device_put(a) for a in (zeros, eng._pos[:b].copy(), eng._ple_rows(zeros), np.zeros(b, np.float32),
+                                            zeros, np.ones(b, np.float32), np.zeros((b, 2), np.uint32))]
         out = exe(eng.params, eng._cache, *args)
         eng._cache = out[2]
         jax.block_until_ready(out)
@@ -245,10 +281,16 @@ def profile_jax(ckpt: Path, work: Path, p: dict) -> dict:
         res[f"batch{b}"] = {"capacity": c, "engine_step_ms": round(step_ms, 3), "executable_ms": round(exe_ms, 3),
                             "host_gap_ms": round(step_ms - exe_ms, 3),
                             "hlo_fusions": hlo.count(" fusion("), "hlo_custom_calls": hlo.count("custom-call("),
-                            "hlo_while_loops": hlo.count(" while(")}
-    weights = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(eng.params))
-    res["device_weight_bytes"] = weights
-    (work / "decode_b1.hlo.txt").write_text(eng._decode[1, next(iter(eng.buckets))].as_text())
+                            "hlo_conditionals": hlo.count(" conditional("), "hlo_while_loops": hlo.count(" while(")}
+        try:
+            res[f"batch{b}"]["trace"] = _trace_summary(Path(glob.glob(f"{tdir}/**/*.xplane.pb", recursive=True)[0]),
+                                                       20)
+        except Exception as e:              # the trace is a diagnostic: its failure must not lose the timings
+            res[f"batch{b}"]["trace"] = f"{type(e).__name__}: {e}"
+        for s in range(b):
+            eng._pos[s] = 0
+    res["device_weight_bytes"] = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(eng.params))
+    res["xla_flags"] = os.environ.get("XLA_FLAGS")
     return res
 
 
@@ -258,7 +300,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--layers", type=int, default=35)
     ap.add_argument("--tiny", action="store_true", help="shrink the widths (smoke-run the script on CPU)")
-    ap.add_argument("--only", default="jax,pytorch,peer,profile")
+    ap.add_argument("--only", default="peer,jax,profile,pytorch", help="phases, in this order")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -271,26 +313,16 @@ def main() -> int:
     note(out, device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", layers=args.layers,
          runs=args.runs, jax_buckets=BUCKETS, slots=SLOTS, checkpoint_s=round(time.perf_counter() - t0, 1),
          prompt_tokens={k: v["tokens"] for k, v in p.items()})
-    only = args.only.split(",")
-    for runtime in ("jax", "pytorch"):
-        if runtime in only:
-            try:
-                note(out, **{runtime: measure_server(runtime, ckpt, work, args.runs, p)})
-            except Exception as e:          # one runtime failing must not lose the others' figures
-                note(out, **{runtime: {"error": f"{type(e).__name__}: {e}"[-3000:]}})
-    if "peer" in only:
+    phases = {"peer": ("peer_transformers_static", lambda: measure_peer(ckpt, args.runs, p)),
+              "jax": ("jax", lambda: measure_server("jax", ckpt, work, args.runs, p)),
+              "profile": ("jax_profile", lambda: profile_jax(ckpt, work, p)),      # after jax: its warm cache
+              "pytorch": ("pytorch", lambda: measure_server("pytorch", ckpt, work, args.runs, p))}
+    for phase in args.only.split(","):
+        key, run = phases[phase]
         try:
-            note(out, peer_transformers_static=measure_peer(ckpt, args.runs, p))
-        except Exception as e:
-            note(out, peer_transformers_static={"error": f"{type(e).__name__}: {e}"[-3000:]})
-    if "profile" in only:
-        try:
-            note(out, jax_profile=profile_jax(ckpt, work, p))
-        except Exception as e:
-            note(out, jax_profile={"error": f"{type(e).__name__}: {e}"[-3000:]})
-        hlo = work / "decode_b1.hlo.txt"
-        if hlo.exists():
-            (out / "decode_b1.hlo.txt").write_text(hlo.read_text())
+            note(out, **{key: run()})
+        except Exception as e:              # one phase failing must not lose the others' figures
+            note(out, **{key: {"error": f"{type(e).__name__}: {e}"[-3000:]}})
     return 0
 
 

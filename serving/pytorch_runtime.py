@@ -8,6 +8,7 @@ float16 on CUDA (Turing has no bf16 datapath), float32 on CPU.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -43,6 +44,13 @@ class TorchEngine:
         self._params = SamplingParams(temperature=0.0)
         self._gen = torch.Generator(device=device)
         self._logits: torch.Tensor | None = None
+        # Decode steps (one token, static shapes) go through transformers' own compiled call, as its
+        # generate(cache_implementation="static") does on CUDA: inductor with CUDA graphs ("reduce-overhead").
+        # Prompts of any length run eagerly. G5G_TORCH_COMPILE=0 keeps decode eager too.
+        compile_ok = (device.type == "cuda" and os.environ.get("G5G_TORCH_COMPILE", "1") != "0"
+                      and hasattr(model, "get_compiled_call"))
+        self._decode = model.get_compiled_call(None) if compile_ok else model.__call__
+        self._decode_checked = not compile_ok
 
     @torch.inference_mode()
     def _forward(self, ids: Sequence[int]) -> int:
@@ -52,10 +60,23 @@ class TorchEngine:
                              f"{self.max_context}")
         input_ids = torch.tensor([list(ids)], device=self.device)
         positions = torch.arange(self._pos, self._pos + n, device=self.device)
-        out = self.model(input_ids=input_ids, position_ids=positions[None], cache_position=positions,
-                         past_key_values=self._cache, use_cache=True, logits_to_keep=1)
+        kw = dict(input_ids=input_ids, position_ids=positions[None], cache_position=positions,
+                  past_key_values=self._cache, use_cache=True, logits_to_keep=1)
+        if n > 1:
+            out = self.model(**kw)
+        elif self._decode_checked:
+            out = self._decode(**kw)
+        else:                                  # first compiled step: fall back to eager if compiling fails
+            try:
+                out = self._decode(**kw)
+            except Exception as e:
+                log.warning("compiled decode failed (%s: %s); decoding eagerly", type(e).__name__, e)
+                self._decode = self.model.__call__
+                out = self._decode(**kw)
+            self._decode_checked = True
         self._pos += n
-        self._logits = out.logits[0, -1].float()
+        # a copy (float32, off the CUDA graph's output buffer, which the next replay overwrites)
+        self._logits = out.logits[0, -1].float().clone()
         return int(sample(self._logits, self._params, self._gen))
 
     @torch.inference_mode()

@@ -103,7 +103,7 @@ class Settings:
     dtype: str = "auto"                # auto: float16 on GPU, float32 on CPU
     cache_dir: str | None = field(default_factory=lambda: str(Path.home() / ".cache" / "g5g-jax"))
     slots: int = DEFAULT_SLOTS         # sequences decoded together
-    batches: tuple[int, ...] = ()      # decode batch ladder; () = (1, slots)
+    batches: tuple[int, ...] = ()      # decode batch ladder; () = (slots,): see batch_ladder
 
     @classmethod
     def from_env(cls, env=os.environ) -> "Settings":
@@ -121,8 +121,10 @@ class Settings:
                    slots=slots, batches=batches)
 
     def batch_ladder(self) -> tuple[int, ...]:
-        """Decode batch sizes, the largest being the slot count."""
-        return tuple(sorted({b for b in (self.batches or (1,)) if b < self.slots} | {self.slots}))
+        """Decode batch sizes, the largest being the slot count. By default only that one: decode streams the
+        weights once per step whatever the batch, and on the H200 a step of 8 rows took less time than a step of
+        one (benchmarks/RESULTS.md), so smaller batches would only add executables to compile at boot."""
+        return tuple(sorted({b for b in self.batches if b < self.slots} | {self.slots}))
 
     def resolve_dtype(self):
         name = self.dtype
