@@ -234,7 +234,7 @@ def _trace_summary(path: Path, steps: int) -> dict:
     return out
 
 
-def profile_jax(ckpt: Path, work: Path, p: dict) -> dict:
+def profile_jax(ckpt: Path, work: Path, p: dict, buckets: str = BUCKETS) -> dict:
     """Where decode time goes: the decode executable alone vs a whole engine.step (host gap), and a device trace
     (kernels per step, GPU busy time per step vs wall time per step)."""
     import glob
@@ -245,7 +245,7 @@ def profile_jax(ckpt: Path, work: Path, p: dict) -> dict:
     from serving.jax_runtime import Settings, load
     from serving.jax_runtime.engine import parse_buckets
 
-    eng = load(ckpt, Settings(buckets=parse_buckets(BUCKETS), cache_dir=str(work / "jaxcache"), slots=SLOTS,
+    eng = load(ckpt, Settings(buckets=parse_buckets(buckets), cache_dir=str(work / "jaxcache"), slots=SLOTS,
                               batches=(1,)))
     res: dict = {"boot": eng.boot}
     greedy = SamplingParams(temperature=0.0)
@@ -301,6 +301,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=35)
     ap.add_argument("--tiny", action="store_true", help="shrink the widths (smoke-run the script on CPU)")
     ap.add_argument("--only", default="peer,jax,profile,pytorch", help="phases, in this order")
+    ap.add_argument("--profile-buckets", default=BUCKETS, help="JAX length ladder of the profile (default: the "
+                    "server's, whose executables the jax phase left in the persistent cache)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -315,7 +317,7 @@ def main() -> int:
          prompt_tokens={k: v["tokens"] for k, v in p.items()})
     phases = {"peer": ("peer_transformers_static", lambda: measure_peer(ckpt, args.runs, p)),
               "jax": ("jax", lambda: measure_server("jax", ckpt, work, args.runs, p)),
-              "profile": ("jax_profile", lambda: profile_jax(ckpt, work, p)),      # after jax: its warm cache
+              "profile": ("jax_profile", lambda: profile_jax(ckpt, work, p, args.profile_buckets)),
               "pytorch": ("pytorch", lambda: measure_server("pytorch", ckpt, work, args.runs, p))}
     for phase in args.only.split(","):
         key, run = phases[phase]
