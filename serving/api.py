@@ -188,8 +188,10 @@ class Metrics:
             if running is not None:
                 self.running.set(running)
 
-    def finished(self, arrival: float, fin: Finish) -> None:
+    def finished(self, arrival: float, fin: Finish, running: int) -> None:
+        """A request ended; `running` is how many still run, set in the same update (see above)."""
         with self.lock:
+            self.running.set(running)
             self.success.labels(self.model_name, fin.reason).inc()
             prefilled = fin.completion_tokens > 0 or fin.reason != "abort"
             self.prompt_tokens.inc(fin.prompt_tokens if prefilled else 0)
@@ -277,11 +279,12 @@ class Scheduler:
                     self.wake.wait(timeout=1.0)
                 joining = [self.queued.popleft() for _ in range(min(batch.free, len(self.queued)))]
                 self.metrics.set_queue(len(self.queued), running=len(batch.live) + len(joining))
-            for job in joining:
+            for i, job in enumerate(joining):
+                pending = len(joining) - i - 1          # admitted, not joined yet: they count as running
                 try:
-                    self._emit(batch.join(job))
+                    self._emit(batch.join(job), pending)
                 except Exception as e:    # a runtime bug must not kill the engine thread: report it to this request
-                    self._fail([job], e)
+                    self._fail([job], e, pending)
             try:
                 self._emit(batch.step())
             except Exception as e:
@@ -290,16 +293,17 @@ class Scheduler:
         for job in batch.drop_all():
             job.cancelled.set()
 
-    def _emit(self, events) -> None:
+    def _emit(self, events, pending: int = 0) -> None:
         for job, ev in events:
-            if isinstance(ev, Finish):
-                self.metrics.finished(job.arrival, ev)   # before the client can see the end
+            if isinstance(ev, Finish):           # before the client can see the end
+                self.metrics.finished(job.arrival, ev, running=len(self.batch.live) + pending)
             job.send(ev)
 
-    def _fail(self, jobs: list[Job], e: Exception) -> None:
+    def _fail(self, jobs: list[Job], e: Exception, pending: int = 0) -> None:
         log.exception("generation failed")
         for job in jobs:
-            self.metrics.finished(job.arrival, Finish("abort", len(job.prompt_ids), 0, []))
+            self.metrics.finished(job.arrival, Finish("abort", len(job.prompt_ids), 0, []),
+                                  running=len(self.batch.live) + pending)
             job.send(APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error"))
 
     def call(self, fn: Callable, *args):
