@@ -58,7 +58,12 @@ def main() -> int:
             with torch.inference_mode():
                 full = engine.model(input_ids=torch.tensor([prompt + answer], device=engine.device)).logits[0]
             full = full.float().cpu().numpy()[len(prompt) - 1:-1]
-            steps = np.stack([engine.start(prompt)] + [engine.step(t) for t in answer[:-1]])
+            engine.start(0, prompt, SamplingParams(temperature=0.0))
+            steps = [engine.logits(0)]
+            for t in answer[:-1]:
+                engine.step({0: t})
+                steps.append(engine.logits(0))
+            steps = np.stack(steps)
             result["incremental_vs_full_max_abs_diff"] = float(np.abs(steps - full).max())
             result["incremental_argmax_equal"] = bool((steps.argmax(-1) == full.argmax(-1)).all())
 

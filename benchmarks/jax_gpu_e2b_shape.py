@@ -114,15 +114,25 @@ def torch_greedy(model, prompt, n):
 
 
 def jax_greedy(engine, prompt, n):
-    toks = []
+    from serving.engine import SamplingParams
+
     t0 = time.perf_counter()
-    logits = engine.start(prompt)
+    toks = [engine.start(0, prompt, SamplingParams(temperature=0.0))]
     t1 = time.perf_counter()
-    for _ in range(n - 1):
-        toks.append(int(np.argmax(logits)))
-        logits = engine.step(toks[-1])
-    toks.append(int(np.argmax(logits)))
+    while len(toks) < n:
+        toks.append(engine.step({0: toks[-1]})[0])
     return toks, (n - 1) / (time.perf_counter() - t1), t1 - t0
+
+
+def jax_forced_logits(engine, prompt, forced):
+    from serving.engine import SamplingParams
+
+    engine.start(0, prompt, SamplingParams(temperature=0.0))
+    out = [engine.logits(0)]
+    for t in forced:
+        engine.step({0: t})
+        out.append(engine.logits(0))
+    return np.stack(out)
 
 
 def main() -> int:
@@ -163,12 +173,12 @@ def main() -> int:
 
     if args.jax_dtype == "float32":  # no TF32 on the JAX side either
         jax.config.update("jax_default_matmul_precision", "highest")
-    settings = Settings(buckets=parse_buckets(args.buckets), dtype=args.jax_dtype, cache_dir=str(work / "jaxcache"))
+    settings = Settings(buckets=parse_buckets(args.buckets), dtype=args.jax_dtype, cache_dir=str(work / "jaxcache"),
+                        slots=1)
     t0 = time.perf_counter()
     eng = load(work / "ckpt", settings)
     note(out, jax_cold_boot_s=round(time.perf_counter() - t0, 1), jax_cold_boot=eng.boot)
-    j16 = [eng.start(seq[:prompt_len])] + [eng.step(t) for t in seq[prompt_len:]]
-    j16 = np.stack(j16)[: truth.shape[0]]
+    j16 = jax_forced_logits(eng, seq[:prompt_len], seq[prompt_len:])[: truth.shape[0]]
     jx = "jax_" + args.jax_dtype
     note(out, jax_dtype=args.jax_dtype, truth_logit_std=float(truth.std()),
          **{f"{jx}_vs_torch_fp16": {"max_abs": float(np.abs(j16 - t16).max()),

@@ -38,6 +38,7 @@ engine = load(model_dir)
 boot = time.perf_counter() - t0
 from transformers import AutoTokenizer
 from tests.fixtures.tiny_gemma4 import QUESTION
+from serving.engine import SamplingParams
 tok = AutoTokenizer.from_pretrained(model_dir)
 text = tok.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True)
 prompt = tok.encode(text, add_special_tokens=False)
@@ -45,10 +46,10 @@ before = compile_counts() if runtime == "jax" else None
 rates, first = [], []
 for _ in range(runs):
     t1 = time.perf_counter()
-    logits = engine.start(prompt)
+    token = engine.start(0, prompt, SamplingParams(temperature=0.0))
     t2 = time.perf_counter()
     for _ in range(tokens - 1):
-        logits = engine.step(int(np.argmax(logits)))
+        token = engine.step({0: token})[0]
     rates.append((tokens - 1) / (time.perf_counter() - t2))
     first.append(t2 - t1)
 out = {"runtime": runtime, "import_s": round(t_import, 3), "boot_s": round(boot, 3),

@@ -197,11 +197,11 @@ def ratios(result: dict, gauge: dict) -> dict:
 
 def run_load(url: str, model: str, *, prompt: str, requests_n: int, concurrency: int, max_tokens: int,
              stream: bool, warmup: int, timeout: float, time_limit: float,
-             before_run: Callable[[], None] | None = None) -> tuple[list[wire.Answer], float]:
+             before_run: Callable[[], None] | None = None, ignore_eos: bool = False) -> tuple[list[wire.Answer], float]:
     """Warm up, call `before_run` (the gauge's first scrape), then send `requests_n` requests, at most `concurrency`
     in flight, each bounded by `timeout`; none starts after `time_limit` seconds (those count as failed).
     Returns the answers (in send order) and the run's duration."""
-    payload = wire.chat_payload(model, prompt, max_tokens, stream, temperature=0.0)
+    payload = wire.chat_payload(model, prompt, max_tokens, stream, temperature=0.0, ignore_eos=ignore_eos)
     send = wire.stream_chat if stream else wire.chat
     local = threading.local()
 

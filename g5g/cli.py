@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--max-tokens", type=int, default=128)
     be.add_argument("--warmup", type=int, default=1, help="untimed requests first (default: 1)")
     be.add_argument("--prompt", help="prompt to send (default: a fixed one)")
+    be.add_argument("--ignore-eos", action="store_true",
+                    help="ask for exactly --max-tokens tokens (vLLM's ignore_eos; vllm bench serve --ignore-eos)")
     be.add_argument("--tokenizer", help="tokenizer.json (or model dir) to count tokens when the server sends no usage")
     be.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take (default: 300)")
     be.add_argument("--time-limit", type=float, default=1800.0,

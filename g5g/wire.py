@@ -45,9 +45,12 @@ class Answer:
         return n if isinstance(n, int) else None
 
 
-def chat_payload(model: str, prompt: str, max_tokens: int, stream: bool, temperature: float = 0.0) -> dict:
+def chat_payload(model: str, prompt: str, max_tokens: int, stream: bool, temperature: float = 0.0,
+                 ignore_eos: bool = False) -> dict:
     payload = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                "temperature": temperature, "stream": stream}
+    if ignore_eos:          # vLLM's extension (and ours): exactly max_tokens, whatever the model says
+        payload["ignore_eos"] = True
     if stream:
         payload["stream_options"] = {"include_usage": True}
     return payload

@@ -1,9 +1,10 @@
 """OpenAI-compatible HTTP API over any serving.engine.Engine (FastAPI + uvicorn): the app, its scheduler, shutdown.
 
-One generation at a time, in one worker thread (the event loop stays free to accept, stream and answer /health and
-/metrics; tokenisation and the chat template run in other threads), behind a FIFO queue with a bound: every
-accepted request is answered in order of arrival, beyond the bound the client gets a 429 at once. A client that
-goes away (mid-stream or while queued) frees its slot: its generation stops at the next token.
+Generation runs in one engine thread (the event loop stays free to accept, stream and answer /health and
+/metrics; tokenisation and the chat template run in other threads), continuously batched over the runtime's
+slots, behind a FIFO queue with a bound: requests take free slots in order of arrival, beyond the bound the client
+gets a 429 at once. A client that goes away (mid-stream or while queued) frees its slot: its generation stops at
+the next token.
 
 The endpoints live by family: serving/openai_text.py (chat and completions), serving/tokenization.py; this module
 holds what they share (Context, Scheduler, Metrics) and the small ones (health, models, version, metrics).
@@ -12,6 +13,7 @@ Every error is an OpenAI error body {"error": {"message", "type", "param", "code
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import signal
@@ -33,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from serving.engine import Engine
-from serving.generation import Finish, SamplingParams, TokenizerInfo, generate
+from serving.generation import Batch, Finish, SamplingParams, TokenizerInfo
 from serving.middleware import Guard
 from serving.protocol import APIError, unavailable
 
@@ -79,9 +81,10 @@ class Metrics:
             if running is not None:
                 self.running.set(running)
 
-    def finished(self, arrival: float, fin: Finish) -> None:
+    def finished(self, arrival: float, fin: Finish, running: int) -> None:
+        """A request ended; `running` is how many still run, set in the same update (see above)."""
         with self.lock:
-            self.running.set(0)
+            self.running.set(running)
             self.success.labels(self.model_name, fin.reason).inc()
             prefilled = fin.completion_tokens > 0 or fin.reason != "abort"
             self.prompt_tokens.inc(fin.prompt_tokens if prefilled else 0)
@@ -113,107 +116,137 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     shutdown: bool = False        # aborted because the server is shutting down (not because the client left)
 
+    def send(self, ev: Any) -> None:
+        """From the engine thread: hand an event to the request's coroutine."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+        except RuntimeError:             # the server is shutting down: its loop is gone
+            self.cancelled.set()
+
 
 class QueueFull(Exception):
     pass
 
 
 class Scheduler:
-    """A FIFO of jobs and the one worker that runs them, each to completion, in a dedicated thread.
+    """A FIFO of jobs and the engine thread that runs them, continuously batched over the runtime's slots:
+    between two decode steps, waiting jobs join free slots in order of arrival and finished ones leave.
 
     The bound (`--max-waiting`): a request is admitted while fewer than `slots + max_waiting` admitted requests
     are unfinished, counting the ones running and the ones waiting whose client is still there. So
-    `max_waiting` is exactly how many requests may wait while the engine is busy, whatever their arrival timing;
-    0 means no queue (a request is admitted only when the engine is free).
+    `max_waiting` is exactly how many requests may wait while every slot is busy, whatever their arrival timing;
+    0 means no queue (a request is admitted only when a slot is free).
     """
-    slots = 1     # requests the engine runs at once
 
     def __init__(self, metrics: Metrics, max_waiting: int):
         if max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
         self.metrics = metrics
         self.max_waiting = max_waiting
-        self.waiting: deque[Job] = deque()
-        self.wakeup = asyncio.Event()
+        self.queued: deque[Job] = deque()   # waiting for a slot, in arrival order
+        self.wake = threading.Condition()   # guards queued
+        self.pending = 0                    # taken from the queue by the engine thread, not in the batch yet
+        self.stopping = threading.Event()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.engine: Engine | None = None
-        self.current: Job | None = None
+        self.batch: Batch | None = None
         self.info: TokenizerInfo | None = None
 
+    @property
+    def slots(self) -> int:
+        return self.engine.slots if self.engine is not None else 1
+
     def _live(self) -> int:
-        # Clients that left while queued stay in the FIFO until the worker skips them; they hold no slot.
-        return sum(not j.cancelled.is_set() for j in self.waiting)
+        # Clients that left while queued stay in the FIFO until the engine thread drops them; they hold no slot.
+        return sum(not j.cancelled.is_set() for j in self.queued)
+
+    def _running(self) -> int:
+        # A job joins the batch before it stops being pending: a race can only over-count (refuse), never admit more.
+        return (len(self.batch.live) if self.batch else 0) + self.pending
 
     def busy(self) -> bool:
-        return self.current is not None or self._live() > 0
+        with self.wake:
+            return self._running() > 0 or self._live() > 0
 
     def submit(self, job: Job) -> None:
-        if (self.current is not None) + self._live() >= self.slots + self.max_waiting:
-            raise QueueFull
-        self.waiting.append(job)
-        self.wakeup.set()
-        self.metrics.set_queue(self._live())
+        with self.wake:
+            if self._running() + self._live() >= self.slots + self.max_waiting:
+                raise QueueFull
+            self.queued.append(job)
+            self.metrics.set_queue(self._live())
+            self.wake.notify()
 
     def abort_all(self) -> int:
-        """Shutdown past its grace period: end every queued job now and the running one at its next token.
+        """Shutdown past its grace period: end every queued job now and the running ones at their next token.
         Returns how many requests were aborted."""
+        with self.wake:
+            dropped, self.queued = list(self.queued), deque()
+            live = [live.job for live in self.batch.live.values()] if self.batch else []
         n = 0
-        while self.waiting:
-            job = self.waiting.popleft()
-            if not job.cancelled.is_set():
-                n += 1
+        for job in dropped:
+            n += not job.cancelled.is_set()
             job.shutdown = True
-            self._drop(job)
-        if self.current is not None and not self.current.cancelled.is_set():
-            self.current.shutdown = True
-            self.current.cancelled.set()
-            n += 1
+            job.cancelled.set()
+            fin = Finish("abort", len(job.prompt_ids), 0, [])
+            self.metrics.finished(job.arrival, fin)
+            job.send(fin)
+        for job in live:
+            if not job.cancelled.is_set():
+                job.shutdown = True
+                job.cancelled.set()
+                n += 1
         self.metrics.set_queue(0)
         return n
 
-    def _drop(self, job: Job) -> None:
-        """A job that never ran: counted as aborted, its handler told so."""
-        job.cancelled.set()
-        fin = Finish("abort", len(job.prompt_ids), 0, [])
-        self.metrics.finished(job.arrival, fin)
-        job.events.put_nowait(fin)
-
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            if not self.waiting:
-                self.wakeup.clear()
-                await self.wakeup.wait()
-                continue
-            job = self.waiting.popleft()
-            if job.cancelled.is_set():      # the client left while queued: skip it, end its handler
-                self._drop(job)
-                self.metrics.set_queue(self._live())
-                continue
-            self.current = job
-            self.metrics.set_queue(self._live(), running=1)
-            try:
-                await loop.run_in_executor(self.executor, self._generate, job)
-            finally:
-                self.current = None
-                self.metrics.set_queue(self._live(), running=0)
+        self.batch = Batch(self.engine, self.info)
+        await asyncio.get_running_loop().run_in_executor(self.executor, self._loop)
 
-    def _generate(self, job: Job) -> None:
-        """Engine thread: run the job, hand every event to the request's coroutine."""
-        def emit(ev: Any) -> None:
-            try:
-                job.loop.call_soon_threadsafe(job.events.put_nowait, ev)
-            except RuntimeError:         # the server is shutting down: its loop is gone
+    def cancel_all(self) -> None:
+        """Server shutdown: every job ends (live ones when the engine thread sees the flag)."""
+        self.stopping.set()
+        with self.wake:
+            for job in self.queued:
                 job.cancelled.set()
-        try:
-            for ev in generate(self.engine, self.info, job.prompt_ids, job.params, job.cancelled.is_set):
-                if isinstance(ev, Finish):
-                    self.metrics.finished(job.arrival, ev)   # before the client can see the end
-                emit(ev)
-        except Exception as e:           # a runtime bug must not kill the worker: report it to this request
-            log.exception("generation failed")
-            self.metrics.finished(job.arrival, Finish("abort", len(job.prompt_ids), 0, []))
-            emit(APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error"))
+            self.wake.notify()
+
+    def _loop(self) -> None:
+        """Engine thread: admit, step, hand every event to its request's coroutine, until the server stops."""
+        batch = self.batch
+        while not self.stopping.is_set():
+            with self.wake:
+                while not self.queued and not batch.live and not self.stopping.is_set():
+                    self.wake.wait(timeout=1.0)
+                joining = [self.queued.popleft() for _ in range(min(batch.free, len(self.queued)))]
+                self.pending = len(joining)
+                self.metrics.set_queue(self._live(), running=len(batch.live) + len(joining))
+            for i, job in enumerate(joining):
+                pending = len(joining) - i - 1          # admitted, not joined yet: they count as running
+                try:
+                    self._emit(batch.join(job), pending)
+                except Exception as e:    # a runtime bug must not kill the engine thread: report it to this request
+                    self._fail([job], e, pending)
+                self.pending = pending
+            try:
+                self._emit(batch.step())
+            except Exception as e:
+                self._fail(batch.drop_all(), e)
+            self.metrics.set_queue(self._live(), running=len(batch.live))
+        for job in batch.drop_all():
+            job.cancelled.set()
+
+    def _emit(self, events, pending: int = 0) -> None:
+        for job, ev in events:
+            if isinstance(ev, Finish):           # before the client can see the end
+                self.metrics.finished(job.arrival, ev, running=len(self.batch.live) + pending)
+            job.send(ev)
+
+    def _fail(self, jobs: list[Job], e: Exception, pending: int = 0) -> None:
+        log.exception("generation failed")
+        for job in jobs:
+            self.metrics.finished(job.arrival, Finish("abort", len(job.prompt_ids), 0, []),
+                                  running=len(self.batch.live) + pending)
+            job.send(APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error"))
 
     def call(self, fn: Callable, *args):
         return asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -289,7 +322,8 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
             sched.engine = await sched.call(load_engine)
             warm = sched.info.chat_prompt([{"role": "user", "content": "Hello"}])
             # One prefill and one decode step: both code paths are compiled/warmed before we say ready.
-            await sched.call(lambda: sched.engine.step(int(sched.engine.start(warm).argmax())))
+            greedy = SamplingParams(temperature=0.0)
+            await sched.call(lambda: sched.engine.step({0: sched.engine.start(0, warm, greedy)}))
             log.info("model %s ready in %.1fs (context %d)", name, time.monotonic() - t0, sched.engine.max_context)
             ctx.ready = True
         except asyncio.CancelledError:    # shut down while loading
@@ -327,8 +361,7 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
             yield
         finally:
             task.cancel()
-            if sched.current is not None:
-                sched.current.cancelled.set()
+            sched.cancel_all()
             sched.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="g5g serving", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

@@ -1,22 +1,62 @@
 """The seam between the OpenAI API layer and a model runtime (PyTorch or JAX).
 
-A runtime holds one sequence at a time (the API layer serialises requests behind a fair queue). It turns token
-ids into next-token logits; tokenisation, the chat template, sampling, stop conditions and detokenisation are the
-API layer's, so both runtimes behave the same on the wire.
+A runtime holds up to `slots` sequences at once, each in its own slot of a fixed KV cache. It runs prompts and
+decode steps and picks every next token on the device (greedy, temperature, top-k, top-p, seeded per request:
+the contract below), so only token ids cross to the host. Tokenisation, the chat template, stop rules,
+detokenisation and scheduling (which request holds which slot) are the API layer's (serving/generation.py), so
+both runtimes behave the same on the wire.
+
+Sampling contract, the same on every runtime:
+- temperature 0 (or one that underflows float32) is greedy: the argmax;
+- otherwise top-k (0 = off) keeps the k most likely tokens, then top-p keeps the smallest most-likely set whose
+  renormalised mass reaches top_p (at least one token); the token is drawn from what is kept at `temperature`;
+- the draw for the token at position p uses a key derived from (seed, p) alone: the same request with the same
+  seed gives the same tokens whatever else shares the batch. A request without a seed gets a random one.
+Per-request extras (penalties, logit_bias, min_p, logprobs) belong in SamplingParams and in the runtimes'
+samplers, which take one row of parameters per slot; `logits(slot)` already exposes the last distribution.
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+import secrets
+from dataclasses import dataclass
+from typing import Mapping, Protocol, Sequence
 
 import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0    # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0              # 0 = off
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False    # vLLM's extension: generate max_tokens regardless of stop tokens (benchmarks)
+
+    def seed64(self) -> int:
+        """The request's seed folded into [0, 2**64) (OpenAI and vLLM accept any integer, negative too);
+        a fresh random one when the request has none."""
+        return secrets.randbits(64) if self.seed is None else self.seed % 2**64
+
+    def seed_words(self) -> tuple[int, int]:
+        """seed64 as two uint32 words (high, low): a threefry key, or a torch Generator seed."""
+        s = self.seed64()
+        return s >> 32, s & 0xFFFFFFFF
 
 
 class Engine(Protocol):
     #: largest prompt + generated length the runtime accepts
     max_context: int
+    #: sequences it holds at once (slot ids are 0 .. slots-1)
+    slots: int
 
-    def start(self, prompt_ids: Sequence[int]) -> np.ndarray:
-        """Reset the sequence, run the prompt, return float32 logits [vocab] for the next token."""
+    def start(self, slot: int, prompt_ids: Sequence[int], params: SamplingParams) -> int:
+        """Put a new sequence into `slot` (dropping whatever was there), run its prompt, return its first token."""
 
-    def step(self, token_id: int) -> np.ndarray:
-        """Append one token to the sequence, return float32 logits [vocab] for the next one."""
+    def step(self, tokens: Mapping[int, int]) -> dict[int, int]:
+        """One decode step for the sequences in `tokens` ({slot: the token just generated for it}): append each
+        token, return {slot: next token}. Every live slot is stepped together; a slot left out is free."""
+
+    def logits(self, slot: int) -> np.ndarray:
+        """float32 logits [vocab] behind the slot's last token (tests, diagnostics; copies from the device)."""

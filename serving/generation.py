@@ -1,8 +1,9 @@
-"""The generation loop, shared by every runtime: sampling, stop rules and incremental detokenisation.
+"""The generation loop, shared by every runtime: stop rules, incremental detokenisation, continuous batching.
 
-A runtime (serving/engine.py) only turns token ids into logits. Everything a client can observe about the text —
-which token is picked, when generation stops, what text comes out of each step — is decided here, once, so the
-PyTorch and JAX images answer the same request the same way.
+A runtime (serving/engine.py) turns token ids into next token ids (it samples on the device, by the contract in
+serving/engine.py). When generation stops and what text comes out of each token is decided here, once, so the
+PyTorch and JAX images answer the same request the same way. `Batch` keeps a runtime's slots busy: requests join
+between decode steps and leave when they finish or their client goes away.
 """
 from __future__ import annotations
 
@@ -11,74 +12,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
-import numpy as np
-
-from serving.engine import Engine
+from serving.engine import Engine, SamplingParams
 
 # Gemma 4's control tokens that shape the output (see the checkpoint's tokenizer.json).
 TURN_END = "<turn|>"                            # end of a dialogue turn: always a stop token
 THOUGHT_START, THOUGHT_END = "<|channel>", "<channel|>"   # the thinking channel: never shown to the client
-
-
-# ----------------------------------------------------------------------------------------------- sampling
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0    # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0              # 0 = off
-    max_tokens: int = 16
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    ignore_eos: bool = False    # vLLM's extension: generate max_tokens regardless of stop tokens (benchmarks)
-
-
-class Sampler:
-    """Greedy at temperature 0; otherwise temperature, top-k and nucleus (top-p) sampling with a numpy
-    Generator seeded by the request's `seed` (same seed, same logits → same tokens, on every runtime)."""
-
-    def __init__(self, params: SamplingParams):
-        self.temperature = params.temperature
-        self.top_p = params.top_p
-        self.top_k = params.top_k
-        # OpenAI and vLLM accept any integer seed; numpy only a non-negative one (a negative seed raised in
-        # the engine thread: a 500). Folding into [0, 2**64) leaves every seed numpy accepted unchanged.
-        self.rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
-
-    def __call__(self, logits: np.ndarray) -> int:
-        logits = np.asarray(logits, dtype=np.float64)
-        if self.temperature <= 0.0:
-            return int(np.argmax(logits))
-        # Gemma's vocabulary is 262k: select with argpartition, sort only the few candidates that matter.
-        if 0 < self.top_k < logits.size:
-            cand = np.argpartition(-logits, self.top_k - 1)[: self.top_k]
-        else:
-            cand = np.arange(logits.size)
-        x = logits[cand]
-        # Shift before scaling: logits / a tiny temperature overflow to inf, and inf - inf is NaN (a wrong token);
-        # shifted, they overflow to -inf only, which is probability 0.
-        with np.errstate(over="ignore"):
-            p = np.exp((x - x.max()) / self.temperature)
-        p /= p.sum()
-        if self.top_p >= 1.0:
-            return int(cand[self._draw(p)])
-        # Nucleus: the smallest set of most likely tokens whose mass reaches top_p (at least one token).
-        k = min(p.size, 256)
-        while True:
-            top = np.argpartition(-p, k - 1)[:k] if k < p.size else np.arange(p.size)
-            top = top[np.argsort(-p[top], kind="stable")]
-            mass = np.cumsum(p[top])
-            if mass[-1] >= self.top_p or k == p.size:
-                break
-            k = min(p.size, k * 8)
-        top = top[: int(np.searchsorted(mass, self.top_p)) + 1]
-        return int(cand[top[self._draw(p[top])]])
-
-    def _draw(self, weights: np.ndarray) -> int:
-        """Index drawn with probability proportional to `weights` (inverse CDF, one uniform per token)."""
-        cdf = np.cumsum(weights)
-        return min(int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right")), weights.size - 1)
 
 
 # ------------------------------------------------------------------------------------------ tokenisation
@@ -283,39 +223,108 @@ def _release(stops: StopStrings, detok: Detokenizer) -> tuple[str, bool]:
     return (text, True) if hit else (text + stops.flush(), False)
 
 
-def generate(engine: Engine, info: TokenizerInfo, prompt_ids: Sequence[int], params: SamplingParams,
-             cancelled: Callable[[], bool] = lambda: False) -> Iterator[Delta | Finish]:
-    """Run one request to the end. Yields a Delta per generated token, then one Finish."""
-    sampler = Sampler(params)
-    detok = Detokenizer(info)
-    stops = StopStrings(params.stop)
-    budget = min(params.max_tokens, engine.max_context - len(prompt_ids))
-    times: list[float] = []
-    reason = "length"
-    if budget <= 0 or cancelled():
-        yield Finish("length" if budget <= 0 else "abort", len(prompt_ids), 0, times)
-        return
-    logits = engine.start(prompt_ids)
-    while True:
-        token = sampler(logits)
-        times.append(time.monotonic())
-        if token in info.stop_ids and not params.ignore_eos:
-            yield Delta(_release(stops, detok)[0])
-            reason = "stop"
-            break
-        text, hit = stops.push(detok.push(token))
+class Generation:
+    """One request's state between tokens: its budget, detokeniser, stop strings and token times."""
+
+    def __init__(self, info: TokenizerInfo, prompt_ids: Sequence[int], params: SamplingParams, max_context: int):
+        self.info, self.params = info, params
+        self.prompt_tokens = len(prompt_ids)
+        self.budget = min(params.max_tokens, max_context - len(prompt_ids))
+        self.detok = Detokenizer(info)
+        self.stops = StopStrings(params.stop)
+        self.times: list[float] = []
+
+    def push(self, token: int) -> tuple[str, str | None]:
+        """Take a generated token: (text it releases, finish reason or None to go on)."""
+        self.times.append(time.monotonic())
+        if token in self.info.stop_ids and not self.params.ignore_eos:
+            return _release(self.stops, self.detok)[0], "stop"
+        text, hit = self.stops.push(self.detok.push(token))
         if hit:
-            yield Delta(text)
-            reason = "stop"
-            break
-        if len(times) >= budget:
-            tail, hit = _release(stops, detok)
-            yield Delta(text + tail)
-            reason = "stop" if hit else "length"
-            break
+            return text, "stop"
+        if len(self.times) >= self.budget:
+            tail, hit = _release(self.stops, self.detok)
+            return text + tail, "stop" if hit else "length"
+        return text, None
+
+    def finish(self, reason: str) -> Finish:
+        return Finish(reason, self.prompt_tokens, len(self.times), self.times)
+
+
+def generate(engine: Engine, info: TokenizerInfo, prompt_ids: Sequence[int], params: SamplingParams,
+             cancelled: Callable[[], bool] = lambda: False, slot: int = 0) -> Iterator[Delta | Finish]:
+    """Run one request to the end in one slot. Yields a Delta per generated token, then one Finish."""
+    gen = Generation(info, prompt_ids, params, engine.max_context)
+    if gen.budget <= 0 or cancelled():
+        yield gen.finish("length" if gen.budget <= 0 else "abort")
+        return
+    token = engine.start(slot, prompt_ids, params)
+    while True:
+        text, reason = gen.push(token)
         yield Delta(text)
+        if reason:
+            break
         if cancelled():
             reason = "abort"
             break
-        logits = engine.step(token)
-    yield Finish(reason, len(prompt_ids), len(times), times)
+        token = engine.step({slot: token})[slot]
+    yield gen.finish(reason)
+
+
+# ------------------------------------------------------------------------------------------ batching
+@dataclass
+class _Live:
+    job: Any
+    gen: Generation
+    token: int
+
+
+class Batch:
+    """Continuous batching over an engine's slots. A job is anything with `prompt_ids`, `params` and `cancelled`
+    (a threading.Event). `join` prefills a job into a free slot, `step` advances every live job by one token;
+    both return the (job, Delta | Finish) events to hand out. A job whose client left ends with "abort" at its
+    next token. One thread drives a Batch (the engine's)."""
+
+    def __init__(self, engine: Engine, info: TokenizerInfo):
+        self.engine, self.info = engine, info
+        self.live: dict[int, _Live] = {}
+
+    @property
+    def free(self) -> int:
+        return self.engine.slots - len(self.live)
+
+    def join(self, job) -> list[tuple[Any, Delta | Finish]]:
+        gen = Generation(self.info, job.prompt_ids, job.params, self.engine.max_context)
+        if gen.budget <= 0 or job.cancelled.is_set():
+            return [(job, gen.finish("length" if gen.budget <= 0 else "abort"))]
+        slot = next(s for s in range(self.engine.slots) if s not in self.live)
+        token = self.engine.start(slot, job.prompt_ids, job.params)
+        self.live[slot] = _Live(job, gen, token)
+        return self._take(slot, token)
+
+    def step(self) -> list[tuple[Any, Delta | Finish]]:
+        if not self.live:
+            return []
+        out = self.engine.step({slot: live.token for slot, live in self.live.items()})
+        events = []
+        for slot, token in out.items():
+            self.live[slot].token = token
+            events += self._take(slot, token)
+        return events
+
+    def _take(self, slot: int, token: int) -> list[tuple[Any, Delta | Finish]]:
+        live = self.live[slot]
+        text, reason = live.gen.push(token)
+        events: list[tuple[Any, Delta | Finish]] = [(live.job, Delta(text))]
+        if not reason and live.job.cancelled.is_set():
+            reason = "abort"
+        if reason:
+            del self.live[slot]
+            events.append((live.job, live.gen.finish(reason)))
+        return events
+
+    def drop_all(self) -> list[Any]:
+        """Forget every live job (after a runtime error); returns them."""
+        jobs = [live.job for live in self.live.values()]
+        self.live.clear()
+        return jobs

@@ -1,4 +1,4 @@
-"""PyTorch runtime: a Gemma 4 checkpoint served through transformers, one sequence at a time with a KV cache.
+"""PyTorch runtime: a Gemma 4 checkpoint served through transformers, one sequence at a time with a static KV cache.
 
 The checkpoint is the released multimodal layout (`Gemma4ForConditionalGeneration`, text weights under
 `model.language_model.*`). We serve text only, so we build transformers' `Gemma4ForCausalLM` from the
@@ -8,51 +8,118 @@ float16 on CUDA (Turing has no bf16 datapath), float32 on CPU.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
 
+from serving.engine import SamplingParams
+
 log = logging.getLogger("serving.pytorch")
 
+# The static cache holds this many positions unless --max-model-len says otherwise (full-attention layers attend
+# over all of them every step: a 128k default would cost more than the weights), as the JAX ladder's top.
+DEFAULT_MAX_CONTEXT = 4096
 _TEXT_PREFIX = {r"^model\.language_model\.": "model."}
 
 
 class TorchEngine:
-    """serving.engine.Engine over a transformers causal LM with `past_key_values` (DynamicCache)."""
+    """serving.engine.Engine over a transformers causal LM with a StaticCache: one slot (sequences run one after
+    another), fixed cache tensors sized for max_context, next token chosen on the device."""
+
+    slots = 1
 
     def __init__(self, model, text_config, device: torch.device, max_context: int):
+        from transformers.cache_utils import StaticCache
+
         self.model = model
         self.text_config = text_config
         self.device = device
         self.max_context = max_context
-        self._cache = None
+        # Sliding-window layers get rings of the window, full layers max_context positions (transformers' layout).
+        self._cache = StaticCache(config=text_config, max_cache_len=max_context)
         self._pos = 0
+        self._params = SamplingParams(temperature=0.0)
+        self._gen = torch.Generator(device=device)
+        self._logits: torch.Tensor | None = None
+        # Decode steps (one token, static shapes) go through transformers' own compiled call, as its
+        # generate(cache_implementation="static") does on CUDA: inductor with CUDA graphs ("reduce-overhead").
+        # Prompts of any length run eagerly. G5G_TORCH_COMPILE=0 keeps decode eager too.
+        compile_ok = (device.type == "cuda" and os.environ.get("G5G_TORCH_COMPILE", "1") != "0"
+                      and hasattr(model, "get_compiled_call"))
+        self._decode = model.get_compiled_call(None) if compile_ok else model.__call__
+        self._decode_checked = not compile_ok
 
     @torch.inference_mode()
-    def _forward(self, ids: Sequence[int]) -> np.ndarray:
+    def _forward(self, ids: Sequence[int]) -> int:
+        n = len(ids)
+        if self._pos + n > self.max_context:
+            raise ValueError(f"sequence of {self._pos + n} tokens exceeds the PyTorch runtime's max_context "
+                             f"{self.max_context}")
         input_ids = torch.tensor([list(ids)], device=self.device)
-        positions = torch.arange(self._pos, self._pos + len(ids), device=self.device)[None]
-        out = self.model(input_ids=input_ids, position_ids=positions, past_key_values=self._cache,
-                         use_cache=True, logits_to_keep=1)
-        self._pos += len(ids)
-        return out.logits[0, -1].float().cpu().numpy()
+        positions = torch.arange(self._pos, self._pos + n, device=self.device)
+        kw = dict(input_ids=input_ids, position_ids=positions[None], cache_position=positions,
+                  past_key_values=self._cache, use_cache=True, logits_to_keep=1)
+        if n > 1:
+            out = self.model(**kw)
+        elif self._decode_checked:
+            out = self._decode(**kw)
+        else:                                  # first compiled step: fall back to eager if compiling fails
+            try:
+                out = self._decode(**kw)
+            except Exception as e:
+                log.warning("compiled decode failed (%s: %s); decoding eagerly", type(e).__name__, e)
+                self._decode = self.model.__call__
+                out = self._decode(**kw)
+            self._decode_checked = True
+        self._pos += n
+        # a copy (float32, off the CUDA graph's output buffer, which the next replay overwrites)
+        self._logits = out.logits[0, -1].float().clone()
+        return int(sample(self._logits, self._params, self._gen))
 
-    def start(self, prompt_ids: Sequence[int]) -> np.ndarray:
-        from transformers.cache_utils import DynamicCache
-
+    @torch.inference_mode()
+    def start(self, slot: int, prompt_ids: Sequence[int], params: SamplingParams) -> int:
+        if slot != 0:
+            raise ValueError(f"slot {slot} is not one of the PyTorch runtime's {self.slots} slots")
         if not prompt_ids:
             raise ValueError("empty prompt")
-        # DynamicCache built from the config keeps sliding-window layers bounded, as Gemma 4 expects.
-        self._cache = DynamicCache(config=self.text_config)
+        self._cache.reset()
         self._pos = 0
+        self._params = params
+        self._gen.manual_seed(params.seed64())
         return self._forward(prompt_ids)
 
-    def step(self, token_id: int) -> np.ndarray:
-        if self._cache is None:
-            raise RuntimeError("step() before start()")
-        return self._forward([token_id])
+    def step(self, tokens: Mapping[int, int]) -> dict[int, int]:
+        if not tokens:
+            return {}
+        if set(tokens) != {0} or self._pos == 0:
+            raise RuntimeError("step() on a slot that was not started")
+        return {0: self._forward([tokens[0]])}
+
+    def logits(self, slot: int) -> np.ndarray:
+        return self._logits.cpu().numpy()
+
+
+FLOOR = -80.0   # as serving/jax_runtime/sampling.py: tempered, max-shifted logits are clamped here
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> torch.Tensor:
+    """The next token (a 0-d tensor) from float32 logits [V] by serving.engine's sampling contract."""
+    t = float(np.float32(params.temperature))     # what underflows float32 is greedy, as on the JAX runtime
+    if t <= 0.0:
+        return logits.argmax()
+    x = ((logits - logits.max()) / t).clamp_min(FLOOR)
+    if 0 < params.top_k < x.numel() or params.top_p < 1.0:
+        top = x.sort(descending=True).values
+        if 0 < params.top_k < x.numel():
+            top = top[: params.top_k]
+        mass = torch.softmax(top, 0).cumsum(0)
+        n = int((mass < params.top_p).sum()) + 1 if params.top_p < 1.0 else top.numel()
+        x = torch.where(x >= top[min(n, top.numel()) - 1], x, -torch.inf)   # ties at the cut stay, as on JAX
+    q = torch.empty_like(x).exponential_(generator=gen)
+    return (x - q.log()).argmax()                    # Gumbel-max: a draw from softmax(x)
 
 
 def load(model_dir: str | Path, device: str | None = None, max_context: int | None = None) -> TorchEngine:
@@ -76,7 +143,7 @@ def load(model_dir: str | Path, device: str | None = None, max_context: int | No
         raise ValueError(f"{model_dir}: checkpoint lacks text weights, e.g. {missing[:3]} "
                          f"(expected Gemma 4 weights under model.language_model.*)")
     model.to(dev).eval()
-    limit = text_config.max_position_embeddings
+    context = min(text_config.max_position_embeddings, max_context or DEFAULT_MAX_CONTEXT)
     log.info("loaded %s on %s as %s (%d layers, context %d)", model_dir, dev, dtype,
-             text_config.num_hidden_layers, min(limit, max_context or limit))
-    return TorchEngine(model, text_config, dev, min(limit, max_context or limit))
+             text_config.num_hidden_layers, context)
+    return TorchEngine(model, text_config, dev, context)

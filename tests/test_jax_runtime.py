@@ -18,11 +18,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("jax")
 
+from serving.engine import SamplingParams  # noqa: E402
 from serving.jax_runtime import CheckpointError, Settings, compile_counts, load  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ATOL = 5e-4
 BUCKETS = (16, 48)     # prompt buckets and full-attention capacities: decode below crosses 16 -> 48
+SLOTS, BATCHES = 4, (1, 2, 4)
+GREEDY = SamplingParams(temperature=0.0)
 SEQ_LEN = 46           # longest sequence the tests run (prompt + teacher-forced tokens)
 S, F = "sliding_attention", "full_attention"
 
@@ -91,7 +94,7 @@ def pair(request, tmp_path_factory):
     """(name, transformers model, JAX engine) over the same checkpoint directory."""
     out = tmp_path_factory.mktemp(request.param)
     ref = build_checkpoint(request.param, out)
-    engine = load(out, Settings(buckets=BUCKETS, dtype="float32", cache_dir=None))
+    engine = load(out, Settings(buckets=BUCKETS, dtype="float32", cache_dir=None, slots=SLOTS, batches=BATCHES))
     return request.param, ref, engine, out
 
 
@@ -106,6 +109,16 @@ def _sequence(vocab: int, n: int = SEQ_LEN, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(0, vocab, n).tolist()
 
 
+def forced_logits(engine, prompt: list[int], forced: list[int], slot: int = 0) -> np.ndarray:
+    """Logits after the prompt and after each forced token (teacher forcing through start/step)."""
+    engine.start(slot, prompt, GREEDY)
+    out = [engine.logits(slot)]
+    for t in forced:
+        engine.step({slot: t})
+        out.append(engine.logits(slot))
+    return np.stack(out)
+
+
 def _reference_logits(ref, ids: list[int]) -> np.ndarray:
     with torch.no_grad():
         return ref(input_ids=torch.tensor([ids])).logits[0].float().numpy()
@@ -115,10 +128,8 @@ def _reference_logits(ref, ids: list[int]) -> np.ndarray:
 def test_teacher_forced_logits_match_transformers(pair, prompt_len):
     name, ref, engine, _ = pair
     seq = _sequence(engine.cfg.vocab_size)
-    want = _reference_logits(ref, seq)[prompt_len - 1:]
-    got = [engine.start(seq[:prompt_len])]
-    got += [engine.step(t) for t in seq[prompt_len:]]
-    got = np.stack(got)
+    want = _reference_logits(ref, seq)[prompt_len - 1:-1]
+    got = forced_logits(engine, seq[:prompt_len], seq[prompt_len:-1])
     assert got.shape == want.shape and got.dtype == np.float32
     err = np.abs(got - want).max(axis=-1)
     assert err.max() <= ATOL, f"{name}: worst position {int(err.argmax()) + prompt_len - 1}, |Δ| {err.max():.2e}"
@@ -132,21 +143,23 @@ def test_greedy_continuation_matches_generate(pair):
         out = ref.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
                            eos_token_id=None, pad_token_id=0)
     want = out[0, len(prompt):].tolist()
-    got, logits = [], engine.start(prompt)
-    for _ in range(new):
-        got.append(int(np.argmax(logits)))
-        logits = engine.step(got[-1])
+    got = [engine.start(1, prompt, GREEDY)]
+    while len(got) < new:
+        got.append(engine.step({1: got[-1]})[1])
     assert got == want, name
 
 
 def test_no_compilation_after_boot(pair):
     name, _, engine, _ = pair
-    assert engine.boot["executables"] == 2 * len(BUCKETS) + len(BUCKETS) - 1
+    assert engine.boot["executables"] == len(BUCKETS) * (1 + len(BATCHES))
     before = compile_counts()
     for n, steps in [(1, 3), (16, 2), (17, 20), (5, 43), (48, 0), (30, 18), (2, 0)]:
-        engine.start(_sequence(engine.cfg.vocab_size, n, seed=n))
+        engine.start(0, _sequence(engine.cfg.vocab_size, n, seed=n), SamplingParams(temperature=1.0, top_p=0.5))
         for t in range(steps):
-            engine.step(t)
+            engine.step({0: t})
+    for slot in range(SLOTS):                    # every batch bucket, sampled and greedy rows together
+        engine.start(slot, [1, 2, 3], SamplingParams(temperature=0.5 * slot, top_k=slot))
+        engine.step({s: 1 for s in range(slot + 1)})
     assert compile_counts() == before, f"{name}: something compiled or traced after boot"
 
 
@@ -154,22 +167,24 @@ def test_limits_are_clear_errors(pair):
     _, _, engine, _ = pair
     assert engine.max_context == BUCKETS[-1]
     with pytest.raises(ValueError, match="max_context 48"):
-        engine.start([1] * 49)
+        engine.start(0, [1] * 49, GREEDY)
     with pytest.raises(ValueError, match="empty prompt"):
-        engine.start([])
-    engine.start([1] * 48)
+        engine.start(0, [], GREEDY)
+    with pytest.raises(ValueError, match="slot 4 is not one of"):
+        engine.start(SLOTS, [1], GREEDY)
+    engine.start(0, [1] * 48, GREEDY)
     with pytest.raises(ValueError, match="max_context 48"):
-        engine.step(1)
+        engine.step({0: 1})
 
 
 def test_float16_stays_near_the_float32_reference(e2b_ckpt):
     """The GPU dtype, run on CPU: float32 logits out, within 0.1 of transformers' float32 logits, same argmax.
     (At E2B's real shapes on a GPU, benchmarks/jax_gpu_e2b_shape.py compares it with transformers' float16.)"""
     ref, ckpt = e2b_ckpt
-    half = load(ckpt, Settings(buckets=(16,), dtype="float16", cache_dir=None))
+    half = load(ckpt, Settings(buckets=(16,), dtype="float16", cache_dir=None, slots=1))
     seq = _sequence(ref.config.get_text_config().vocab_size, 16, seed=3)
-    got = np.stack([half.start(seq[:6])] + [half.step(t) for t in seq[6:]])
-    want = _reference_logits(ref, seq)[5:]
+    got = forced_logits(half, seq[:6], seq[6:-1])
+    want = _reference_logits(ref, seq)[5:-1]
     assert got.dtype == np.float32 and np.isfinite(got).all()
     assert np.abs(got - want).max() < 0.1
     assert (got.argmax(-1) == want.argmax(-1)).all()
@@ -204,15 +219,17 @@ def test_missing_tensor_names_the_key(e2b_ckpt, tmp_path):
 BOOT = """
 import json, sys
 from serving.jax_runtime import load
+from serving.engine import SamplingParams
 e = load(sys.argv[1])
-print(json.dumps({"boot": e.boot, "logits": e.start([3, 1, 4, 1, 5, 9, 2, 6])[:8].tolist()}))
+e.start(0, [3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(temperature=0.0))
+print(json.dumps({"boot": e.boot, "logits": e.logits(0)[:8].tolist()}))
 """
 
 
 @pytest.mark.slow
 def test_second_boot_loads_every_executable_from_the_persistent_cache(e2b_ckpt, tmp_path):
     _, ckpt = e2b_ckpt
-    env = {"G5G_JAX_CACHE_DIR": str(tmp_path / "jaxcache"), "G5G_JAX_BUCKETS": "16,32",
+    env = {"G5G_JAX_CACHE_DIR": str(tmp_path / "jaxcache"), "G5G_JAX_BUCKETS": "16,32", "G5G_JAX_SLOTS": "2",
            "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}
 
     def boot(hash_seed):
@@ -223,9 +240,9 @@ def test_second_boot_loads_every_executable_from_the_persistent_cache(e2b_ckpt, 
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     cold, warm = boot(1), boot(2)
-    assert cold["boot"]["executables"] == 5  # 2 prefill + 2 decode + 1 grow
+    assert cold["boot"]["executables"] == 4  # 2 prefill + 2 decode (batch 2: the slot count)
     assert cold["boot"]["boot_cache_hits"] == 0
-    assert warm["boot"]["boot_cache_hits"] == warm["boot"]["executables"] == 5
+    assert warm["boot"]["boot_cache_hits"] == warm["boot"]["executables"] == 4
     assert any((tmp_path / "jaxcache").iterdir())
     np.testing.assert_array_equal(cold["logits"], warm["logits"])
 
@@ -234,6 +251,53 @@ def test_unusable_cache_dir_only_costs_the_cache(e2b_ckpt, tmp_path, caplog):
     _, ckpt = e2b_ckpt
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    engine = load(ckpt, Settings(buckets=(16,), cache_dir=str(blocker / "cache")))
-    assert engine.boot["boot_cache_hits"] == 0 and engine.start([1, 2, 3]).shape == (128,)
+    engine = load(ckpt, Settings(buckets=(16,), cache_dir=str(blocker / "cache"), slots=1))
+    engine.start(0, [1, 2, 3], GREEDY)
+    assert engine.boot["boot_cache_hits"] == 0 and engine.logits(0).shape == (128,)
     assert "unusable" in caplog.text
+
+
+# ------------------------------------------------------------------------------------- continuous batching
+def _run_schedule(engine, jobs, joins):
+    """Drive the engine as the API layer does: job j = (prompt, params, tokens) joins a free slot before decode
+    step joins[j]; every live slot steps together; a job leaves after its tokens. Returns each job's tokens."""
+    out = {j: [] for j in range(len(jobs))}
+    live: dict[int, int] = {}                     # slot -> job
+    step = 0
+    while len(live) or step <= max(joins):
+        for j, at in enumerate(joins):
+            if at == step:
+                slot = next(s for s in range(engine.slots) if s not in live)
+                prompt, params, _ = jobs[j]
+                out[j].append(engine.start(slot, prompt, params))
+                live[slot] = j
+        for slot, j in list(live.items()):        # leave when done (a slot freed here is reused next step)
+            if len(out[j]) >= jobs[j][2]:
+                del live[slot]
+        if live:
+            for slot, t in engine.step({s: out[j][-1] for s, j in live.items()}).items():
+                out[live[slot]].append(t)
+        step += 1
+    return [out[j][:jobs[j][2]] for j in range(len(jobs))]
+
+
+def test_batched_greedy_equals_single_stream_greedy(pair):
+    """Prompts of different lengths join and leave mid-stream; each gets, token for token, what it gets alone.
+    Windows are 3..5: every sequence here runs past the window and wraps its ring several times."""
+    name, _, engine, _ = pair
+    v = engine.cfg.vocab_size
+    jobs = [(_sequence(v, n, seed=10 + n), GREEDY, k) for n, k in [(3, 30), (13, 20), (1, 40), (20, 12), (7, 25)]]
+    alone = [_run_schedule(engine, [job], [0])[0] for job in jobs]
+    together = _run_schedule(engine, jobs, [0, 0, 4, 9, 23])   # at most 4 live at once (the slot count)
+    assert together == alone, name
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(pair):
+    name, _, engine, _ = pair
+    v = engine.cfg.vocab_size
+    hot = [SamplingParams(temperature=1.5, seed=s, top_p=0.9 if s % 2 else 1.0, top_k=s % 3) for s in range(3)]
+    jobs = [(_sequence(v, 5 + 3 * i, seed=i), hot[i], 15) for i in range(3)] + [(_sequence(v, 4), GREEDY, 15)]
+    alone = [_run_schedule(engine, [job], [0])[0] for job in jobs]
+    together = _run_schedule(engine, jobs, [2, 0, 5, 1])
+    assert together == alone, name
+    assert len({tuple(t) for t in alone}) == 4

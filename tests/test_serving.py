@@ -72,14 +72,17 @@ class Paced:
 
     def __init__(self, engine, delay: float):
         self.engine, self.delay = engine, delay
-        self.max_context = engine.max_context
+        self.max_context, self.slots = engine.max_context, engine.slots
 
-    def start(self, prompt_ids):
-        return self.engine.start(prompt_ids)
+    def start(self, slot, prompt_ids, params):
+        return self.engine.start(slot, prompt_ids, params)
 
-    def step(self, token_id):
+    def step(self, tokens):
         time.sleep(self.delay)
-        return self.engine.step(token_id)
+        return self.engine.step(tokens)
+
+    def logits(self, slot):
+        return self.engine.logits(slot)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 
-from serving.generation import (Delta, Detokenizer, Finish, Sampler, SamplingParams, StopStrings, TokenizerInfo,
+from serving.generation import (Batch, Delta, Detokenizer, Finish, SamplingParams, StopStrings, TokenizerInfo,
                                 generate)
 from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
 
@@ -124,42 +124,6 @@ def test_stop_strings_match_the_reference_however_the_text_is_split(seed):
 
 
 # ------------------------------------------------------------------------------------------------ sampler
-def test_greedy_and_degenerate_filters_pick_the_argmax():
-    logits = np.array([0.1, 3.0, 2.9, -1.0], dtype=np.float32)
-    assert Sampler(SamplingParams(temperature=0.0))(logits) == 1
-    assert {Sampler(SamplingParams(temperature=1.0, top_p=1e-6, seed=s))(logits) for s in range(20)} == {1}
-    assert {Sampler(SamplingParams(temperature=1.0, top_k=1, seed=s))(logits) for s in range(20)} == {1}
-
-
-def test_sampling_follows_the_distribution_and_the_seed():
-    logits = np.array([0.0, np.log(3.0)])
-    sampler = Sampler(SamplingParams(temperature=1.0, seed=7))
-    many = [sampler(logits) for _ in range(4000)]
-    assert 0.72 < np.mean(many) < 0.78             # p(1) = 3/4
-    again = Sampler(SamplingParams(temperature=1.0, seed=7))
-    assert [again(logits) for _ in range(4000)] == many
-    hot = Sampler(SamplingParams(temperature=4.0, seed=7))
-    assert 0.52 < np.mean([hot(logits) for _ in range(4000)]) < 0.62   # p(1) = 3^(1/4) / (1 + 3^(1/4)) = 0.568
-    top_p = Sampler(SamplingParams(temperature=1.0, top_p=0.7, seed=1))
-    assert {top_p(logits) for _ in range(200)} == {1}    # 0.75 alone reaches top_p
-
-
-def test_a_tiny_temperature_is_greedy_not_nan():
-    logits = np.array([0.0, 5.0, 1.0, -2.0])
-    for t in (1e-310, 1e-200, 1e-5):
-        assert {Sampler(SamplingParams(temperature=t, seed=s))(logits) for s in range(5)} == {1}
-        assert {Sampler(SamplingParams(temperature=t, top_p=0.9, seed=s))(logits) for s in range(5)} == {1}
-
-def test_any_integer_seed_is_accepted_and_reproducible():
-    logits = np.array([0.0, np.log(3.0)])
-    draws = {}
-    for seed in (-1, -2**63, 2**64 + 5):                # OpenAI/vLLM allow negative seeds; numpy alone does not
-        a, b = Sampler(SamplingParams(temperature=1.0, seed=seed)), Sampler(SamplingParams(temperature=1.0, seed=seed))
-        draws[seed] = [a(logits) for _ in range(200)]
-        assert draws[seed] == [b(logits) for _ in range(200)]
-    assert draws[-1] != draws[-2**63]
-
-
 # ------------------------------------------------------------------------------------ the loop, real engine
 def test_greedy_answer_stops_at_end_of_turn(engine, info):
     text, fin = run(engine, info, SamplingParams(temperature=0.0, max_tokens=200))
@@ -200,7 +164,13 @@ def test_incremental_decode_matches_one_full_forward(engine, info):
     assert len(seq) > 4 * engine.text_config.sliding_window
     with torch.inference_mode():
         full = engine.model(input_ids=torch.tensor([seq])).logits[0].float().numpy()
-    steps = [engine.start(prompt)] + [engine.step(t) for t in answer[:-1]]
+    greedy = SamplingParams(temperature=0.0)
+    first = engine.start(0, prompt, greedy)
+    steps = [engine.logits(0)]
+    for t in answer[:-1]:
+        engine.step({0: t})
+        steps.append(engine.logits(0))
+    assert first == answer[0]
     np.testing.assert_allclose(np.stack(steps), full[len(prompt) - 1:-1], atol=2e-4, rtol=1e-4)
     assert all(s.dtype == np.float32 and s.shape == (512,) for s in steps)
 
@@ -216,15 +186,62 @@ def test_runtime_loads_text_weights_only(engine, tiny_gemma4):
     assert engine.max_context == 256
 
 
-def test_nucleus_is_exact_when_it_is_wide():
-    """top_p over a flat 5000-token distribution: the nucleus outgrows the first 256 candidates."""
-    logits = np.random.default_rng(3).standard_normal(5000) * 0.5
-    p = np.exp(logits - logits.max())
-    p /= p.sum()
-    order = np.argsort(-p, kind="stable")
-    nucleus = set(order[: int(np.searchsorted(np.cumsum(p[order]), 0.9)) + 1].tolist())
-    assert len(nucleus) > 1000
-    sampler = Sampler(SamplingParams(temperature=1.0, top_p=0.9, seed=5))
-    drawn = {sampler(logits) for _ in range(3000)}
-    assert drawn <= nucleus
-    assert len(drawn & set(order[256:].tolist())) > 100
+# --------------------------------------------------------------------------------------- continuous batching
+class _Job:
+    def __init__(self, prompt_ids, params):
+        import threading
+        self.prompt_ids, self.params, self.cancelled = prompt_ids, params, threading.Event()
+
+
+@pytest.fixture(scope="module")
+def jax_engine(tiny_gemma4):
+    pytest.importorskip("jax")
+    from serving.jax_runtime import Settings, load
+    return load(tiny_gemma4, Settings(buckets=(32, 64, 256), dtype="float32", cache_dir=None, slots=3,
+                                      batches=(1, 3)))
+
+
+@pytest.mark.parametrize("runtime", ["pytorch", "jax"])
+def test_batch_gives_each_request_what_it_gets_alone(runtime, engine, jax_engine, info):
+    """Requests join (more than there are slots: the rest wait) and leave (stop token, length, stop string,
+    a client that hung up); each one's events equal those of the request run alone."""
+    eng = engine if runtime == "pytorch" else jax_engine
+    ask = info.chat_prompt([{"role": "user", "content": QUESTION}])
+    other = info.chat_prompt([{"role": "user", "content": "What is a stop string? " * 3}])
+    jobs = [_Job(ask, SamplingParams(temperature=0.0, max_tokens=200)),
+            _Job(other, SamplingParams(temperature=1.0, seed=4, max_tokens=30)),
+            _Job(ask, SamplingParams(temperature=0.0, max_tokens=7)),
+            _Job(ask, SamplingParams(temperature=0.0, max_tokens=60, stop=("software",))),
+            _Job(other, SamplingParams(temperature=0.8, top_k=20, seed=9, max_tokens=40, ignore_eos=True))]
+
+    def text(events):
+        return "".join(e.text for e in events if isinstance(e, Delta)), [
+            (e.reason, e.prompt_tokens, e.completion_tokens) for e in events if isinstance(e, Finish)]
+
+    alone = [text(list(generate(eng, info, j.prompt_ids, j.params))) for j in jobs]
+    batch, got, waiting = Batch(eng, info), {i: [] for i in range(len(jobs))}, list(range(len(jobs)))
+    index = {id(j): i for i, j in enumerate(jobs)}
+    for _ in range(1000):
+        while waiting and batch.free:
+            for job, ev in batch.join(jobs[waiting.pop(0)]):
+                got[index[id(job)]].append(ev)
+        if not batch.live and not waiting:
+            break
+        for job, ev in batch.step():
+            got[index[id(job)]].append(ev)
+    assert [text(got[i]) for i in range(len(jobs))] == alone
+    assert alone[0][0] == ANSWER and alone[3][0] == ANSWER[:ANSWER.index("software")]
+
+
+def test_batch_ends_a_job_whose_client_left(jax_engine, info):
+    ask = info.chat_prompt([{"role": "user", "content": QUESTION}])
+    batch = Batch(jax_engine, info)
+    stay, leave = _Job(ask, SamplingParams(temperature=0.0, max_tokens=20)), _Job(ask, SamplingParams(max_tokens=20))
+    batch.join(stay)
+    batch.join(leave)
+    batch.step()
+    leave.cancelled.set()
+    events = batch.step()
+    fin = [ev for job, ev in events if job is leave and isinstance(ev, Finish)]
+    assert fin and fin[0].reason == "abort" and fin[0].completion_tokens == 3
+    assert list(batch.live.values())[0].job is stay and batch.free == 2

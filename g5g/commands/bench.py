@@ -90,7 +90,7 @@ def measure(args, url: str, model: str | None, count_tokens) -> dict:
                 url, model, prompt=args.prompt or bench.DEFAULT_PROMPT, requests_n=args.requests,
                 concurrency=args.concurrency, max_tokens=args.max_tokens, stream=mode != "gauge",
                 warmup=args.warmup, timeout=args.timeout, time_limit=args.time_limit,
-                before_run=before_run if mode in ("gauge", "both") else None)
+                before_run=before_run if mode in ("gauge", "both") else None, ignore_eos=args.ignore_eos)
         except RuntimeError as e:
             raise UserError(f"{url}: {e}") from None
     result = bench.compute_metrics(answers, duration, count_tokens)
@@ -108,7 +108,8 @@ def measure(args, url: str, model: str | None, count_tokens) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S"),
         "backend": "openai-chat", "label": args.label or model, "url": url, "model_id": model,
         "num_prompts": args.requests, "max_concurrency": args.concurrency, "max_tokens": args.max_tokens,
-        "num_warmups": args.warmup, "mode": mode, "mode_requested": args.mode, "gauge": gauge, "boot": None,
+        "num_warmups": args.warmup, "ignore_eos": args.ignore_eos,
+        "mode": mode, "mode_requested": args.mode, "gauge": gauge, "boot": None,
     }
 
 

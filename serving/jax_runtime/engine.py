@@ -1,9 +1,11 @@
 """JaxEngine: the Engine seam (serving/engine.py) over the JAX Gemma 4 port, with a fixed set of compiled shapes.
 
-One ladder of buckets serves as both prompt lengths and full-attention capacities. At boot every executable is
-compiled ahead of time (through JAX's persistent cache, so a second boot loads them): prefill for each prompt
-bucket P (into capacity P), decode for each capacity C, and grow C -> next C. After boot only those compiled
-executables run; calling one with another shape raises instead of compiling.
+Continuous batching over a fixed number of slots: one KV cache with a row per slot, allocated once at the context
+limit, updated in place (donated). Two ladders fix every shape: lengths (prompt buckets, and the prefix of the
+full-attention cache a decode step reads) and batches (how many leading rows a decode step runs). At boot every
+executable is compiled ahead of time (through JAX's persistent cache, so a second boot loads them): prefill for
+each length bucket, decode for each (batch, length) pair; each one samples its tokens on the device. After boot
+only those executables run; calling one with another shape raises instead of compiling.
 """
 from __future__ import annotations
 
@@ -15,15 +17,18 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import checkpoint, config, model
+from serving.engine import SamplingParams
+
+from . import checkpoint, config, model, sampling
 
 DEFAULT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
+DEFAULT_SLOTS = 8
 log = logging.getLogger("serving.jax")
 
 
@@ -97,13 +102,29 @@ class Settings:
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
     dtype: str = "auto"                # auto: float16 on GPU, float32 on CPU
     cache_dir: str | None = field(default_factory=lambda: str(Path.home() / ".cache" / "g5g-jax"))
+    slots: int = DEFAULT_SLOTS         # sequences decoded together
+    batches: tuple[int, ...] = ()      # decode batch ladder; () = (slots,): see batch_ladder
 
     @classmethod
     def from_env(cls, env=os.environ) -> "Settings":
         s = cls()
         buckets = parse_buckets(env["G5G_JAX_BUCKETS"]) if env.get("G5G_JAX_BUCKETS") else s.buckets
+        batches = parse_buckets(env["G5G_JAX_BATCHES"], "G5G_JAX_BATCHES") if env.get("G5G_JAX_BATCHES") else ()
+        try:
+            slots = int(env.get("G5G_JAX_SLOTS") or (batches[-1] if batches else s.slots))
+        except ValueError:
+            raise ValueError(f"G5G_JAX_SLOTS: {env['G5G_JAX_SLOTS']!r} is not an integer") from None
+        if slots < 1:
+            raise ValueError(f"G5G_JAX_SLOTS: {slots} must be at least 1")
         cache_dir = env.get("G5G_JAX_CACHE_DIR", s.cache_dir)
-        return cls(buckets=buckets, dtype=env.get("G5G_JAX_DTYPE", s.dtype), cache_dir=cache_dir or None)
+        return cls(buckets=buckets, dtype=env.get("G5G_JAX_DTYPE", s.dtype), cache_dir=cache_dir or None,
+                   slots=slots, batches=batches)
+
+    def batch_ladder(self) -> tuple[int, ...]:
+        """Decode batch sizes, the largest being the slot count. By default only that one: decode streams the
+        weights once per step whatever the batch, and on the H200 a step of 8 rows took less time than a step of
+        one (benchmarks/RESULTS.md), so smaller batches would only add executables to compile at boot."""
+        return tuple(sorted({b for b in self.batches if b < self.slots} | {self.slots}))
 
     def resolve_dtype(self):
         name = self.dtype
@@ -116,8 +137,8 @@ class Settings:
 
 # -- the engine ---------------------------------------------------------------------------------------------------
 class JaxEngine:
-    """One sequence at a time: start(prompt) resets it, step(token) extends it. Not thread-safe by itself;
-    the API layer serialises requests."""
+    """`slots` sequences decoded together (serving.engine.Engine). Not thread-safe by itself: one thread (the API
+    layer's engine thread) drives it."""
 
     def __init__(self, cfg: config.TextConfig, params: dict, settings: Settings):
         self.cfg = cfg
@@ -125,52 +146,74 @@ class JaxEngine:
         limit = cfg.max_position_embeddings
         self.buckets = tuple(b for b in settings.buckets if b <= limit) or (min(settings.buckets[0], limit),)
         self.max_context = self.buckets[-1]
+        self.slots = settings.slots
+        self.batches = settings.batch_ladder()
         t0 = time.perf_counter()
         params = dict(params)
         self.ple_table = params.pop("ple_embed", None)  # host-side: see model._embed
         self.params = jax.device_put(params)
+        self._cache = model.empty_cache(cfg, self.slots, self.max_context, self.dtype)
         t_put = time.perf_counter() - t0
         before = compile_counts()
-        self._prefill, self._decode, self._grow = self._compile_ladder()
+        self._prefill, self._decode = self._compile_ladder()
         after = compile_counts()
         self.boot = {"device_put_s": round(t_put, 3), "compile_s": round(time.perf_counter() - t0 - t_put, 3),
-                     "executables": len(self._prefill) + len(self._decode) + len(self._grow),
-                     **{f"boot_{k}": after[k] - before[k] for k in after}}
-        self._cache = None
-        self._capacity = 0
-        self._pos = 0
+                     "executables": len(self._prefill) + len(self._decode), "slots": self.slots,
+                     "batches": list(self.batches), **{f"boot_{k}": after[k] - before[k] for k in after}}
+        # per slot: next position, sampling row (temperature, top_k, top_p, threefry key); free slots are greedy
+        self._pos = np.zeros(self.slots, np.int32)
+        self._temp = np.zeros(self.slots, np.float32)
+        self._top_k = np.zeros(self.slots, np.int32)
+        self._top_p = np.ones(self.slots, np.float32)
+        self._keys = np.zeros((self.slots, 2), np.uint32)
+        self._logits: dict[int, tuple] = {}       # slot -> (device logits [rows, V], row): the last step's
 
     def _compile_ladder(self):
-        cfg, dt = self.cfg, self.dtype
+        cfg = self.cfg
         params_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.params)
+        cache_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self._cache)
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
+
+        def vec(n, dtype=jnp.int32, *tail):
+            return jax.ShapeDtypeStruct((n, *tail), dtype)
 
         def rows_spec(n):
             if self.ple_table is None:
                 return None
             return jax.ShapeDtypeStruct((n, self.ple_table.shape[1]), self.ple_table.dtype)
 
-        def cache_spec(c):
-            return [(jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2 for k, _ in model.empty_cache(cfg, c, dt)]
+        def sampling_spec(n):
+            return vec(n, jnp.float32), vec(n), vec(n, jnp.float32), vec(n, jnp.uint32, 2)
 
-        prefill, decode, grow = {}, {}, {}
-        for n, c in enumerate(self.buckets):
-            prefill[c] = jax.jit(functools.partial(model.prefill, cfg, c)).lower(
-                params_spec, jax.ShapeDtypeStruct((c,), jnp.int32), i32, rows_spec(c)).compile()
-            decode[c] = jax.jit(functools.partial(model.decode, cfg), donate_argnums=(1,)).lower(
-                params_spec, cache_spec(c), i32, i32, rows_spec(1)).compile()
-            if n + 1 < len(self.buckets):
-                nxt = self.buckets[n + 1]
-                grow[c] = (nxt, jax.jit(functools.partial(model.grow, cfg, nxt)).lower(
-                    cache_spec(c)).compile())
-        return prefill, decode, grow
+        def prefill_fn(params, cache, slot, tokens, length, ple_rows, temp, top_k, top_p, keys):
+            logits, cache = model.prefill(cfg, params, cache, slot, tokens, length, ple_rows)
+            logits = logits[None]
+            return sampling.sample(logits, temp, top_k, top_p, keys, length[None]), logits, cache
+
+        def decode_fn(capacity, params, cache, tokens, positions, ple_rows, temp, top_k, top_p, keys):
+            logits, cache = model.decode(cfg, capacity, params, cache, tokens, positions, ple_rows)
+            return sampling.sample(logits, temp, top_k, top_p, keys, positions + 1), logits, cache
+
+        prefill, decode = {}, {}
+        for c in self.buckets:
+            prefill[c] = jax.jit(prefill_fn, donate_argnums=(1,)).lower(
+                params_spec, cache_spec, i32, vec(c), i32, rows_spec(c), *sampling_spec(1)).compile()
+            for b in self.batches:
+                decode[b, c] = jax.jit(functools.partial(decode_fn, c), donate_argnums=(1,)).lower(
+                    params_spec, cache_spec, vec(b), vec(b), rows_spec(b), *sampling_spec(b)).compile()
+        return prefill, decode
 
     def _ple_rows(self, tokens: np.ndarray):
         if self.ple_table is None:
             return None
         return self.ple_table[np.minimum(tokens, self.ple_table.shape[0] - 1)]
 
-    def start(self, prompt_ids: Sequence[int]) -> np.ndarray:
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot {slot} is not one of the JAX runtime's {self.slots} slots")
+
+    def start(self, slot: int, prompt_ids: Sequence[int], params: SamplingParams) -> int:
+        self._check_slot(slot)
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("empty prompt")
@@ -179,30 +222,54 @@ class JaxEngine:
         bucket = next(b for b in self.buckets if b >= n)
         tokens = np.zeros(bucket, np.int32)
         tokens[:n] = np.asarray(prompt_ids, np.int64).clip(0, self.cfg.vocab_size - 1)
-        self._cache = None  # release the previous sequence's buffers before allocating the new ones
-        logits, self._cache = self._prefill[bucket](self.params, tokens, np.int32(n), self._ple_rows(tokens))
-        self._capacity, self._pos = bucket, n
-        return np.array(logits, dtype=np.float32)  # a writable host copy: the sampler may scale it in place
+        self._temp[slot] = max(float(params.temperature), 0.0)
+        self._top_k[slot] = max(int(params.top_k), 0)
+        self._top_p[slot] = float(params.top_p)
+        self._keys[slot] = params.seed_words()
+        s = slice(slot, slot + 1)
+        out, logits, self._cache = self._prefill[bucket](
+            self.params, self._cache, np.int32(slot), tokens, np.int32(n), self._ple_rows(tokens),
+            self._temp[s], self._top_k[s], self._top_p[s], self._keys[s])
+        self._pos[slot] = n
+        self._logits[slot] = (logits, 0)
+        return int(out[0])
 
-    def step(self, token_id: int) -> np.ndarray:
-        if self._cache is None:
-            raise RuntimeError("step() before start()")
-        if self._pos >= self.max_context:
-            raise ValueError(f"sequence reached the JAX runtime's max_context {self.max_context}")
-        while self._pos >= self._capacity:
-            nxt, fn = self._grow[self._capacity]
-            self._cache, self._capacity = fn(self._cache), nxt
-        token = np.int32(min(max(int(token_id), 0), self.cfg.vocab_size - 1))
-        logits, self._cache = self._decode[self._capacity](self.params, self._cache, token, np.int32(self._pos),
-                                                           self._ple_rows(token[None]))
-        self._pos += 1
-        return np.array(logits, dtype=np.float32)  # a writable host copy: the sampler may scale it in place
+    def step(self, tokens: Mapping[int, int]) -> dict[int, int]:
+        if not tokens:
+            return {}
+        for slot in tokens:
+            self._check_slot(slot)
+            if self._pos[slot] == 0:
+                raise RuntimeError(f"step() on slot {slot} before start()")
+            if self._pos[slot] >= self.max_context:
+                raise ValueError(f"sequence reached the JAX runtime's max_context {self.max_context}")
+        live = np.zeros(self.slots, bool)
+        live[list(tokens)] = True
+        self._pos[~live] = 0                      # a slot left out is free from now on
+        b = next(n for n in self.batches if n > max(tokens))
+        c = next(n for n in self.buckets if n > int(self._pos[:b].max()))
+        ids = np.zeros(b, np.int32)
+        for slot, t in tokens.items():
+            ids[slot] = min(max(int(t), 0), self.cfg.vocab_size - 1)
+        temp = np.where(live[:b], self._temp[:b], 0.0).astype(np.float32)
+        out, logits, self._cache = self._decode[b, c](
+            self.params, self._cache, ids, self._pos[:b].copy(), self._ple_rows(ids),
+            temp, self._top_k[:b].copy(), self._top_p[:b].copy(), self._keys[:b].copy())
+        out = np.asarray(out)
+        self._pos[live] += 1
+        self._logits = {slot: (logits, slot) for slot in tokens}
+        return {slot: int(out[slot]) for slot in tokens}
+
+    def logits(self, slot: int) -> np.ndarray:
+        arr, row = self._logits[slot]
+        return np.array(arr[row], dtype=np.float32)
 
 
 def load(model_dir: str | Path, settings: Settings | None = None, max_context: int | None = None) -> JaxEngine:
-    """Boot: read config and weights, compile the bucket ladder (persistent cache), return a ready engine.
+    """Boot: read config and weights, compile the ladders (persistent cache), return a ready engine.
 
-    max_context (the server's --max-model-len) caps the ladder: buckets above it are dropped and it becomes the top.
+    max_context (the server's --max-model-len) caps the length ladder: buckets above it are dropped and it
+    becomes the top.
     """
     settings = settings or Settings.from_env()
     if max_context:
@@ -220,7 +287,8 @@ def load(model_dir: str | Path, settings: Settings | None = None, max_context: i
                         "buckets": list(engine.buckets), "dtype": str(engine.dtype),
                         "backend": jax.default_backend(), "cache_dir": settings.cache_dir})
     b = engine.boot
-    log.info("jax runtime ready in %.1fs on %s/%s: %d executables for buckets %s (%d from the persistent cache), "
-             "compile %.1fs, load %.1fs", b["boot_s"], b["backend"], b["dtype"], b["executables"], b["buckets"],
-             b["boot_cache_hits"], b["compile_s"], b["load_s"])
+    log.info("jax runtime ready in %.1fs on %s/%s: %d executables for %d slots, batches %s, buckets %s "
+             "(%d from the persistent cache), compile %.1fs, load %.1fs", b["boot_s"], b["backend"], b["dtype"],
+             b["executables"], b["slots"], b["batches"], b["buckets"], b["boot_cache_hits"], b["compile_s"],
+             b["load_s"])
     return engine

@@ -1,20 +1,23 @@
-"""The Gemma 4 text decoder as pure JAX functions: prefill a padded prompt, decode one token, grow the cache.
+"""The Gemma 4 text decoder as pure JAX functions: prefill a padded prompt into a cache row, decode one
+token for a batch of rows.
 
 Numerics follow transformers' Gemma4 text model: RMSNorm in float32 (x * (mean(x²) + eps) ** -0.5 * w),
 q/k norms with weights and a weightless v norm, attention scale 1, RoPE per layer kind (proportional RoPE on
 full layers), sqrt(hidden) embedding scale, per-layer embeddings (PLE) mixed into every layer, a learned
 per-layer scalar, tied embeddings and tanh soft-capping of the final logits.
 
-The KV cache holds one (k, v) pair per layer that computes its own KV (KV-shared layers read their source's):
-- sliding layers: a ring of `sliding_window` slots; position p lives in slot p % window.
-- full layers: `capacity` slots (a bucket of the ladder); position p lives in slot p.
-Keys are stored after RoPE, so a slot never needs its position again except for masking.
+The KV cache holds one (k, v) pair per layer that computes its own KV (KV-shared layers read their source's),
+each with one row per sequence slot (continuous batching: rows are independent sequences at their own positions):
+- sliding layers: a ring of `sliding_window` entries per row; position p lives in entry p % window.
+- full layers: `capacity` entries per row (the context limit); position p lives in entry p. A decode step reads
+  only a prefix of them (a bucket of the ladder that covers every row's position).
+Keys are stored after RoPE, so an entry never needs its position again except for masking. Entries a row has not
+written yet (or a previous sequence's) are always masked.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .config import TextConfig
 
@@ -113,12 +116,12 @@ def _finish_layer(cfg: TextConfig, lp, h, attn, ple):
 
 
 def _logits(cfg: TextConfig, params, h):
-    """h [D] -> float32 logits [V], soft-capped."""
+    """h [B, D] -> float32 logits [B, V], soft-capped."""
     h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     if params["lm_head"] is None:
-        logits = jnp.einsum("d,vd->v", h, params["embed"], preferred_element_type=F32)
+        logits = jnp.einsum("bd,vd->bv", h, params["embed"], preferred_element_type=F32)
     else:
-        logits = jnp.einsum("d,dv->v", h, params["lm_head"], preferred_element_type=F32)
+        logits = jnp.einsum("bd,dv->bv", h, params["lm_head"], preferred_element_type=F32)
     cap = cfg.final_logit_softcapping
     if cap:
         logits = jnp.tanh(logits / cap) * cap
@@ -130,25 +133,26 @@ def kv_owners(cfg: TextConfig) -> list[int]:
     return [i for i, s in enumerate(cfg.layers) if s.kv_source == i]
 
 
-def empty_cache(cfg: TextConfig, capacity: int, dtype) -> list:
-    """Host-side zero cache shapes (numpy), for lowering and tests."""
-    out = []
-    for i in kv_owners(cfg):
-        s = cfg.layers[i]
-        slots = cfg.sliding_window if s.sliding else capacity
-        z = np.zeros((slots, s.num_kv_heads, s.head_dim), dtype)
-        out.append((z, z))
-    return out
+def cache_shapes(cfg: TextConfig, slots: int, capacity: int) -> list[tuple[int, ...]]:
+    """Shape of each KV owner's k (and v) for `slots` sequences of up to `capacity` positions:
+    [slots, positions, kv_heads, head_dim]."""
+    return [(slots, cfg.sliding_window if cfg.layers[i].sliding else capacity, cfg.layers[i].num_kv_heads,
+             cfg.layers[i].head_dim) for i in kv_owners(cfg)]
 
 
-def prefill(cfg: TextConfig, capacity: int, params, tokens, length, ple_rows=None):
-    """Run a prompt padded to a bucket. tokens [P] int32 (valid up to `length`), length int32 scalar,
-    ple_rows [P, L*P'] the per-layer embedding rows of the tokens (None without PLE).
+def empty_cache(cfg: TextConfig, slots: int, capacity: int, dtype) -> list:
+    """A zero cache on the device: (k, v) per KV owner."""
+    return [(jnp.zeros(s, dtype), jnp.zeros(s, dtype)) for s in cache_shapes(cfg, slots, capacity)]
 
-    Returns (float32 logits [V] for the token after position length-1, cache for `capacity` slots).
+
+def prefill(cfg: TextConfig, params, cache, slot, tokens, length, ple_rows=None):
+    """Run a prompt padded to a bucket into cache row `slot` (any previous sequence there is dropped).
+    tokens [P] int32 (valid up to `length`), slot and length int32 scalars, ple_rows [P, L*P'] the per-layer
+    embedding rows of the tokens (None without PLE). P must not exceed the cache's capacity.
+
+    Returns (float32 logits [V] for the token after position length-1, updated cache).
     """
     p_len = tokens.shape[0]
-    assert p_len <= capacity, (p_len, capacity)
     window = cfg.sliding_window
     dtype = params["embed"].dtype
     h, ple = _embed(cfg, params, tokens, ple_rows)
@@ -158,39 +162,55 @@ def prefill(cfg: TextConfig, capacity: int, params, tokens, length, ple_rows=Non
     trig = _rope_tables(cfg, pos, dtype)
 
     # ring slot s holds the last prompt position p < length with p % window == s (garbage if none: masked later)
-    slot = jnp.arange(window, dtype=jnp.int32)
-    ring_src = jnp.clip(slot + window * ((length - 1 - slot) // window), 0, p_len - 1)
+    ring = jnp.arange(window, dtype=jnp.int32)
+    ring_src = jnp.clip(ring + window * ((length - 1 - ring) // window), 0, p_len - 1)
 
+    owners = {layer: n for n, layer in enumerate(kv_owners(cfg))}
     kv: dict[int, tuple] = {}
-    cache = []
+    cache = list(cache)
+    zero = jnp.int32(0)
     for i, (spec, lp) in enumerate(zip(cfg.layers, params["layers"])):
         own = spec.kv_source == i
         cos, sin = trig[(spec.kind, spec.head_dim)]
         q, k, v = _qkv(cfg, spec, lp, rms_norm(h, lp["input_ln"], cfg.rms_norm_eps), cos, sin, own)
         if own:
             kv[i] = (k, v)
-            if spec.sliding:
-                cache.append((k[ring_src], v[ring_src]))
-            else:
-                pad = ((0, capacity - p_len), (0, 0), (0, 0))
-                cache.append((jnp.pad(k, pad), jnp.pad(v, pad)))
+            rows = (k[ring_src], v[ring_src]) if spec.sliding else (k, v)
+            cache[owners[i]] = tuple(jax.lax.dynamic_update_slice(c, r[None], (slot, zero, zero, zero))
+                                     for c, r in zip(cache[owners[i]], rows))
         k, v = kv[spec.kv_source]
         attn = _attend(q, k, v, masks["sliding" if spec.sliding else "full"])
         h = _finish_layer(cfg, lp, h, attn, None if ple is None else ple[:, i])
     last = jax.lax.dynamic_index_in_dim(h, length - 1, axis=0, keepdims=False)
-    return _logits(cfg, params, last), cache
+    return _logits(cfg, params, last[None])[0], cache
 
 
-def decode(cfg: TextConfig, params, cache, token, pos, ple_rows=None):
-    """Append one token at position `pos` (int32 scalars; ple_rows [1, L*P'] its per-layer embedding row).
-    Returns (float32 logits [V], updated cache)."""
+def _attend_rows(q, k, v, mask):
+    """One query per row against that row's cache: q [B, H, hd], k/v [B, S, kvh, hd], mask [B, S] -> [B, H*hd]."""
+    b, h, hd = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, kvh, h // kvh, hd)
+    scores = jnp.einsum("bkgd,bskd->bkgs", qg, k, preferred_element_type=F32)
+    scores = jnp.where(mask[:, None, None, :], scores, NEG)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    return jnp.einsum("bkgs,bskd->bkgd", probs, v).reshape(b, h * hd)
+
+
+def decode(cfg: TextConfig, capacity: int, params, cache, tokens, positions, ple_rows=None):
+    """One token for each of the first B cache rows: tokens, positions [B] int32 (row r's token goes to position
+    positions[r]), ple_rows [B, L*P'] their per-layer embedding rows. Full-attention layers read only the first
+    `capacity` positions (every position must be below it). Returns (float32 logits [B, V], updated cache)."""
     window = cfg.sliding_window
     dtype = params["embed"].dtype
-    h, ple = _embed(cfg, params, token[None], ple_rows)
-    trig = _rope_tables(cfg, pos[None], dtype)
+    b = tokens.shape[0]
+    rows = jnp.arange(b, dtype=jnp.int32)
+    h, ple = _embed(cfg, params, tokens, ple_rows)
+    trig = _rope_tables(cfg, positions, dtype)
 
-    slot = jnp.arange(window, dtype=jnp.int32)
-    ring_mask = (pos - (pos - slot) % window >= 0)[None, :]  # slot's position (pos - (pos-s) mod W) exists
+    ring = jnp.arange(window, dtype=jnp.int32)
+    p = positions[:, None]
+    masks = {True: p - (p - ring[None, :]) % window >= 0,      # the ring slot's position exists
+             False: jnp.arange(capacity, dtype=jnp.int32)[None, :] <= p}
 
     owners = {layer: n for n, layer in enumerate(kv_owners(cfg))}
     cache = list(cache)
@@ -199,28 +219,11 @@ def decode(cfg: TextConfig, params, cache, token, pos, ple_rows=None):
         cos, sin = trig[(spec.kind, spec.head_dim)]
         q, k, v = _qkv(cfg, spec, lp, rms_norm(h, lp["input_ln"], cfg.rms_norm_eps), cos, sin, own)
         if own:
+            at = positions % window if spec.sliding else positions
             ck, cv = cache[owners[i]]
-            at = pos % window if spec.sliding else pos
-            ck = jax.lax.dynamic_update_slice_in_dim(ck, k, at, axis=0)
-            cv = jax.lax.dynamic_update_slice_in_dim(cv, v, at, axis=0)
-            cache[owners[i]] = (ck, cv)
+            cache[owners[i]] = (ck.at[rows, at].set(k), cv.at[rows, at].set(v))
         ck, cv = cache[owners[spec.kv_source]]
-        if spec.sliding:
-            mask = ring_mask
-        else:
-            mask = (jnp.arange(ck.shape[0], dtype=jnp.int32) <= pos)[None, :]
-        attn = _attend(q, ck, cv, mask)
+        span = window if spec.sliding else capacity
+        attn = _attend_rows(q, ck[:b, :span], cv[:b, :span], masks[spec.sliding])
         h = _finish_layer(cfg, lp, h, attn, None if ple is None else ple[:, i])
-    return _logits(cfg, params, h[0]), cache
-
-
-def grow(cfg: TextConfig, capacity: int, cache):
-    """Copy a cache into the next capacity bucket: full layers get zero slots appended; rings are unchanged."""
-    out = []
-    for i, (k, v) in zip(kv_owners(cfg), cache):
-        if cfg.layers[i].sliding:
-            out.append((k, v))
-        else:
-            pad = ((0, capacity - k.shape[0]), (0, 0), (0, 0))
-            out.append((jnp.pad(k, pad), jnp.pad(v, pad)))
-    return out
+    return _logits(cfg, params, h), cache

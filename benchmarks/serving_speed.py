@@ -1,0 +1,332 @@
+"""Serving speed on the wire: our JAX and PyTorch servers, and transformers' static-cache `generate` as the peer.
+
+One run, one machine, one checkpoint: google/gemma-4-E2B-it's exact text shapes with random float16 weights
+(benchmarks/jax_gpu_e2b_shape.py builds it; no download) and a tokenizer whose 262 144 ids all decode to text.
+Each server runs as `python -m serving` and is measured by `build.py bench` (the vllm-bench-serve statistics):
+- boot: seconds from process start to /health 200 (JAX: cold with an empty compilation cache, then warm);
+- single stream, 64 and 256 output tokens (ignore_eos), --runs requests each: per-request TPOT;
+- 8 concurrent streams of 256 tokens: aggregate output tok/s and per-stream TPOT;
+- prefill of a ~512-token prompt: TTFT of 1-token requests.
+The peer, in-process, on the same checkpoint, prompts and lengths: decode tok/s of `generate(...,
+cache_implementation="static")` (greedy) as (N - 1) / (t(N tokens) - t(1 token)), batch 1 and 8, and prefill.
+Then an in-process profile of JAX decode: executable time vs engine.step time (host gap), a device trace.
+
+    python benchmarks/serving_speed.py OUTDIR [--runs 5] [--layers 35] [--tiny]
+Writes OUTDIR/serving_speed.json (every figure, with spread) and prints a summary.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+BUCKETS = "128,512,1024"        # JAX length ladder for this run: 512-token prompts + 256 tokens fit in 1024
+SLOTS = 8
+RESULT: dict = {}
+
+
+def note(out: Path, **kw) -> None:
+    RESULT.update(kw)
+    (out / "serving_speed.json").write_text(json.dumps(RESULT, indent=1))
+    print(json.dumps(kw)[:2000], flush=True)
+
+
+# ------------------------------------------------------------------------------------------- checkpoint
+def make_checkpoint(ckpt: Path, layers: int, tiny: bool) -> None:
+    """E2B-shaped random weights + a tokenizer over the whole vocabulary (extra ids decode to ' w<id>')."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    from benchmarks.jax_gpu_e2b_shape import build
+    from tests.fixtures.tiny_gemma4 import build_tokenizer
+
+    build(ckpt, layers, tiny)
+    build_tokenizer(ckpt)
+    vocab_size = json.loads((ckpt / "config.json").read_text())["text_config"]["vocab_size"]
+    tj = json.loads((ckpt / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    for i in range(len(vocab), vocab_size):
+        vocab[f"▁w{i}"] = i
+    (ckpt / "tokenizer.json").write_text(json.dumps(tj))
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def prompts(ckpt: Path) -> dict:
+    """The chat prompts (text) the benches send, and their token counts as the servers will see them."""
+    from serving.generation import TokenizerInfo
+    from g5g.bench import DEFAULT_PROMPT
+
+    info = TokenizerInfo.load(ckpt)
+    long = ""
+    while len(info.chat_prompt([{"role": "user", "content": long}])) < 512:
+        long += "Site reliability engineering applies software engineering to operations. "
+    out = {}
+    for name, text in (("short", DEFAULT_PROMPT), ("long", long)):
+        ids = info.chat_prompt([{"role": "user", "content": text}])
+        out[name] = {"text": text, "ids": ids, "tokens": len(ids)}
+    return out
+
+
+# --------------------------------------------------------------------------------------------- servers
+def start_server(runtime: str, ckpt: Path, port: int, env: dict, log: Path) -> tuple[subprocess.Popen, float]:
+    """Start `python -m serving`; return it and the seconds until /health said 200."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "serving", "--runtime", runtime, "--model", str(ckpt), "--port", str(port),
+         "--max-model-len", "1024", "--served-model-name", "e2b", "--max-waiting", "64", "--log-level", "warning"],
+        cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    while time.monotonic() - t0 < 900:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{runtime} server exited {proc.returncode}: {log.read_text()[-3000:]}")
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, time.monotonic() - t0
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    stop(proc)
+    raise RuntimeError(f"{runtime} server not ready in 900 s: {log.read_text()[-3000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def bench(url: str, out: Path, name: str, *, requests_n: int, concurrency: int, max_tokens: int,
+          prompt: str | None = None) -> dict:
+    """`build.py bench` on the wire; returns its result with per-request TPOTs and their spread."""
+    f = out / f"{name}.json"
+    cmd = [sys.executable, "build.py", "bench", "--url", url, "--mode", "both", "--requests", str(requests_n),
+           "--concurrency", str(concurrency), "--max-tokens", str(max_tokens), "--ignore-eos", "--warmup", "1",
+           "--timeout", "300", "--time-limit", "400", "--json", str(f)]
+    if prompt:
+        cmd += ["--prompt", prompt]
+    subprocess.run(cmd, cwd=ROOT, check=True, timeout=600, stdout=subprocess.DEVNULL)
+    r = json.loads(f.read_text())
+    tpots = [(lat - ttft) / (n - 1) * 1000 for lat, ttft, n in zip(r["latencies"], r["ttfts"], r["output_lens"])
+             if ttft is not None and n > 1]
+    keep = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "output_throughput",
+            "median_ttft_ms", "mean_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "mean_tpot_ms", "std_tpot_ms",
+            "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms", "gauge")
+    res = {k: r.get(k) for k in keep}
+    res["tpots_ms"] = [round(t, 3) for t in tpots]
+    res["ttfts_ms"] = [round(t * 1000, 3) for t in r["ttfts"] if t is not None]
+    if tpots:
+        res["decode_tok_s_median"] = round(1000 / statistics.median(tpots), 1)
+        res["decode_tok_s_range"] = [round(1000 / max(tpots), 1), round(1000 / min(tpots), 1)]
+    return res
+
+
+def measure_server(runtime: str, ckpt: Path, work: Path, runs: int, p: dict) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "G5G_JAX_CACHE_DIR": str(work / "jaxcache"), "G5G_JAX_BUCKETS": BUCKETS, "G5G_JAX_SLOTS": str(SLOTS),
+           "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
+    port = 18000 + (runtime == "pytorch")
+    url = f"http://127.0.0.1:{port}"
+    res: dict = {}
+    proc, res["boot_s"] = start_server(runtime, ckpt, port, env, work / f"{runtime}-cold.log")
+    if runtime == "jax":          # the first boot compiled into an empty cache: boot again from it
+        res["boot_cold_s"] = res.pop("boot_s")
+        stop(proc)
+        proc, res["boot_warm_s"] = start_server(runtime, ckpt, port, env, work / f"{runtime}-warm.log")
+    try:
+        r = requests.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": p["short"]["text"]}], "max_tokens": 48, "temperature": 0,
+            "ignore_eos": True})
+        res["greedy_48_text"] = r.json()["choices"][0]["message"]["content"]   # runtimes agree? (a sanity check)
+        res["single_64"] = bench(url, work, f"{runtime}-single64", requests_n=runs, concurrency=1, max_tokens=64)
+        res["single_256"] = bench(url, work, f"{runtime}-single256", requests_n=runs, concurrency=1, max_tokens=256)
+        res["concurrent_8x256"] = bench(url, work, f"{runtime}-conc8", requests_n=SLOTS * (2 if runtime == "jax" else 1),
+                                        concurrency=SLOTS, max_tokens=256)
+        res["prefill_512"] = bench(url, work, f"{runtime}-prefill512", requests_n=runs, concurrency=1,
+                                   max_tokens=1, prompt=p["long"]["text"])
+    finally:
+        stop(proc)
+        for log in work.glob(f"{runtime}-*.log"):
+            res.setdefault("log_tail", {})[log.name] = log.read_text()[-1500:]
+    return res
+
+
+# ------------------------------------------------------------------------------------------------ peer
+def measure_peer(ckpt: Path, runs: int, p: dict) -> dict:
+    """transformers `generate(cache_implementation="static")`, eager, on the PyTorch runtime's model."""
+    import torch
+    from serving.pytorch_runtime import load
+
+    model = load(ckpt, max_context=1024).model
+    res: dict = {"transformers": __import__("transformers").__version__, "torch": torch.__version__}
+
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+
+    def timed(ids: list[int], batch: int, n: int) -> float:
+        x = torch.tensor([ids] * batch, device=model.device)
+        sync()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 cache_implementation="static", eos_token_id=None, pad_token_id=0)
+        sync()
+        assert out.shape[1] == len(ids) + n
+        return time.perf_counter() - t0
+
+    short = p["short"]["ids"]
+    for batch, n in ((1, 64), (1, 256), (8, 256)):
+        timed(short, batch, n)                               # warm-up (and the static cache's first allocation)
+        rates = []
+        for _ in range(runs):
+            t1, tn = timed(short, batch, 1), timed(short, batch, n)
+            rates.append((n - 1) / (tn - t1))
+        key = f"batch{batch}_{n}"
+        res[key] = {"decode_tok_s_per_stream": [round(r, 1) for r in rates],
+                    "decode_tok_s_median": round(statistics.median(rates), 1),
+                    "aggregate_tok_s_median": round(batch * statistics.median(rates), 1)}
+    timed(p["long"]["ids"], 1, 1)
+    t = sorted(timed(p["long"]["ids"], 1, 1) for _ in range(runs))
+    res["prefill_512"] = {"prompt_tokens": p["long"]["tokens"], "ttft_ms": [round(x * 1000, 2) for x in t],
+                          "median_ttft_ms": round(statistics.median(t) * 1000, 2)}
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return res
+
+
+# --------------------------------------------------------------------------------------------- profile
+def _trace_summary(path: Path, steps: int) -> dict:
+    """Per device line of a jax.profiler trace: kernels per step, their busy time per step, the span covered,
+    and the kernels that take the most time."""
+    from jax.profiler import ProfileData
+
+    out: dict = {}
+    for plane in ProfileData.from_file(str(path)).planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            ev = [(e.name, e.start_ns, e.duration_ns) for e in line.events]
+            if not ev:
+                continue
+            span = (max(s + d for _, s, d in ev) - min(s for _, s, _ in ev)) / 1e6
+            by: dict = {}
+            for name, _, d in ev:
+                by[name] = by.get(name, 0.0) + d / 1e6
+            top = sorted(by.items(), key=lambda kv: -kv[1])[:12]
+            out[f"{plane.name} | {line.name}"] = {
+                "events_per_step": round(len(ev) / steps, 1), "busy_ms_per_step": round(sum(by.values()) / steps, 3),
+                "span_ms_per_step": round(span / steps, 3),
+                "top_ms_per_step": {n[:90]: round(t / steps, 4) for n, t in top}}
+    return out
+
+
+def profile_jax(ckpt: Path, work: Path, p: dict, buckets: str = BUCKETS) -> dict:
+    """Where decode time goes: the decode executable alone vs a whole engine.step (host gap), and a device trace
+    (kernels per step, GPU busy time per step vs wall time per step)."""
+    import glob
+
+    import jax
+    import numpy as np
+    from serving.engine import SamplingParams
+    from serving.jax_runtime import Settings, load
+    from serving.jax_runtime.engine import parse_buckets
+
+    eng = load(ckpt, Settings(buckets=parse_buckets(buckets), cache_dir=str(work / "jaxcache"), slots=SLOTS,
+                              batches=(1,)))
+    res: dict = {"boot": eng.boot}
+    greedy = SamplingParams(temperature=0.0)
+    n = 100
+    for b in eng.batches:
+        toks = {s: eng.start(s, p["short"]["ids"], greedy) for s in range(b)}
+        for _ in range(5):
+            toks = eng.step(toks)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            toks = eng.step(toks)
+        step_ms = (time.perf_counter() - t0) / n * 1000
+        tdir = work / f"trace_b{b}"
+        with jax.profiler.trace(str(tdir)):
+            for _ in range(20):
+                toks = eng.step(toks)
+        # the executable alone, inputs already on the device, no host work between calls
+        c = next(x for x in eng.buckets if x > int(eng._pos[:b].max()))
+        exe = eng._decode[b, c]
+        zeros = np.zeros(b, np.int32)
+        args = [jax.device_put(a) for a in (zeros, eng._pos[:b].copy(), eng._ple_rows(zeros), np.zeros(b, np.float32),
+                                            zeros, np.ones(b, np.float32), np.zeros((b, 2), np.uint32))]
+        out = exe(eng.params, eng._cache, *args)
+        eng._cache = out[2]
+        jax.block_until_ready(out)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out = exe(eng.params, eng._cache, *args)
+            eng._cache = out[2]
+        jax.block_until_ready(out)
+        exe_ms = (time.perf_counter() - t0) / n * 1000
+        hlo = exe.as_text()
+        res[f"batch{b}"] = {"capacity": c, "engine_step_ms": round(step_ms, 3), "executable_ms": round(exe_ms, 3),
+                            "host_gap_ms": round(step_ms - exe_ms, 3),
+                            "hlo_fusions": hlo.count(" fusion("), "hlo_custom_calls": hlo.count("custom-call("),
+                            "hlo_conditionals": hlo.count(" conditional("), "hlo_while_loops": hlo.count(" while(")}
+        try:
+            res[f"batch{b}"]["trace"] = _trace_summary(Path(glob.glob(f"{tdir}/**/*.xplane.pb", recursive=True)[0]),
+                                                       20)
+        except Exception as e:              # the trace is a diagnostic: its failure must not lose the timings
+            res[f"batch{b}"]["trace"] = f"{type(e).__name__}: {e}"
+        for s in range(b):
+            eng._pos[s] = 0
+    res["device_weight_bytes"] = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(eng.params))
+    res["xla_flags"] = os.environ.get("XLA_FLAGS")
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=35)
+    ap.add_argument("--tiny", action="store_true", help="shrink the widths (smoke-run the script on CPU)")
+    ap.add_argument("--only", default="peer,jax,profile,pytorch", help="phases, in this order")
+    ap.add_argument("--profile-buckets", default=BUCKETS, help="JAX length ladder of the profile (default: the "
+                    "server's, whose executables the jax phase left in the persistent cache)")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="serving-speed-"))
+    ckpt = work / "ckpt"
+    t0 = time.perf_counter()
+    make_checkpoint(ckpt, args.layers, args.tiny)
+    p = prompts(ckpt)
+    import torch
+    note(out, device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", layers=args.layers,
+         runs=args.runs, jax_buckets=BUCKETS, slots=SLOTS, checkpoint_s=round(time.perf_counter() - t0, 1),
+         prompt_tokens={k: v["tokens"] for k, v in p.items()})
+    phases = {"peer": ("peer_transformers_static", lambda: measure_peer(ckpt, args.runs, p)),
+              "jax": ("jax", lambda: measure_server("jax", ckpt, work, args.runs, p)),
+              "profile": ("jax_profile", lambda: profile_jax(ckpt, work, p, args.profile_buckets)),
+              "pytorch": ("pytorch", lambda: measure_server("pytorch", ckpt, work, args.runs, p))}
+    for phase in args.only.split(","):
+        key, run = phases[phase]
+        try:
+            note(out, **{key: run()})
+        except Exception as e:              # one phase failing must not lose the others' figures
+            note(out, **{key: {"error": f"{type(e).__name__}: {e}"[-3000:]}})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Next-token sampling on the device, both runtimes, against serving.engine's contract (statistics, seeds, cuts)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from serving.engine import SamplingParams
+
+
+def _jax_draws(logits, params: SamplingParams, n: int) -> list[int]:
+    """n draws for one request: the token at positions 0..n-1 (one key per position), as a batch of n rows."""
+    import jax.numpy as jnp
+    from serving.jax_runtime.sampling import sample
+
+    rows = np.broadcast_to(np.asarray(logits, np.float32), (n, len(logits)))
+    out = sample(jnp.asarray(rows), jnp.full(n, params.temperature, jnp.float32), jnp.full(n, params.top_k, jnp.int32),
+                 jnp.full(n, params.top_p, jnp.float32), jnp.asarray(np.tile(params.seed_words(), (n, 1)), jnp.uint32),
+                 jnp.arange(n, dtype=jnp.int32))
+    return np.asarray(out).tolist()
+
+
+def _torch_draws(logits, params: SamplingParams, n: int) -> list[int]:
+    import torch
+    from serving.pytorch_runtime import sample
+
+    gen = torch.Generator().manual_seed(params.seed64())
+    x = torch.tensor(np.asarray(logits, np.float32))
+    return [int(sample(x, params, gen)) for _ in range(n)]
+
+
+@pytest.fixture(params=["jax", "torch"])
+def draws(request):
+    pytest.importorskip(request.param)
+    return _jax_draws if request.param == "jax" else _torch_draws
+
+
+def test_greedy_and_degenerate_filters_pick_the_argmax(draws):
+    logits = [0.1, 3.0, 2.9, -1.0]
+    assert set(draws(logits, SamplingParams(temperature=0.0), 5)) == {1}
+    assert set(draws(logits, SamplingParams(temperature=1.0, top_p=1e-6, seed=3), 50)) == {1}
+    assert set(draws(logits, SamplingParams(temperature=1.0, top_k=1, seed=3), 50)) == {1}
+
+
+def test_sampling_follows_the_distribution_and_the_seed(draws):
+    logits = [0.0, np.log(3.0)]
+    many = draws(logits, SamplingParams(temperature=1.0, seed=7), 4000)
+    assert 0.72 < np.mean(many) < 0.78                      # p(1) = 3/4
+    assert draws(logits, SamplingParams(temperature=1.0, seed=7), 4000) == many
+    assert draws(logits, SamplingParams(temperature=1.0, seed=8), 4000) != many
+    hot = draws(logits, SamplingParams(temperature=4.0, seed=7), 4000)
+    assert 0.52 < np.mean(hot) < 0.62                       # p(1) = 3^(1/4) / (1 + 3^(1/4)) = 0.568
+    assert set(draws(logits, SamplingParams(temperature=1.0, top_p=0.7, seed=1), 200)) == {1}   # 0.75 alone
+
+
+def test_a_tiny_temperature_is_greedy_not_nan(draws):
+    logits = [0.0, 5.0, 1.0, -2.0]
+    for t in (1e-310, 1e-200, 1e-5):
+        assert set(draws(logits, SamplingParams(temperature=t, seed=1), 20)) == {1}
+        assert set(draws(logits, SamplingParams(temperature=t, top_p=0.9, seed=1), 20)) == {1}
+
+
+def test_any_integer_seed_is_accepted_and_reproducible(draws):
+    logits = [0.0, np.log(3.0)]
+    got = {}
+    for seed in (-1, -2**63, 2**64 + 5):                    # OpenAI/vLLM allow negative seeds
+        got[seed] = draws(logits, SamplingParams(temperature=1.0, seed=seed), 200)
+        assert got[seed] == draws(logits, SamplingParams(temperature=1.0, seed=seed), 200)
+    assert got[-1] != got[-2**63]
+
+
+def test_top_k_keeps_exactly_the_k_most_likely(draws):
+    logits = np.random.default_rng(1).standard_normal(300)
+    top = set(np.argsort(-logits)[:20].tolist())
+    drawn = draws(logits, SamplingParams(temperature=3.0, top_k=20, seed=2), 3000)
+    assert set(drawn) == top                                # all of them, nothing else
+
+
+def test_nucleus_is_exact_when_it_is_wide(draws):
+    """top_p over a flat 5000-token distribution: the nucleus is large, and drawn from as a whole."""
+    logits = np.random.default_rng(3).standard_normal(5000) * 0.5
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    nucleus = set(order[: int(np.searchsorted(np.cumsum(p[order]), 0.9)) + 1].tolist())
+    assert len(nucleus) > 1000
+    drawn = set(draws(logits, SamplingParams(temperature=1.0, top_p=0.9, seed=5), 1500))
+    assert drawn <= nucleus
+    assert len(drawn & set(order[256:].tolist())) > 100
+    edge = order[len(nucleus) - 1]                          # the cut is the exact one: its last token is kept ...
+    assert edge in nucleus and order[len(nucleus)] not in nucleus
+
+
+def test_jax_rows_do_not_depend_on_their_batch():
+    """A request's draws depend on its seed and positions alone, not on the other rows or the batch size."""
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+    from serving.jax_runtime.sampling import sample
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((4, 64)).astype(np.float32)
+    temp = np.array([1.0, 0.0, 0.7, 1.3], np.float32)
+    top_k = np.array([0, 0, 5, 0], np.int32)
+    top_p = np.array([1.0, 1.0, 1.0, 0.8], np.float32)
+    keys = np.array([[0, 1], [0, 2], [5, 3], [9, 9]], np.uint32)
+    pos = np.array([3, 8, 17, 40], np.int32)
+    together = np.asarray(sample(*map(jnp.asarray, (logits, temp, top_k, top_p, keys, pos))))
+    for r in range(4):
+        alone = sample(*map(jnp.asarray, (logits[r:r + 1], temp[r:r + 1], top_k[r:r + 1], top_p[r:r + 1],
+                                          keys[r:r + 1], pos[r:r + 1])))
+        assert int(alone[0]) == together[r]
+    assert together[1] == logits[1].argmax()
