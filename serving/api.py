@@ -188,7 +188,7 @@ class Scheduler:
             job.shutdown = True
             job.cancelled.set()
             fin = Finish("abort", len(job.prompt_ids), 0, [])
-            self.metrics.finished(job.arrival, fin)
+            self.metrics.finished(job.arrival, fin, running=self._running())
             job.send(fin)
         for job in live:
             if not job.cancelled.is_set():
