@@ -6,7 +6,7 @@
 Method. In the image's own `vllm-source` stage (vLLM 0.33.0 with both patches, the g4dn toolchain), vLLM's CMake
 is configured exactly as setup.py does for TORCH_CUDA_ARCH_LIST=7.5, but with VLLM_SKIP_FLASH_ATTN=0 (patch 0002's
 override: FA's CMake project is added, as it is upstream). ninja then lists FA's object files, a seeded random sample
-of FA2's and of FA3's is compiled with the flags FA's CMake gives them (`ninja <objects>`, one job, no ccache), and
+of FA2's and of FA3's is compiled with the flags FA's CMake gives them (`ninja -j 2 <objects>`, as the real build ran, no ccache), and
 each unit's time is read from ninja's log. FA's cost = mean unit time × its number of units, per extension;
 vLLM's own cost = the sum over the real build's ninja log (same machine, same nvcc). FA's sources: the newest tree
 the mirror holds (the commit 0.33.0 pins was not reachable here), its CUTLASS submodule at the commit it records.
@@ -46,7 +46,7 @@ fa2 = [o for o in objs if "/csrc/flash_attn/" in o]; fa3 = [o for o in objs if "
 rng = random.Random(int(sys.argv[2])); n = int(sys.argv[1])
 print("\n".join(rng.sample(fa2, min(n, len(fa2))) + rng.sample(fa3, min(n, len(fa3)))))
 PY
-ninja -C /tmp/b -j 1 $(cat /out/sample.txt) > /out/ninja.out 2>&1 || { tail -n 60 /out/ninja.out >&2; exit 1; }
+ninja -C /tmp/b -j 2 $(cat /out/sample.txt) > /out/ninja.out 2>&1 || { tail -n 60 /out/ninja.out >&2; exit 1; }
 cp /tmp/b/.ninja_log /out/fa_ninja_log
 """
 

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         "stages": stage_times(a.log.read_text(errors="replace")),
         "build_times": " ".join((a.report / "times.txt").read_text().split()),
         "arch_lines": sorted({ln.split("] ", 1)[-1].strip() for ln in build_log.splitlines()
-                              if re.search(r"CUDA (target|supported) arch", ln)}),
+                              if re.search(r"-- CUDA (target|supported) architectures:", ln)}),
         "ninja": {"units": len(units), "sum_s": round(sum(u["seconds"] for u in units), 1),
                   "fa_units": sum("vllm-flash-attn" in u["output"] for u in units), "slowest": units[:20]},
         "sass": sass_lines((a.report / "cuobjdump.txt").read_text()),
