@@ -14,9 +14,10 @@ import openai
 import pytest
 import requests
 import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 
 from serving.api import create_app
+from tests.fixtures.observe import metrics, wait_until
+from tests.fixtures.paced_runtime import Paced
 from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
 from tests.fixtures.net import free_port
 
@@ -50,39 +51,8 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def metrics(url: str) -> dict[str, float]:
-    """Flat {sample name{labels}: value} of /metrics."""
-    out = {}
-    for fam in text_string_to_metric_families(requests.get(f"{url}/metrics", timeout=5).text):
-        for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
 
 
-def wait_until(cond, timeout: float = 30, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
-class Paced:
-    """The real engine with a pause before each decode step, so that requests pile up while a test watches."""
-
-    def __init__(self, engine, delay: float):
-        self.engine, self.delay = engine, delay
-        self.max_context, self.slots = engine.max_context, engine.slots
-
-    def start(self, slot, prompt_ids, params):
-        return self.engine.start(slot, prompt_ids, params)
-
-    def step(self, tokens):
-        time.sleep(self.delay)
-        return self.engine.step(tokens)
-
-    def logits(self, slot):
-        return self.engine.logits(slot)
 
 
 @pytest.fixture(scope="module")

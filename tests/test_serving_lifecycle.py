@@ -13,29 +13,15 @@ import time
 
 import pytest
 import requests
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fixtures.serving import REPO, ServerProcess, server_env
+from tests.fixtures.observe import metrics as gauges, wait_until
 from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
 
 ASK = [{"role": "user", "content": QUESTION}]
 LONG = {"messages": ASK, "max_tokens": 200, "ignore_eos": True}        # 200 paced steps: seconds
 
 
-def gauges(url: str) -> dict[str, float]:
-    out = {}
-    for fam in text_string_to_metric_families(requests.get(f"{url}/metrics", timeout=5).text):
-        for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
-
-
-def wait_until(cond, timeout: float = 30, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def in_flight(url: str) -> float:
