@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sources", type=Path, default=ROOT / ".cache/vllm-sources/0.33.0")
     ap.add_argument("--sample", type=int, default=3, help="units per FA extension")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ca-cert", type=Path, default=Path("/etc/ssl/certs/ca-certificates.crt"),
+                    help="CA bundle for pip inside the container (where a proxy re-signs TLS)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     work = ROOT / ".cache" / "fa-share"
@@ -83,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     commits = fa_tree(a.fa_mirror, a.cutlass_mirror, work / "fa")
     subprocess.run(["docker", "buildx", "bake", "-f", str(a.bake), "--set", "vllm.target=vllm-source",
                     "--set", f"vllm.tags={IMAGE}", "--set", "vllm.output=type=docker", "vllm"], check=True, cwd=ROOT)
-    subprocess.run(["docker", "run", "--rm", "-e", f"SAMPLE={a.sample}", "-e", f"SEED={a.seed}",
+    ca = ["-v", f"{a.ca_cert}:/ca.pem:ro", "-e", "PIP_CERT=/ca.pem"] if a.ca_cert.is_file() else []
+    subprocess.run(["docker", "run", "--rm", "-e", f"SAMPLE={a.sample}", "-e", f"SEED={a.seed}", *ca,
                     "-v", f"{a.sources.resolve()}:/vllm-sources:ro", "-v", f"{(work / 'fa').resolve()}:/fa:ro",
                     "-v", f"{out.resolve()}:/out", "--entrypoint", "bash", IMAGE, "-c", INSIDE], check=True)
     fa_objects = (out / "fa_objects.txt").read_text().split()

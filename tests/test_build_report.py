@@ -1,0 +1,54 @@
+"""benchmarks/vllm_build_report.py reads BuildKit's plain log, ninja's log and the build's cuobjdump listing as they
+are written (the snippets below are cut from the g4dn build's own files)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import vllm_build_report as report  # noqa: E402
+
+BAKE_LOG = """\
+#14 [torch-base torch-base 3/7] RUN --mount=type=cache,target=/root/.cache/pip pip install "torch==${TORCH_VERSION}"
+#14 9.973   Downloading torch-2.14.0-cp313-cp313-manylinux_2_28_x86_64.whl (554.6 MB)
+#14 DONE 185.0s
+#15 [vllm toolchain 2/6] RUN gcc -dumpversion
+#15 CACHED
+#36 [vllm vllm-build 3/6] RUN --mount=type=cache,target=/root/.cache/ccache pip wheel .
+#36 DONE 3120.1s
+#37 [vllm vllm-build 4/6] RUN python3 -c "print(1)"
+#37 DONE 0.1s
+"""
+
+NINJA_LOG = """\
+# ninja log v7
+0\t58680\t0\tCMakeFiles/cumem_allocator.dir/csrc/cumem_allocator.cpp.o\tabc
+120\t696020\t0\tCMakeFiles/_C_stable_libtorch.dir/csrc/quantization/w8a8/cutlass/scaled_mm_c2x.cu.o\tdef
+0\t1000\t0\tCMakeFiles/_C_stable_libtorch.dir/csrc/topk.cu.o\tghi
+0\t184400\t0\tCMakeFiles/_C_stable_libtorch.dir/csrc/topk.cu.o\tjkl
+"""
+
+CUOBJDUMP = """\
+./vllm/_C_stable_libtorch.abi3.so sass: sm_75  ptx: 0
+./vllm/cumem_allocator.abi3.so sass: none ptx: 0
+"""
+
+
+def test_stage_times_sum_steps_per_stage_and_count_cached():
+    stages = report.stage_times(BAKE_LOG)
+    assert stages["torch-base/torch-base"] == {"wall_s": 185.0, "steps": 1, "cached": 0}
+    assert stages["vllm/toolchain"] == {"wall_s": 0.0, "steps": 0, "cached": 1}
+    assert stages["vllm/vllm-build"] == {"wall_s": 3120.2, "steps": 2, "cached": 0}
+
+
+def test_ninja_units_take_each_outputs_latest_run_slowest_first():
+    units = report.ninja_units(NINJA_LOG)
+    assert [u["output"].rsplit("/", 1)[-1] for u in units] == ["scaled_mm_c2x.cu.o", "topk.cu.o",
+                                                               "cumem_allocator.cpp.o"]
+    assert units[0]["seconds"] == 695.9 and units[1]["seconds"] == 184.4  # the rebuilt topk.cu counts once
+
+
+def test_sass_lines():
+    assert report.sass_lines(CUOBJDUMP) == [
+        {"so": "vllm/_C_stable_libtorch.abi3.so", "sass": ["sm_75"], "ptx": 0},
+        {"so": "vllm/cumem_allocator.abi3.so", "sass": [], "ptx": 0}]
