@@ -5,20 +5,13 @@ must produce the same text (greedy and seeded sampling: the sampler is shared, s
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import requests
 
 from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
-from tests.fixtures.server import launch, serving, serving_argv, serving_env
+from tests.fixtures.server import serving, serving_env
 
 pytest.importorskip("jax")
-
-
-def _env(jax_cache: Path) -> dict:
-    return serving_env(JAX_PLATFORMS="cpu", G5G_JAX_CACHE_DIR=str(jax_cache), G5G_JAX_BUCKETS="32,64,256",
-                       G5G_JAX_SLOTS="4")
 
 
 @pytest.fixture()
@@ -70,5 +63,6 @@ def test_models_card_reports_the_jax_ladder_top(servers):
 
 
 def test_max_model_len_caps_the_jax_ladder(tiny_gemma4, tmp_path):
-    with serving("jax", tiny_gemma4, "--max-model-len", "100", env=_env(tmp_path / "jaxcache"), timeout=600) as srv:
+    env = serving_env(tmp_path / "jaxcache", G5G_JAX_SLOTS="4")
+    with serving("jax", tiny_gemma4, "--max-model-len", "100", env=env, timeout=600) as srv:
         assert requests.get(f"{srv.url}/v1/models", timeout=10).json()["data"][0]["max_model_len"] == 100

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 
 import pytest
 import requests
@@ -50,3 +51,23 @@ def test_other_readiness_paths_and_codes_and_the_temp_log():
     srv.stop()
     assert not srv.log.exists()  # a temp log of ours is removed; its text stays
     assert "timed_server: starting" in srv.output
+
+
+def test_terminate_returns_at_once_and_exited_gives_the_status(tmp_path):
+    with running(*timed(), log=tmp_path / "s.log") as srv:
+        srv.terminate()
+        assert srv.returncode is None  # only signalled: exited() waits
+        assert srv.exited(20) == -signal.SIGTERM
+        assert "timed_server: listening on" in srv.output
+    assert srv.stop() == -signal.SIGTERM  # stopping an ended server changes nothing
+
+
+def test_exited_kills_a_server_that_ignores_sigterm():
+    ignore = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
+    srv = launch([sys.executable, "-c", ignore], "http://127.0.0.1:9")
+    deadline = time.monotonic() + 60
+    while "up" not in srv.log.read_text() and time.monotonic() < deadline:  # its handler is in place
+        time.sleep(0.05)
+    srv.terminate()
+    assert srv.exited(1) == -signal.SIGKILL
+    assert srv.output == "up\n"

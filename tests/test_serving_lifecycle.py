@@ -14,8 +14,9 @@ import time
 import pytest
 import requests
 
-from tests.fixtures.serving import REPO, ServerProcess, server_env
 from tests.fixtures.observe import metrics as gauges, wait_until
+from tests.fixtures.server import REPO, serving_env
+from tests.fixtures.serving import tiny_server
 from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
 
 ASK = [{"role": "user", "content": QUESTION}]
@@ -61,17 +62,14 @@ class Call(threading.Thread):
 
 # --------------------------------------------------------------------------------------------- shutdown
 def test_sigterm_lets_running_and_queued_requests_finish_then_exits_0(tiny_gemma4):
-    srv = ServerProcess(tiny_gemma4, "pytorch", "--shutdown-timeout", "60", pace=0.02).wait_ready()
-    try:
+    with tiny_server(tiny_gemma4, "--shutdown-timeout", "60", pace=0.02) as srv:
         stream = Call(srv.url, {**LONG, "max_tokens": 60, "stream": True})
         stream.first.wait(30)
         queued = Call(srv.url, {"messages": ASK})
         wait_until(lambda: in_flight(srv.url) == 2, what="one running, one queued")
         srv.terminate()
         stream.join(60), queued.join(60)
-        assert srv.wait(60) == 0, srv.log()[-3000:]
-    finally:
-        srv.stop()
+        assert srv.exited(60) == 0, srv.output[-3000:]
     assert stream.events[-1] == "data: [DONE]"
     assert stream.chunks()[-1]["choices"][0]["finish_reason"] == "length"
     assert len([c for c in stream.chunks() if c["choices"][0]["delta"].get("content")]) > 0
@@ -81,8 +79,7 @@ def test_sigterm_lets_running_and_queued_requests_finish_then_exits_0(tiny_gemma
 
 
 def test_past_the_grace_period_streams_end_with_abort_and_the_rest_get_503(tiny_gemma4):
-    srv = ServerProcess(tiny_gemma4, "pytorch", "--shutdown-timeout", "1", pace=0.05).wait_ready()
-    try:
+    with tiny_server(tiny_gemma4, "--shutdown-timeout", "1", pace=0.05) as srv:
         running = Call(srv.url, {**LONG, "stream": True})
         running.first.wait(30)
         queued_stream = Call(srv.url, {**LONG, "stream": True})
@@ -98,10 +95,8 @@ def test_past_the_grace_period_streams_end_with_abort_and_the_rest_get_503(tiny_
             pass                               # or not even accepted: uvicorn closed the listener
         for c in (running, queued_stream, queued):
             c.join(60)
-        assert srv.wait(60) == 0, srv.log()[-3000:]
+        assert srv.exited(60) == 0, srv.output[-3000:]
         elapsed = time.monotonic() - t0
-    finally:
-        srv.stop()
     assert elapsed < 8                         # grace 1 s, then one paced step: not 200 steps (10 s)
     for c in (running, queued_stream):
         assert c.status == 200 and c.error is None
@@ -113,32 +108,29 @@ def test_past_the_grace_period_streams_end_with_abort_and_the_rest_get_503(tiny_
 
 
 def test_a_running_non_streamed_request_past_the_grace_period_gets_a_json_503(tiny_gemma4):
-    srv = ServerProcess(tiny_gemma4, "pytorch", "--shutdown-timeout", "0.5", pace=0.05).wait_ready()
-    try:
+    with tiny_server(tiny_gemma4, "--shutdown-timeout", "0.5", pace=0.05) as srv:
         running = Call(srv.url, LONG)
         wait_until(lambda: gauges(srv.url)["vllm:num_requests_running"] == 1, what="request running")
         srv.terminate()
         running.join(60)
-        assert srv.wait(60) == 0, srv.log()[-3000:]
-    finally:
-        srv.stop()
+        assert srv.exited(60) == 0, srv.output[-3000:]
     assert running.status == 503 and running.json["error"]["type"] == "service_unavailable"
 
 
 def test_an_idle_server_exits_0_at_once(tiny_gemma4):
-    srv = ServerProcess(tiny_gemma4, "pytorch", "--shutdown-timeout", "30").wait_ready()
-    t0 = time.monotonic()
-    srv.terminate()
-    assert srv.wait(30) == 0, srv.log()[-3000:]
-    assert time.monotonic() - t0 < 10          # the 30 s grace is for requests, not spent when there are none
+    with tiny_server(tiny_gemma4, "--shutdown-timeout", "30") as srv:
+        t0 = time.monotonic()
+        srv.terminate()
+        assert srv.exited(30) == 0, srv.output[-3000:]
+        assert time.monotonic() - t0 < 10          # the 30 s grace is for requests, not spent when there are none
 
 
 # ---------------------------------------------------------------------------------------------- queueing
 @pytest.fixture(scope="module")
 def paced(tiny_gemma4):
-    srv = ServerProcess(tiny_gemma4, "pytorch", "--max-waiting", "2", pace=0.05).wait_ready()
-    yield srv.url
-    assert srv.stop() == 0
+    with tiny_server(tiny_gemma4, "--max-waiting", "2", pace=0.05) as srv:
+        yield srv.url
+        assert srv.stop() == 0
 
 
 def test_a_burst_gets_exactly_the_running_slot_plus_max_waiting(paced):
@@ -195,8 +187,7 @@ def test_clients_that_left_the_queue_hold_no_slot(paced):
 
 
 def test_max_waiting_0_admits_only_when_the_engine_is_free(tiny_gemma4):
-    srv = ServerProcess(tiny_gemma4, "pytorch", "--max-waiting", "0", pace=0.05).wait_ready()
-    try:
+    with tiny_server(tiny_gemma4, "--max-waiting", "0", pace=0.05) as srv:
         first = Call(srv.url, {**LONG, "max_tokens": 60})
         wait_until(lambda: gauges(srv.url)["vllm:num_requests_running"] == 1, what="request running")
         r = requests.post(f"{srv.url}/v1/chat/completions", json={"messages": ASK}, timeout=60)
@@ -205,8 +196,6 @@ def test_max_waiting_0_admits_only_when_the_engine_is_free(tiny_gemma4):
         assert first.status == 200
         r = requests.post(f"{srv.url}/v1/chat/completions", json={"messages": ASK}, timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == ANSWER
-    finally:
-        srv.stop()
 
 
 @pytest.mark.parametrize("flag,value", [("--max-waiting", "-1"), ("--max-waiting", "many"),
@@ -214,5 +203,5 @@ def test_max_waiting_0_admits_only_when_the_engine_is_free(tiny_gemma4):
                                         ("--max-body-bytes", "0"), ("--allowed-origins", "*")])
 def test_nonsense_flag_values_are_refused(tiny_gemma4, flag, value):
     proc = subprocess.run([sys.executable, "-m", "serving", "--runtime", "pytorch", "--model", str(tiny_gemma4),
-                           flag, value], cwd=REPO, env=server_env(), capture_output=True, text=True, timeout=60)
+                           flag, value], cwd=REPO, env=serving_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and flag in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

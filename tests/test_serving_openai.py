@@ -12,7 +12,7 @@ import openai
 import pytest
 import requests
 
-from tests.fixtures.serving import ServerProcess
+from tests.fixtures.serving import tiny_server
 from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
 
 ASK = [{"role": "user", "content": QUESTION}]
@@ -174,10 +174,10 @@ def test_bodies_python_cannot_hold_are_a_400_not_a_500(url, body, message):
 # ------------------------------------------------------------------------------- api key, CORS, body limit
 @pytest.fixture(scope="module")
 def guarded(tiny_gemma4):
-    srv = ServerProcess(tiny_gemma4, "pytorch", "--api-key", "s3cret", "--max-body-bytes", "65536",
-                        "--allowed-origins", '["https://app.example"]').wait_ready()
-    yield srv.url
-    assert srv.stop() == 0
+    with tiny_server(tiny_gemma4, "--api-key", "s3cret", "--max-body-bytes", "65536",
+                     "--allowed-origins", '["https://app.example"]') as srv:
+        yield srv.url
+        assert srv.stop() == 0
 
 
 def test_api_key_guards_v1_only(guarded):
