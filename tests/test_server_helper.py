@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import signal
+import subprocess
 import sys
 import time
 
@@ -9,6 +10,7 @@ import pytest
 import requests
 
 from tests.fixtures.net import free_port
+from tests.fixtures.observe import wait_until
 from tests.fixtures.server import REPO, ServerFailed, launch, running
 
 TIMED = str(REPO / "tests/fixtures/timed_server.py")
@@ -71,3 +73,23 @@ def test_exited_kills_a_server_that_ignores_sigterm():
     srv.terminate()
     assert srv.exited(1) == -signal.SIGKILL
     assert srv.output == "up\n"
+
+
+def test_a_killed_test_run_leaves_no_server_behind():
+    argv, url = timed()
+    code = f"from tests.fixtures.server import running\nwith running({argv!r}, {url!r}): print('up', flush=True); input()"
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert parent.stdout.readline() == b"up\n"
+        assert requests.get(f"{url}/health", timeout=5).status_code == 200
+    finally:
+        parent.kill()  # no chance to stop its server: the parent-death signal must
+        parent.wait()
+
+    def gone() -> bool:
+        try:
+            requests.get(f"{url}/health", timeout=1)
+            return False
+        except requests.ConnectionError:
+            return True
+    wait_until(gone, timeout=30, what="the orphaned server to exit")
