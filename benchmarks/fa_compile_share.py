@@ -6,9 +6,10 @@
 Method. In the image's own `vllm-source` stage (vLLM 0.33.0 with both patches, the g4dn toolchain), vLLM's CMake
 is configured exactly as setup.py does for TORCH_CUDA_ARCH_LIST=7.5, but with VLLM_SKIP_FLASH_ATTN=0 (patch 0002's
 override: FA's CMake project is added, as it is upstream). ninja then lists FA's object files, a seeded random sample
-of FA2's and of FA3's is compiled with the flags FA's CMake gives them (`ninja -j 2 <objects>`, as the real build ran, no ccache), and
+of FA2's, of FA3's and of vLLM's own CUDA units is compiled with the flags FA's CMake gives them (`ninja -j 2 <objects>`, as the real build ran, no ccache), and
 each unit's time is read from ninja's log. FA's cost = mean unit time × its number of units, per extension;
-vLLM's own cost = the sum over the real build's ninja log (same machine, same nvcc). FA's sources: the newest tree
+vLLM's own cost = the sum over the real build's ninja log, scaled by how the sampled vLLM units' times here compare
+with theirs in that build (so both sides count under the same load). FA's sources: the newest tree
 the mirror holds (the commit 0.33.0 pins was not reachable here), its CUTLASS submodule at the commit it records.
 """
 from __future__ import annotations
@@ -39,12 +40,13 @@ cmake -S /src/vllm -B /tmp/b -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DVLLM_T
   || { tail -n 40 /out/configure.log >&2; exit 1; }
 grep -E "CUDA (target|supported) arch" /out/configure.log | sort -u > /out/archs.txt || true
 ninja -C /tmp/b -t targets all | cut -d: -f1 | grep -E 'vllm-flash-attn/.*\.cu\.o$' | sort > /out/fa_objects.txt
+ninja -C /tmp/b -t targets all | cut -d: -f1 | grep -E '^CMakeFiles/_(moe_)?C_stable_libtorch.dir/.*\.cu\.o$' | sort > /out/vllm_objects.txt
 python3 - "$SAMPLE" "$SEED" <<'PY' > /out/sample.txt
 import random, sys
-objs = open("/out/fa_objects.txt").read().split()
+objs = open("/out/fa_objects.txt").read().split(); own = open("/out/vllm_objects.txt").read().split()
 fa2 = [o for o in objs if "/csrc/flash_attn/" in o]; fa3 = [o for o in objs if "/hopper/" in o]
 rng = random.Random(int(sys.argv[2])); n = int(sys.argv[1])
-print("\n".join(rng.sample(fa2, min(n, len(fa2))) + rng.sample(fa3, min(n, len(fa3)))))
+print("\n".join(rng.sample(fa2, min(n, len(fa2))) + rng.sample(fa3, min(n, len(fa3))) + rng.sample(own, min(n, len(own)))))
 PY
 ninja -C /tmp/b -j 2 $(cat /out/sample.txt) > /out/ninja.out 2>&1 || { tail -n 60 /out/ninja.out >&2; exit 1; }
 cp /tmp/b/.ninja_log /out/fa_ninja_log
@@ -102,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         mean = sum(times) / len(times) if times else 0.0
         r["fa"][ext] = {"units": len(objs), "sampled": len(times), "sample_seconds": times,
                         "mean_s": round(mean, 1), "estimated_s": round(mean * len(objs))}
+    real = {u["output"]: u["seconds"] for u in vllm_units}
+    own = [(s, real[o]) for o, s in sampled.items() if o in real]
+    r["load_factor"] = round(sum(s for s, _ in own) / sum(t for _, t in own), 3) if own else 1.0
+    r["vllm_units_sampled"] = [{"here_s": s, "in_build_s": t} for s, t in own]
+    vllm_s = vllm_s * r["load_factor"]  # vLLM's own units, as long as they take under this run's load
+    r["vllm_unit_seconds_at_this_load"] = round(vllm_s, 1)
     fa_s = sum(v["estimated_s"] for v in r["fa"].values())
     r["fa_share_of_unpatched_build"] = round(fa_s / (fa_s + vllm_s), 3) if fa_s + vllm_s else None
     r["unpatched_over_patched"] = round((fa_s + vllm_s) / vllm_s, 2) if vllm_s else None
