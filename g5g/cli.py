@@ -73,8 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("smoke", help="run an image (or use a server) and check its chat answer")
     s.add_argument("image", nargs="?", metavar="IMAGE")
     s.add_argument("--url", help="check a running server instead of an image")
-    s.add_argument("--runtime", choices=("vllm", "jax", "pytorch"), help="runtime of IMAGE (default: from its labels)")
-    s.add_argument("--profile", default=None, help="g5g (GPU) or cpu (default: from the image's labels)")
+    s.add_argument("--runtime", help="runtime of IMAGE, one with a smoke: section in its manifest "
+                   "(default: from its labels)")
+    s.add_argument("--profile", default=None, help="profile of IMAGE; a CUDA profile's image gets the GPU "
+                   "(default: from its labels)")
     s.add_argument("--model", help="model directory (or Hugging Face cache) to mount into the container")
     s.add_argument("--served-model-name", help="model name to ask for (default: the server's first model)")
     s.add_argument("--prompt", help="chat prompt (default: the runtime's from the manifest)")
@@ -88,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8000")
     be.add_argument("--image", help="boot this image (boot time recorded, smoke-checked), then bench it")
     be.add_argument("--model", help="model directory or Hugging Face repo id to mount (with --image)")
-    be.add_argument("--runtime", choices=("vllm", "jax", "pytorch"), help="runtime of IMAGE (default: its label)")
-    be.add_argument("--profile", default=None, help="g5g (GPU) or cpu (default: IMAGE's label)")
+    be.add_argument("--runtime", help="runtime of IMAGE (default: its label)")
+    be.add_argument("--profile", default=None, help="profile of IMAGE; a CUDA profile's image gets the GPU "
+                    "(default: its label)")
     be.add_argument("--expect", help="with --image: regex the answer to --prompt must match before the benchmark "
                     "(default: the runtime manifest's smoke prompt and regex)")
     be.add_argument("--boot-timeout", type=float, default=900.0, help="seconds to wait for IMAGE to be ready")

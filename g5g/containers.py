@@ -1,9 +1,9 @@
 """Run a serving image with the docker SDK, wait until it answers, always remove it.
 
-    with serve_image(image, runtime="pytorch", profile="cpu", model="/models/tiny") as server:
+    with serve_image(image, runtime="pytorch", gpu=False, model="/models/tiny") as server:
         ... server.url, server.boot (container start → port open → /health 200, in seconds) ...
 
-The container gets the GPU through a device request on the g5g profile (none on cpu), the model directory
+The container gets the GPU through a device request when asked (a CUDA profile's image), the model directory
 read-only (or the Hugging Face cache, for a repo id), the Hugging Face token from this environment as run-time env
 (never a build arg, never printed), and its port published on 127.0.0.1 only, on a free port docker picks. While
 waiting it watches that the container is still running: one that exits is reported at once with its last log lines.
@@ -166,10 +166,11 @@ def wait_ready(container, timeout: float, t0: float | None = None, port: int = P
 
 
 @contextlib.contextmanager
-def serve_image(image: str, *, runtime: str, profile: str, model: str | None = None,
+def serve_image(image: str, *, runtime: str, gpu: bool, model: str | None = None,
                 served_model_name: str | None = None, timeout: float = 900.0, port: int = PORT,
                 command: list[str] | None = None, docker_client=None) -> Iterator[Server]:
-    """Run `image`, wait until ready, yield a Server; the container is removed whatever happens."""
+    """Run `image` (with every GPU of the host when `gpu`: a CUDA profile's image), wait until ready, yield a
+    Server; the container is removed whatever happens."""
     import docker
 
     dc = docker_client or client()
@@ -178,7 +179,7 @@ def serve_image(image: str, *, runtime: str, profile: str, model: str | None = N
     env |= token_env()
     kwargs: dict = dict(detach=True, environment=env, volumes=volumes, ports={f"{port}/tcp": ("127.0.0.1",)},
                         labels={"io.g5g.smoke": "1"})
-    if profile == "g5g":
+    if gpu:
         kwargs["device_requests"] = [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])]
         kwargs["shm_size"] = "2g"  # NCCL/torch workers need more than docker's 64 MiB default
     cmd = command if command is not None else server_command(runtime, model_arg, name, port)
@@ -193,7 +194,7 @@ def serve_image(image: str, *, runtime: str, profile: str, model: str | None = N
         try:
             container.start()
         except docker.errors.APIError as e:
-            hint = " (no GPU runtime? the g5g profile needs the NVIDIA container toolkit)" if profile == "g5g" else ""
+            hint = " (no GPU runtime? CUDA images need the NVIDIA container toolkit)" if gpu else ""
             raise UserError(f"docker could not start {image}: {e.explanation or e}{hint}") from None
         url, boot = wait_ready(container, timeout, t0=started, port=port)
         yield Server(url=url, container=container, model_name=name, started=started, boot=boot)

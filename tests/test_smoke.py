@@ -12,7 +12,9 @@ import requests
 
 from g5g import containers, smoke, wire
 from g5g.cli import main
+from g5g.commands import smoke as smoke_cmd
 from g5g.commands.smoke import check_server
+from g5g.errors import UserError
 
 ANSWER = "Site Reliability Engineering keeps services reliable."
 EXPECT = r"reliability\s+engineering"
@@ -214,7 +216,7 @@ def test_image_smoke_passes_and_records_boot(timed_images, docker_client, tmp_pa
 @pytest.mark.e2e
 def test_container_is_local_only_gets_the_token_and_is_removed(timed_images, docker_client, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
-    with containers.serve_image(timed_images["good"], runtime="pytorch", profile="cpu", timeout=60,
+    with containers.serve_image(timed_images["good"], runtime="pytorch", gpu=False, timeout=60,
                                 docker_client=docker_client) as srv:
         srv.container.reload()
         assert "HF_TOKEN=hf_not_a_real_token" in srv.container.attrs["Config"]["Env"]
@@ -265,7 +267,7 @@ def test_prompt_and_expect_default_to_the_runtime_manifest(timed_server, capsys)
 @pytest.mark.e2e
 def test_readiness_is_bounded_and_reports_the_stage_and_logs(timed_images, docker_client):
     with pytest.raises(containers.ContainerFailed) as failed:
-        with containers.serve_image(timed_images["good"], runtime="pytorch", profile="cpu", timeout=3,
+        with containers.serve_image(timed_images["good"], runtime="pytorch", gpu=False, timeout=3,
                                     command=["--health-delay", "600"], docker_client=docker_client):
             pytest.fail("a server whose /health says 503 for 10 minutes was reported ready")
     assert "not ready after 3 s (waiting for /health 200)" in str(failed.value)
@@ -278,7 +280,7 @@ def test_g5g_profile_asks_the_engine_for_the_gpu(timed_images, docker_client):
     """The g5g profile sends a GPU device request; an engine without the NVIDIA runtime refuses it at start, and
     the error says so (on a G5g host the same request gives the container the T4G)."""
     with pytest.raises(containers.UserError) as failed:
-        with containers.serve_image(timed_images["good"], runtime="pytorch", profile="g5g", timeout=10,
+        with containers.serve_image(timed_images["good"], runtime="pytorch", gpu=True, timeout=10,
                                     docker_client=docker_client):
             pytest.skip("this engine has a GPU runtime: the request was granted")
     assert "could not start" in str(failed.value) and "NVIDIA container toolkit" in str(failed.value)
@@ -290,3 +292,22 @@ def test_brackets_in_answers_and_regexes_are_printed_as_they_are(timed_server, c
     assert main(["smoke", "--url", srv.url, "--expect", "[Rr]eliability"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "/[Rr]eliability/ matched" in out and "[bold]Site" in out
+
+
+@pytest.mark.parametrize("labels, gpu", [({"io.g5g.runtime": "vllm", "io.g5g.profile": "g5g"}, True),
+                                         ({"io.g5g.runtime": "vllm", "io.g5g.profile": "g4dn"}, True),
+                                         ({"io.g5g.runtime": "jax", "io.g5g.profile": "cpu"}, False)])
+def test_every_cuda_profile_gets_the_gpu_and_the_labels_choose(labels, gpu):
+    """Which profiles are CUDA ones comes from the profile manifests (g4dn too, not only g5g)."""
+    assert smoke_cmd.image_runtime("img", labels, None, None) == (labels["io.g5g.runtime"],
+                                                                  labels["io.g5g.profile"], gpu)
+    assert smoke_cmd.image_runtime("img", labels, "pytorch", "cpu") == ("pytorch", "cpu", False)
+
+
+@pytest.mark.parametrize("runtime, profile, message", [
+    ("torch-base", "g5g", r"runtime unknown .*'torch-base'.*--runtime vllm\|jax\|pytorch"),
+    ("vllm", "p4d", r"profile unknown .*'p4d'.*--profile cpu\|g4dn\|g5g"),
+    (None, "g5g", r"runtime unknown .*None")])
+def test_an_unknown_runtime_or_profile_names_the_choices(runtime, profile, message):
+    with pytest.raises(UserError, match=message):
+        smoke_cmd.image_runtime("img", {}, runtime, profile)

@@ -21,7 +21,6 @@ from g5g.errors import FAILED, OK, UserError
 MAX_TOKENS = 256
 REQUEST_TIMEOUT = 300.0
 DEFAULT_PROMPT = "What does the abbreviation SRE stand for? Answer in one short sentence."
-RUNTIMES = ("vllm", "jax", "pytorch")
 
 console = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
@@ -31,6 +30,17 @@ def manifest_dir() -> Path | None:
     """As the build command: the manifests of the checkout this package runs from."""
     found = REPO_ROOT / "manifests"
     return found if found.is_dir() else None
+
+
+def _manifests() -> manifest.Manifests | None:
+    root = manifest_dir()
+    return manifest.load(root) if root is not None else None
+
+
+def servable_runtimes() -> tuple[str, ...]:
+    """The runtimes whose manifest says how to smoke-test them (`smoke:`): the ones that serve."""
+    m = _manifests()
+    return tuple(name for name, rt in m.runtimes.items() if rt.smoke is not None) if m else ()
 
 
 def manifest_defaults(runtime: str | None) -> dict:
@@ -129,15 +139,21 @@ def _print(report: dict, as_json: bool) -> None:
                 err.print(f"  {line}", markup=False, soft_wrap=True)
 
 
-def image_runtime(dc, image: str, runtime: str | None, profile: str | None) -> tuple[str, str]:
-    labels = containers.image_labels(dc, image)
+def image_runtime(image: str, labels: dict, runtime: str | None, profile: str | None) -> tuple[str, str, bool]:
+    """(runtime, profile, whether the container gets the GPU): from the arguments, else the image's labels; the
+    manifests say which runtimes serve and which profiles are CUDA ones."""
     runtime = runtime or labels.get("io.g5g.runtime")
     profile = profile or labels.get("io.g5g.profile")
-    if runtime not in RUNTIMES:
-        raise UserError(f"{image}: runtime unknown (label io.g5g.runtime is {runtime!r}); pass --runtime")
-    if profile not in ("g5g", "cpu"):
-        raise UserError(f"{image}: profile unknown (label io.g5g.profile is {profile!r}); pass --profile g5g|cpu")
-    return runtime, profile
+    m = _manifests()
+    servable = servable_runtimes()
+    if runtime not in servable:
+        raise UserError(f"{image}: runtime unknown (label io.g5g.runtime is {runtime!r}); "
+                        f"pass --runtime {'|'.join(servable)}")
+    profiles = m.profiles if m else {}
+    if profile not in profiles:
+        raise UserError(f"{image}: profile unknown (label io.g5g.profile is {profile!r}); "
+                        f"pass --profile {'|'.join(sorted(profiles))}")
+    return runtime, profile, profiles[profile].cuda is not None
 
 
 def smoke_image(image: str, *, runtime: str | None, profile: str | None, model: str | None,
@@ -146,12 +162,12 @@ def smoke_image(image: str, *, runtime: str | None, profile: str | None, model: 
     """Boot `image`, check it, remove it. Boot timings: container start → port open → /health 200 → first answer
     that passed. `after_ready(server)` runs on the live server after a passing check (bench uses it)."""
     dc = containers.client()
-    runtime, profile = image_runtime(dc, image, runtime, profile)
+    runtime, profile, gpu = image_runtime(image, containers.image_labels(dc, image), runtime, profile)
     defaults = manifest_defaults(runtime)
     prompt, expect = resolve_check(runtime, prompt, expect, defaults)
     base = {"image": image, "runtime": runtime, "profile": profile, "url": None, "checks": {}, "answers": {}}
     try:
-        with containers.serve_image(image, runtime=runtime, profile=profile, model=model,
+        with containers.serve_image(image, runtime=runtime, gpu=gpu, model=model,
                                     served_model_name=served_model_name, timeout=timeout,
                                     port=defaults.get("port", containers.PORT), docker_client=dc) as srv:
             report = base | check_server(srv.url, srv.model_name, prompt, expect, max_tokens)
@@ -190,4 +206,4 @@ def _runtime_from_server(url: str) -> str | None:
     except (requests.RequestException, ValueError):
         return None
     owner = (data[0].get("owned_by") if data else None) or ""
-    return owner if owner in RUNTIMES else None
+    return owner if owner in servable_runtimes() else None
