@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     b.add_argument("--json", action="store_true", help="print the plan (or the result) as JSON")
     b.add_argument("--out", default="build", help="where generated Dockerfiles and docker-bake.json go")
+    b.add_argument("--cache", metavar="REPO", help="registry layer cache, one tag per image (REPO:<image>): read on "
+                   "every build, written by a --push build, e.g. ghcr.io/me/g5g-images-cache")
     b.add_argument("--ca-cert", help="CA bundle passed to the build as a secret "
                    "(default: REQUESTS_CA_BUNDLE, SSL_CERT_FILE or PIP_CERT when set)")
     b.add_argument("--skip-patch-check", action="store_true", help=argparse.SUPPRESS)

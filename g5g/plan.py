@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from g5g.errors import UserError
-from g5g.manifest import Manifests, Profile, Resolved, Runtime
+from g5g.manifest import IMAGE_RE, Manifests, Profile, Resolved, Runtime
 
 IMAGE_NAME = "g5g-images"
 # A secret never travels as a build argument.
@@ -62,6 +62,7 @@ class Plan:
     all_images: tuple[ImagePlan, ...]  # the selected images and what they are built FROM (the bake file's targets)
     bases: tuple[str, ...] = ()  # the runtimes other runtimes are built FROM (sequential builds load them first)
     templates: str = ""  # the template directory searched first (the manifests' repository), before ours
+    cache: str | None = None  # registry repository of layer caches, one tag per bake target (REPO:<target>)
 
     @property
     def bake_file(self) -> str:
@@ -73,6 +74,7 @@ class Plan:
             argv += ["--set", f"*.secrets={s}"]
         if metadata:
             argv += ["--metadata-file", metadata]
+        argv += self.cache_sets()
         if push:
             argv.append("--push")
         elif load:
@@ -106,6 +108,18 @@ class Plan:
             cmds.append(self.bake_argv(names, push=False))
         cmds.append(self.bake_argv(names, push=self.push, metadata=metadata))
         return cmds
+
+    def cache_sets(self) -> list[str]:
+        """Every target (the bases too) reads its own registry cache; a pushing build also writes it, from its
+        first bake on, so hours of torch-base survive a later image failing. Builds that do not push (pull
+        requests: no registry credentials) only read."""
+        argv: list[str] = []
+        for t in (i.target for i in self.all_images) if self.cache else ():
+            ref = f"type=registry,ref={self.cache}:{t}"
+            argv += ["--set", f"{t}.cache-from={ref}"]
+            if self.push:
+                argv += ["--set", f"{t}.cache-to={ref},mode=max"]
+        return argv
 
     def image_commands(self, image: ImagePlan) -> list[list[str]]:
         if self.sequential and image.depends_on:
@@ -214,7 +228,7 @@ def _image(manifests: Manifests, profile: Profile, name: str, tags: dict[str, tu
 
 def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", platforms: str | None = None,
               registry: str | None = None, out: str = "build", push: bool = False, sequential: bool = False,
-              secrets: tuple[str, ...] = (), repo_root: Path | None = None) -> Plan:
+              secrets: tuple[str, ...] = (), repo_root: Path | None = None, cache: str | None = None) -> Plan:
     """Every input explicit; the result depends on nothing else.
 
     repo_root: where pyproject.toml (the serving extra) lives; default: the manifest directory's parent."""
@@ -238,6 +252,9 @@ def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", 
     reg = (registry or prof.registry).rstrip("/")
     if not reg or any(c.isspace() for c in reg) or "://" in reg:
         raise UserError(f"--registry {registry}: expected host[:port][/namespace], e.g. ghcr.io/me")
+    if cache is not None and not (IMAGE_RE.match(cache) and not re.search(r"[:@]", cache.rsplit("/", 1)[-1])):
+        raise UserError(f"--cache {cache}: expected a registry repository without a tag, e.g. ghcr.io/me/g5g-cache "
+                        "(each image's cache is tagged with its name)")
     root = manifests.root.parent if repo_root is None else Path(repo_root)
     # Generated files go anywhere: inside the checkout the paths stay relative to it (bake runs there), else absolute.
     where = (root / out).resolve()
@@ -258,4 +275,4 @@ def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", 
                 secrets=tuple(secrets),
                 all_images=tuple(i for i in every if i in selected or any(i.target in s.depends_on for s in selected)),
                 bases=tuple(n for n in names if any(i.depends_on and i.depends_on[-1] == n for i in every)),
-                templates=str(root / "dockerfiles"))
+                templates=str(root / "dockerfiles"), cache=cache)

@@ -295,3 +295,24 @@ def test_preflight_without_docker_names_the_fix(monkeypatch, tmp_path: Path):
     assert [c.name for c in checks] == ["docker CLI"] and not checks[0].ok
     with pytest.raises(UserError, match="docker CLI: not found on PATH — fix: install the Docker CLI"):
         buildx.require(checks)
+
+
+def test_a_registry_cache_gives_every_target_its_own_tag_read_always_written_on_push(cpu):
+    """--cache REPO: each bake target (the bases it is built FROM too) reads REPO:<target>; only a pushing build,
+    which has registry credentials, writes it — from its first bake on, so a finished base survives a later
+    image failing."""
+    def sets(plan):
+        return [[a for a in argv if "cache-" in a] for argv in plan.commands()]
+
+    pulled = make_plan(cpu, runtime="jax", profile="cpu", cache="localhost:5000/me/cache")
+    assert sets(pulled) == [["jax.cache-from=type=registry,ref=localhost:5000/me/cache:jax"]]
+    pushed = make_plan(cpu, runtime="jax", profile="cpu", cache="localhost:5000/me/cache", push=True)
+    ref = "type=registry,ref=localhost:5000/me/cache:jax"
+    assert sets(pushed) == [[f"jax.cache-from={ref}", f"jax.cache-to={ref},mode=max"]] * 2
+    assert sets(make_plan(cpu, runtime="jax", profile="cpu")) == [[]]
+
+
+@pytest.mark.parametrize("cache", ["ghcr.io/me/cache:v1", "ghcr.io/me/cache@sha256:" + "0" * 64, "Ghcr.io/x y"])
+def test_a_cache_reference_with_a_tag_or_bad_characters_is_refused(cpu, cache):
+    with pytest.raises(UserError, match=r"--cache .*: expected a registry repository without a tag"):
+        make_plan(cpu, profile="cpu", cache=cache)

@@ -87,10 +87,10 @@ def test_images_workflow_shape():
         assert job["runs-on"] == "${{ vars.G5G_BUILD_RUNNER || 'ubuntu-24.04-arm' }}"
         free = next(s for s in job["steps"] if "Free" in s.get("name", ""))
         assert free["if"] == "runner.environment == 'github-hosted'" and "rm -rf" in free["run"]
-        assert job["steps"].index(free) < next(i for i, s in enumerate(job["steps"]) if "bake" in s.get("run", ""))
-        steps = "\n".join(s.get("run", "") for s in job["steps"])
-        assert "type=registry" in steps and ".cache-from=" in steps and ".cache-to=" in steps
-        assert "linux/arm64" in steps and "--push" in steps
+        build_step = next(s for s in job["steps"] if s.get("name", "").startswith("Build"))
+        assert job["steps"].index(free) < job["steps"].index(build_step)
+        assert 'python build.py "${args[@]}"' in build_step["run"], "the workflow builds with the driver users run"
+        assert "--cache" in build_step["run"] and "linux/arm64" in build_step["run"] and "--push" in build_step["run"]
         # Only main and tags push (and log in); pull requests never do.
         assert "pull_request" in job["env"]["PUSH"] and "refs/heads/main" in job["env"]["PUSH"]
         login = next(s for s in job["steps"] if "login-action" in s.get("uses", ""))
@@ -132,32 +132,37 @@ def test_no_expression_injection_in_run_steps():
 
 
 def test_build_step_gives_every_bake_target_its_registry_cache(tmp_path, buildx):
-    """Run the workflow's own build script against a generated g5g bake file, with `docker` shimmed to add
-    `--print`: buildx must accept it, and every target (torch-base too) reads and writes its own cache."""
-    docker = buildx
+    """Run the workflow's own build script with `python` shimmed to add `--dry-run --json`: the plan's bake
+    commands, run with `--print` on the files `generate` writes, must be accepted by buildx, and every target
+    (torch-base too) reads and, on a push, writes its own cache; a pull request only reads."""
     job = _load(IMAGES)["jobs"]["build"]
     script = next(s["run"] for s in job["steps"] if s.get("name", "").startswith("Build"))
-
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@" --dry-run --json\n')
+    (shim / "python").chmod(0o755)
     out = tmp_path / "generated"  # never into the checkout
     gen = _run([sys.executable, "build.py", "generate", "--runtime", "vllm", "--profile", "g5g",
                 "--registry", "ghcr.io/acme", "--out", str(out)])
     assert gen.returncode == 0, gen.stdout + gen.stderr
-    (tmp_path / "build").mkdir()
-    shutil.copy(out / "docker-bake.json", tmp_path / "build" / "docker-bake.json")
-    shim = tmp_path / "bin"
-    shim.mkdir()
-    (shim / "docker").write_text(f'#!/bin/sh\nexec {docker} "$@" --print\n')
-    (shim / "docker").chmod(0o755)
-    (shim / "python").symlink_to(sys.executable)
-    env = {"PATH": f"{shim}:/usr/bin:/bin", "HOME": str(Path.home()), "RUNTIME": "vllm",
-           "REGISTRY": "ghcr.io/acme", "PUSH": "true", "DOCKER_HOST": "unix:///nonexistent.sock"}
-    r = subprocess.run(["bash", "-eo", "pipefail", "-c", script], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
-    targets = json.loads(r.stdout)["target"]
-    assert set(targets) == {"torch-base", "vllm"}
-    for name, t in targets.items():
-        ref = f"ghcr.io/acme/g5g-images-cache:{name}"
-        assert t["cache-from"] == [f"type=registry,ref={ref}"], t
-        assert t["cache-to"] == [f"type=registry,ref={ref},mode=max"], t
-        assert t["platforms"] == ["linux/arm64"]
+    for push in ("true", "false"):
+        env = {"PATH": f"{shim}:/usr/bin:/bin", "HOME": str(Path.home()), "RUNTIME": "vllm",
+               "REGISTRY": "ghcr.io/acme", "PUSH": push}
+        r = subprocess.run(["bash", "-eo", "pipefail", "-c", script], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        argv = json.loads(r.stdout)["commands"][-1]
+        argv = [str(out / "docker-bake.json") if a.endswith("docker-bake.json") else a for a in argv]
+        assert ("--push" in argv) == (push == "true")
+        argv = [a for a in argv if a != "--push"]
+        printed = subprocess.run([buildx, *argv[1:], "--print"], cwd=ROOT, capture_output=True, text=True,
+                                 timeout=120, env={**env, "PATH": "/usr/bin:/bin",
+                                                   "DOCKER_HOST": "unix:///nonexistent.sock"})
+        assert printed.returncode == 0, printed.stderr[-3000:]
+        targets = json.loads(printed.stdout)["target"]
+        assert set(targets) == {"torch-base", "vllm"}
+        for name, t in targets.items():
+            ref = f"type=registry,ref=ghcr.io/acme/g5g-images-cache:{name}"
+            assert t["cache-from"] == [ref], t
+            assert t.get("cache-to") == ([f"{ref},mode=max"] if push == "true" else None), t
+            assert t["platforms"] == ["linux/arm64"]

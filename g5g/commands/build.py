@@ -54,7 +54,8 @@ def plan_from_args(args, push: bool = False, with_secrets: bool = True) -> Plan:
     sec = secrets(ca_cert_path(getattr(args, "ca_cert", None))) if with_secrets else ()
     return make_plan(m, runtime=args.runtime, profile=args.profile, platforms=args.platform,
                      registry=args.registry, out=getattr(args, "out", "build"), push=push,
-                     sequential=getattr(args, "sequential", False), secrets=sec, repo_root=REPO_ROOT)
+                     sequential=getattr(args, "sequential", False), secrets=sec, repo_root=REPO_ROOT,
+                     cache=getattr(args, "cache", None))
 
 
 def check_patches(plan: Plan) -> None:
