@@ -14,7 +14,7 @@ ARG TORCH_CUDA_ARCH_LIST="7.5"
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV DEBIAN_FRONTEND=noninteractive
 RUN --mount=type=secret,id=ca-cert,required=false \
-    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert; fi; \
+    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
     apt-get update \
  && apt-get install -y --no-install-recommends g++ gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
@@ -27,7 +27,7 @@ ENV PATH=/opt/venv/bin:$PATH
 # generated from cuda.h (every driver entry point returns 34, CUDA_ERROR_STUB_LIBRARY, as NVIDIA's stub does), for
 # linking only: at run time the driver's own libcuda.so.1 is used.
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
-    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert; fi; \
+    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
     pip install "cuda-toolkit[nvcc,cccl,crt,nvvm,cudart]==${CUDA_TOOLKIT_VERSION}" "nvidia-cuda-cuobjdump==${CUOBJDUMP_VERSION}" \
  && cu="$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/nvidia/cu13" \
  && ln -sfn "$cu" /usr/local/cuda \
@@ -66,7 +66,7 @@ ENV HOME=/root
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV DEBIAN_FRONTEND=noninteractive
 RUN --mount=type=secret,id=ca-cert,required=false \
-    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert; fi; \
+    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
     apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates ccache curl g++ gcc git libc6-dev make perl python3-dev \
  && rm -rf /var/lib/apt/lists/*
@@ -77,7 +77,7 @@ RUN --mount=type=secret,id=ca-cert,required=false \
 # generated from cuda.h (every driver entry point returns 34, CUDA_ERROR_STUB_LIBRARY, as NVIDIA's stub does), for
 # linking only: at run time the driver's own libcuda.so.1 is used.
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
-    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert; fi; \
+    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
     pip install "cuda-toolkit[nvcc,cccl,crt,nvvm,cudart]==${CUDA_TOOLKIT_VERSION}" "nvidia-cuda-cuobjdump==${CUOBJDUMP_VERSION}" \
  && cu="$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/nvidia/cu13" \
  && ln -sfn "$cu" /usr/local/cuda \
@@ -95,7 +95,7 @@ RUN gcc_major=$(gcc -dumpversion | cut -d. -f1) \
 # The ranges of vLLM's requirements/build/cuda.txt, enough to read the sdist's metadata; that file is installed below.
 # hadolint ignore=DL3013
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
-    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert; fi; \
+    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
     pip install "setuptools>=78.1.1,<81" "setuptools-scm>=8" "setuptools-rust>=1.9.0" wheel "packaging>=24.2" jinja2
 
 # --- source: the release sdist, verified by sha256, with our patches ---------------------------------------------
@@ -106,7 +106,7 @@ WORKDIR /src
 # pip checks the pinned hash itself (--require-hashes); sha256sum checks the file we unpack. pip prepares the
 # sdist's metadata with our torch: VLLM_SKIP_VERSION_SUFFIX keeps it 0.33.0, not 0.33.0+cu132 (pip refuses that).
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
-    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert; fi; \
+    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
     echo "vllm==${VLLM_VERSION} --hash=sha256:${VLLM_SDIST_SHA256}" > /tmp/vllm-sdist.txt \
  && VLLM_SKIP_VERSION_SUFFIX=1 pip download --no-deps --no-binary :all: --no-build-isolation --require-hashes -r /tmp/vllm-sdist.txt -d /src \
  && echo "${VLLM_SDIST_SHA256}  /src/vllm-${VLLM_VERSION}.tar.gz" > /tmp/vllm-sdist.sha256 \
@@ -132,7 +132,7 @@ ARG NVCC_THREADS=1
 # Build against the torch already installed (our sm_75 build), not the one vLLM pins on PyPI.
 RUN python3 tools/use_existing_torch.py --prefix
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
-    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert; fi; \
+    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
     pip install -r requirements/build/cuda.txt
 # TORCH_CUDA_ARCH_LIST=7.5 (never +PTX) narrows every arch-intersected kernel set to nothing above Turing: vLLM's
 # own sm_90/sm_100/sm_120 kernels and DeepGEMM, DeepSelect, FlashMLA, FlashKDA and QuTLASS compile nothing
@@ -147,7 +147,7 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,re
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=cache,target=/root/.cache/ccache \
     --mount=type=cache,id=vllm-deps-0.33.0,target=/root/.cache/vllm-deps --mount=type=secret,id=ca-cert,required=false \
     --mount=type=bind,from=vllm-sources,target=/vllm-sources,rw \
-    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert; fi; \
+    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
     if [ "$MAX_JOBS" = auto ]; then \
       MAX_JOBS=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 4194304 )); \
       MAX_JOBS=$(( MAX_JOBS < 1 ? 1 : MAX_JOBS > $(nproc) ? $(nproc) : MAX_JOBS )); \
@@ -206,7 +206,7 @@ RUN apt-get update \
 # torchvision: vLLM's pin, --no-deps so it keeps our torch (its own CUDA ops lack sm_75; vLLM uses its CPU transforms).
 RUN --mount=type=bind,from=vllm-build,source=/wheels,target=/tmp/wheels --mount=type=cache,target=/root/.cache/pip \
     --mount=type=secret,id=ca-cert,required=false \
-    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert; fi; \
+    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
     pip install "/tmp/wheels/vllm-${VLLM_VERSION}"*.whl "transformers==${TRANSFORMERS_VERSION}" "triton==${TRITON_VERSION}" \
  && pip install --no-deps "torchvision==${TORCHVISION_VERSION}" \
  && python3 -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
