@@ -64,3 +64,76 @@ def sample(logits, temperature, top_k, top_p, keys, positions):
         return jnp.where(hot, drawn, greedy)
 
     return jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda _: greedy, None)
+
+
+# -- per-request adjustments before the draw, and raw logprobs after it (the contract in serving/engine.py) --------
+# `rows` holds one row per sequence: presence, frequency, repetition, min_p [B] float32; bias_ids/bias_vals [B, W]
+# (padded with id = vocab size, which the scatter drops); stop_ids [B, S] (padded likewise) and suppress [B] bool
+# (fewer than min_tokens out yet); logprobs [B] bool. `state` is the per-slot history the penalties read, on the
+# device: counts [slots, V] int32 (generated tokens) and seen [slots, V] bool (prompt tokens).
+
+
+def empty_state(slots: int, vocab: int) -> dict:
+    return {"counts": jnp.zeros((slots, vocab), jnp.int32), "seen": jnp.zeros((slots, vocab), bool)}
+
+
+def start_row(state, slot, tokens, length):
+    """A new sequence in `slot`: nothing generated yet, the prompt is tokens[:length]."""
+    v = state["counts"].shape[1]
+    ids = jnp.where(jnp.arange(tokens.shape[0]) < length, tokens, v)
+    seen = jnp.zeros((v,), bool).at[ids].set(True, mode="drop")
+    return {"counts": state["counts"].at[slot].set(0), "seen": state["seen"].at[slot].set(seen)}
+
+
+def count(state, tokens):
+    """The generated tokens just fed to rows 0..B-1 (a free row's count is junk until its slot starts again)."""
+    return {**state, "counts": state["counts"].at[jnp.arange(tokens.shape[0]), tokens].add(1)}
+
+
+def _bias(x, rows):
+    r = jnp.arange(x.shape[0])[:, None]
+    x = x.at[r, rows["bias_ids"]].add(rows["bias_vals"], mode="drop")
+    held = jnp.where(rows["suppress"][:, None], rows["stop_ids"], x.shape[1])
+    return x.at[r, held].set(-jnp.inf, mode="drop")
+
+
+def _penalise(x, counts, seen, rows):
+    """vLLM's apply_penalties: repetition over prompt + output, then frequency and presence over the output."""
+    rep = rows["repetition"][:, None]
+    out = counts > 0
+    x = jnp.where(seen | out, jnp.where(x > 0, x / rep, x * rep), x)
+    return x - rows["frequency"][:, None] * counts - rows["presence"][:, None] * out
+
+
+def _min_p(x, temperature, min_p):
+    """p(token) < min_p * p(most likely) at this temperature  <=>  logit < max + T * log(min_p)."""
+    on = (min_p > 0) & (temperature > 0)
+    cut = x.max(-1) + temperature * jnp.log(jnp.where(on, min_p, 1.0))
+    return jnp.where(on[:, None] & (x < cut[:, None]), -jnp.inf, x)
+
+
+def adjust(logits, temperature, rows, counts, seen):
+    """logit_bias and min_tokens, penalties, min_p, in vLLM's order; each skipped (lax.cond) when no row needs it.
+    counts/seen: the rows' history [B, V]."""
+    v = logits.shape[1]
+    x = jax.lax.cond(jnp.any(rows["bias_ids"] < v) | jnp.any(rows["suppress"]),
+                     lambda x: _bias(x, rows), lambda x: x, logits)
+    penalised = (rows["presence"] != 0) | (rows["frequency"] != 0) | (rows["repetition"] != 1)
+    x = jax.lax.cond(jnp.any(penalised), lambda x: _penalise(x, counts, seen, rows), lambda x: x, x)
+    return jax.lax.cond(jnp.any((rows["min_p"] > 0) & (temperature > 0)),
+                        lambda x: _min_p(x, temperature, rows["min_p"]), lambda x: x, x)
+
+
+def logprobs(logits, chosen, wanted, k: int):
+    """Raw logprobs (log_softmax of the model's logits): the chosen token's [B], the top k ids and logprobs
+    [B, k]; zeros unless some row wants them."""
+    def compute(_):
+        lp = jax.nn.log_softmax(logits, axis=-1)
+        top, ids = jax.lax.top_k(lp, k)
+        return jnp.take_along_axis(lp, chosen[:, None], axis=1)[:, 0], ids.astype(jnp.int32), top
+
+    def none(_):
+        b = logits.shape[0]
+        return jnp.zeros((b,), jnp.float32), jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), jnp.float32)
+
+    return jax.lax.cond(jnp.any(wanted), compute, none, None)
