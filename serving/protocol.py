@@ -80,7 +80,8 @@ class _Sampling(_Strict):
     n: Annotated[int, Field(ge=1)] = 1
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
+    # vLLM: > 0; bounded here so that float32 logits divided by it stay finite
+    repetition_penalty: Annotated[float, Field(ge=1e-6, le=1e6)] | None = None
     logit_bias: Annotated[dict[str, Finite], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] = 0
@@ -91,7 +92,7 @@ class ChatRequest(_Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
