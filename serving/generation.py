@@ -258,7 +258,9 @@ class Generation:
         self.times.append(time.monotonic())
         if (token in self.info.stop_ids and not self.params.ignore_eos) or token in self.params.stop_token_ids:
             return _release(self.stops, self.detok)[0], "stop"
-        text, hit = self.stops.push(self.detok.push(token))
+        delta = self.detok.push(token)
+        # before min_tokens tokens are out no stop string ends generation (as vLLM); the runtime holds back the stop ids
+        text, hit = self.stops.push(delta) if len(self.times) >= self.params.min_tokens else (delta, False)
         if hit:
             return text, "stop"
         if len(self.times) >= self.budget:

@@ -137,6 +137,11 @@ def test_min_tokens_keeps_the_stop_tokens_out(engine, info, ask):
     longer = list(generate(engine, info, ask, p))
     assert longer[-1].completion_tokens >= n + 5
     assert "".join(e.text for e in longer[:-1]).startswith(ANSWER[:20])
+    # a stop string is looked for only from min_tokens on (as vLLM)
+    cut = SamplingParams(temperature=0.0, max_tokens=n, stop=("Reliability",))
+    assert "".join(e.text for e in generate(engine, info, ask, cut) if isinstance(e, Delta)) == "Site "
+    late = SamplingParams(temperature=0.0, max_tokens=n, stop=("Reliability",), min_tokens=6)
+    assert "".join(e.text for e in generate(engine, info, ask, late) if isinstance(e, Delta)) == ANSWER
 
 
 def test_stop_token_ids_end_generation_like_eos(engine, info, ask):
