@@ -29,8 +29,6 @@ from . import checkpoint, config, model, sampling
 
 DEFAULT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
 DEFAULT_SLOTS = 8
-BIAS_WIDTH = 300          # logit_bias entries per sequence (serving/protocol.py refuses more)
-STOP_WIDTH = 64           # ids min_tokens holds back per sequence: eos ids + stop_token_ids (at most 32)
 log = logging.getLogger("serving.jax")
 
 
@@ -177,27 +175,7 @@ class JaxEngine:
         self._logprobs: dict[int, tuple] = {}     # slot -> ([device or host logprob arrays], row): the last step's
 
     def _empty_rows(self, n: int) -> dict:
-        v = self.cfg.vocab_size
-        f32 = lambda fill: np.full(n, fill, np.float32)   # noqa: E731
-        return {"presence": f32(0), "frequency": f32(0), "repetition": f32(1), "min_p": f32(0),
-                "bias_ids": np.full((n, BIAS_WIDTH), v, np.int32), "bias_vals": np.zeros((n, BIAS_WIDTH), np.float32),
-                "stop_ids": np.full((n, STOP_WIDTH), v, np.int32), "suppress": np.zeros(n, bool),
-                "logprobs": np.zeros(n, bool)}
-
-    def _set_rows(self, slot: int, p: SamplingParams) -> None:
-        held = p.min_tokens_ids()
-        if len(p.logit_bias) > BIAS_WIDTH or len(held) > STOP_WIDTH:
-            raise ValueError(f"at most {BIAS_WIDTH} logit_bias entries and {STOP_WIDTH} stop token ids")
-        fresh = self._empty_rows(1)
-        fresh.update(presence=p.presence_penalty, frequency=p.frequency_penalty, repetition=p.repetition_penalty,
-                     min_p=p.min_p, logprobs=p.logprobs is not None)
-        for i, (tok, bias) in enumerate(p.logit_bias):
-            fresh["bias_ids"][0, i], fresh["bias_vals"][0, i] = tok, bias
-        fresh["stop_ids"][0, :len(held)] = held
-        for k, v in fresh.items():
-            self._rows[k][slot] = v
-        self._min_tokens[slot] = p.min_tokens
-        self._top_n[slot] = p.logprobs or 0
+        return sampling.empty_rows(n, self.cfg.vocab_size)
 
     def _compile_ladder(self):
         cfg = self.cfg
@@ -272,7 +250,9 @@ class JaxEngine:
         self._top_k[slot] = max(int(params.top_k), 0)
         self._top_p[slot] = float(params.top_p)
         self._keys[slot] = params.seed_words()
-        self._set_rows(slot, params)
+        sampling.set_row(self._rows, slot, params, self.cfg.vocab_size)
+        self._min_tokens[slot] = params.min_tokens
+        self._top_n[slot] = params.logprobs or 0
         self._prompt_len[slot] = n
         s = slice(slot, slot + 1)
         rows = {k: v[s].copy() for k, v in self._rows.items()}
@@ -323,7 +303,8 @@ class JaxEngine:
 
     def logprobs(self, slot: int) -> TokenLogprobs:
         box, row = self._logprobs[slot]
-        box[0] = chosen, ids, top = [np.asarray(a) for a in box[0]]
+        box[0] = [np.asarray(a) for a in box[0]]     # to the host once per step (a no-op after the first call)
+        chosen, ids, top = box[0]
         k = int(self._top_n[slot])
         return TokenLogprobs(float(chosen[row]), tuple(zip(ids[row, :k].tolist(), top[row, :k].tolist())))
 

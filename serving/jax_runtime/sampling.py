@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 FLOOR = -80.0     # tempered, max-shifted logits are clamped here: exp(-80) ≈ 2e-35, never drawn in practice
 ITERS = 30        # bisection steps: the cut lands within 80 / 2**30 ≈ 7e-8 of the exact threshold
@@ -71,6 +72,35 @@ def sample(logits, temperature, top_k, top_p, keys, positions):
 # (padded with id = vocab size, which the scatter drops); stop_ids [B, S] (padded likewise) and suppress [B] bool
 # (fewer than min_tokens out yet); logprobs [B] bool. `state` is the per-slot history the penalties read, on the
 # device: counts [slots, V] int32 (generated tokens) and seen [slots, V] bool (prompt tokens).
+
+
+BIAS_WIDTH = 300          # logit_bias entries per sequence (serving/protocol.py refuses more)
+STOP_WIDTH = 64           # ids min_tokens holds back per sequence: eos ids + stop_token_ids (at most 32)
+
+
+def empty_rows(n: int, vocab: int) -> dict:
+    """n rows that change nothing (host arrays)."""
+    f32 = lambda fill: np.full(n, fill, np.float32)   # noqa: E731
+    return {"presence": f32(0), "frequency": f32(0), "repetition": f32(1), "min_p": f32(0),
+            "bias_ids": np.full((n, BIAS_WIDTH), vocab, np.int32), "bias_vals": np.zeros((n, BIAS_WIDTH), np.float32),
+            "stop_ids": np.full((n, STOP_WIDTH), vocab, np.int32), "suppress": np.zeros(n, bool),
+            "logprobs": np.zeros(n, bool)}
+
+
+def set_row(rows: dict, i: int, p, vocab: int) -> None:
+    """Row i of `rows` from a SamplingParams (suppress stays the caller's: it changes as tokens come out)."""
+    held = p.min_tokens_ids()
+    if len(p.logit_bias) > BIAS_WIDTH or len(held) > STOP_WIDTH:
+        raise ValueError(f"at most {BIAS_WIDTH} logit_bias entries and {STOP_WIDTH} stop token ids")
+    fresh = empty_rows(1, vocab)
+    fresh.update(presence=p.presence_penalty, frequency=p.frequency_penalty, repetition=p.repetition_penalty,
+                 min_p=p.min_p, logprobs=p.logprobs is not None)
+    for k, v in fresh.items():
+        if k != "suppress":
+            rows[k][i] = v
+    rows["bias_ids"][i, :len(p.logit_bias)] = [t for t, _ in p.logit_bias]
+    rows["bias_vals"][i, :len(p.logit_bias)] = [b for _, b in p.logit_bias]
+    rows["stop_ids"][i, :len(held)] = held
 
 
 def empty_state(slots: int, vocab: int) -> dict:
