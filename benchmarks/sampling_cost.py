@@ -23,8 +23,8 @@ import numpy as np
 from serving.engine import SamplingParams
 from serving.jax_runtime import Settings, load
 
-TEXT = dict(vocab_size=262144, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=16, global_head_dim=16, sliding_window=8,
+TEXT = dict(vocab_size=262144, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, global_head_dim=16, sliding_window=5,
             layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=0,
             final_logit_softcapping=30.0, max_position_embeddings=1024, tie_word_embeddings=True)
 

@@ -143,15 +143,16 @@ def _min_p(x, temperature, min_p):
 
 
 def adjust(logits, temperature, rows, counts, seen):
-    """logit_bias and min_tokens, penalties, min_p, in vLLM's order; each skipped (lax.cond) when no row needs it.
+    """logit_bias and min_tokens, penalties, min_p, in vLLM's order; skipped (one lax.cond) when no row needs any.
     counts/seen: the rows' history [B, V]."""
-    v = logits.shape[1]
-    x = jax.lax.cond(jnp.any(rows["bias_ids"] < v) | jnp.any(rows["suppress"]),
-                     lambda x: _bias(x, rows), lambda x: x, logits)
+    def apply(x):
+        x = _penalise(_bias(x, rows), counts, seen, rows)
+        return _min_p(x, temperature, rows["min_p"])
+
     penalised = (rows["presence"] != 0) | (rows["frequency"] != 0) | (rows["repetition"] != 1)
-    x = jax.lax.cond(jnp.any(penalised), lambda x: _penalise(x, counts, seen, rows), lambda x: x, x)
-    return jax.lax.cond(jnp.any((rows["min_p"] > 0) & (temperature > 0)),
-                        lambda x: _min_p(x, temperature, rows["min_p"]), lambda x: x, x)
+    needed = (jnp.any(rows["bias_ids"] < logits.shape[1]) | jnp.any(rows["suppress"]) | jnp.any(penalised)
+              | jnp.any((rows["min_p"] > 0) & (temperature > 0)))
+    return jax.lax.cond(needed, apply, lambda x: x, logits)
 
 
 def logprobs(logits, chosen, wanted, k: int):
