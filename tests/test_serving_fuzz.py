@@ -97,7 +97,8 @@ def _cases() -> list[tuple[str, str, bytes | None, dict]]:
                {"stream": False, "stream_options": None}, {"n": 1, "logprobs": False, "presence_penalty": 0},
                {"n": 3, "seed": 1, "stream": True}, {"logprobs": True, "top_logprobs": 20, "stream": True},
                {"logit_bias": {"1": -100, "106": -100, "5": 100}}, {"min_tokens": 4, "stop_token_ids": [1, 106]},
-               {"repetition_penalty": 1e-6}, {"logprobs": None}, {"presence_penalty": -2, "frequency_penalty": 2, "min_p": 1}):
+               {"repetition_penalty": 1e-6}, {"logprobs": None},
+               {"presence_penalty": -2, "frequency_penalty": 2, "min_p": 1}):
         post(CHAT, chat(**kw))
     # Completions.
     for kw in ({"prompt": ""}, {"prompt": []}, {"prompt": [[]]}, {"prompt": [1, 2, 3]}, {"prompt": [10**9]},
