@@ -115,11 +115,12 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     shutdown: bool = False        # aborted because the server is shutting down (not because the client left)
+    index: int = 0                # which of the request's `n` choices (its jobs share one `events` queue)
 
     def send(self, ev: Any) -> None:
-        """From the engine thread: hand an event to the request's coroutine."""
+        """From the engine thread: hand an event, as (index, event), to the request's coroutine."""
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, ev))
         except RuntimeError:             # the server is shutting down: its loop is gone
             self.cancelled.set()
 
@@ -168,11 +169,17 @@ class Scheduler:
         with self.wake:
             return self._running() > 0 or self._live() > 0
 
-    def submit(self, job: Job) -> None:
+    @property
+    def capacity(self) -> int:
+        """The most jobs admitted at once (running or waiting)."""
+        return self.slots + self.max_waiting
+
+    def submit(self, *jobs: Job) -> None:
+        """Admit all of `jobs` (a request's n choices) or none."""
         with self.wake:
-            if self._running() + self._live() >= self.slots + self.max_waiting:
+            if self._running() + self._live() + len(jobs) > self.capacity:
                 raise QueueFull
-            self.queued.append(job)
+            self.queued.extend(jobs)
             self.metrics.set_queue(self._live())
             self.wake.notify()
 

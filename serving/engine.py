@@ -12,8 +12,15 @@ Sampling contract, the same on every runtime:
   renormalised mass reaches top_p (at least one token); the token is drawn from what is kept at `temperature`;
 - the draw for the token at position p uses a key derived from (seed, p) alone: the same request with the same
   seed gives the same tokens whatever else shares the batch. A request without a seed gets a random one.
-Per-request extras (penalties, logit_bias, min_p, logprobs) belong in SamplingParams and in the runtimes'
-samplers, which take one row of parameters per slot; `logits(slot)` already exposes the last distribution.
+Before that, in vLLM's order (its v1 sampler), the logits are adjusted per request:
+- logit_bias is added; while fewer than min_tokens tokens are out, every stop token id (the checkpoint's eos ids
+  and stop_token_ids) is -inf;
+- penalties: repetition (over prompt + generated tokens: a positive logit is divided by it, a negative one
+  multiplied), then frequency (times the token's count among the generated tokens), then presence (once per
+  token generated at least once);
+- min_p (sampled rows): tokens less likely than min_p times the most likely one, at `temperature`, are dropped.
+Logprobs are vLLM's default `logprobs_mode="raw_logprobs"`: log_softmax of the model's logits before any of the
+above (bias, penalties, temperature, cuts); `logprobs(slot)` has the chosen token's and the top ones.
 """
 from __future__ import annotations
 
@@ -33,6 +40,23 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False    # vLLM's extension: generate max_tokens regardless of stop tokens (benchmarks)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0             # 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) pairs
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()        # end generation like eos
+    eos_token_ids: tuple[int, ...] = ()         # the checkpoint's stop ids (what min_tokens holds back, with the above)
+    logprobs: int | None = None                 # how many top alternatives per token (0: the chosen one's only)
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def min_tokens_ids(self) -> tuple[int, ...]:
+        """The ids held back (-inf) until min_tokens tokens are out."""
+        return tuple(sorted(set(self.eos_token_ids) | set(self.stop_token_ids))) if self.min_tokens else ()
 
     def seed64(self) -> int:
         """The request's seed folded into [0, 2**64) (OpenAI and vLLM accept any integer, negative too);
@@ -60,3 +84,15 @@ class Engine(Protocol):
 
     def logits(self, slot: int) -> np.ndarray:
         """float32 logits [vocab] behind the slot's last token (tests, diagnostics; copies from the device)."""
+
+    def logprobs(self, slot: int) -> "TokenLogprobs":
+        """The raw logprobs of the slot's last chosen token, for a sequence started with params.logprobs set."""
+
+
+TOP_LOGPROBS = 20    # the most alternatives a request may ask for (vLLM's default max_logprobs, OpenAI's top_logprobs)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    logprob: float                             # of the chosen token
+    top: tuple[tuple[int, float], ...]         # the params.logprobs most likely (id, logprob), most likely first

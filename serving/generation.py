@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from serving.engine import Engine, SamplingParams
+from serving.engine import Engine, SamplingParams, TokenLogprobs
 
 # Gemma 4's control tokens that shape the output (see the checkpoint's tokenizer.json).
 TURN_END = "<turn|>"                            # end of a dialogue turn: always a stop token
@@ -44,6 +44,7 @@ class TokenizerInfo:
     lock: threading.Lock = field(default_factory=threading.Lock)
     prompt_lock: threading.Lock = field(default_factory=threading.Lock)
     max_token_chars: int = 1            # the longest token's text: n characters are at least n / this tokens
+    token_texts: dict = field(default_factory=dict)     # id -> its text alone (logprobs), filled as needed
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "TokenizerInfo":
@@ -79,6 +80,14 @@ class TokenizerInfo:
     @property
     def vocab_size(self) -> int:
         return len(self.prompt_tokenizer)
+
+    def token_text(self, token: int) -> str:
+        """One token's text on its own, as vLLM names tokens in logprobs (engine thread: its tokenizer)."""
+        text = self.token_texts.get(token)
+        if text is None:
+            with self.lock:
+                text = self.token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return text
 
     def render_chat(self, messages: list[dict]) -> str:
         with self.prompt_lock:
@@ -204,9 +213,19 @@ class StopStrings:
 
 # ---------------------------------------------------------------------------------------------- the loop
 @dataclass
+class Logprob:
+    """A generated token's raw logprob and the most likely alternatives', by token text."""
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+@dataclass
 class Delta:
-    """One generated token: the text it released (may be empty). Its time is in Finish.token_times."""
+    """One generated token: the text it released (may be empty), its logprobs when the request asked.
+    Its time is in Finish.token_times."""
     text: str
+    logprob: Logprob | None = None
 
 
 @dataclass
@@ -237,9 +256,11 @@ class Generation:
     def push(self, token: int) -> tuple[str, str | None]:
         """Take a generated token: (text it releases, finish reason or None to go on)."""
         self.times.append(time.monotonic())
-        if token in self.info.stop_ids and not self.params.ignore_eos:
+        if (token in self.info.stop_ids and not self.params.ignore_eos) or token in self.params.stop_token_ids:
             return _release(self.stops, self.detok)[0], "stop"
-        text, hit = self.stops.push(self.detok.push(token))
+        delta = self.detok.push(token)
+        # before min_tokens tokens are out no stop string ends generation (as vLLM); the runtime holds back the stop ids
+        text, hit = self.stops.push(delta) if len(self.times) >= self.params.min_tokens else (delta, False)
         if hit:
             return text, "stop"
         if len(self.times) >= self.budget:
@@ -249,6 +270,13 @@ class Generation:
 
     def finish(self, reason: str) -> Finish:
         return Finish(reason, self.prompt_tokens, len(self.times), self.times)
+
+    def delta(self, text: str, token: int, engine: Engine, slot: int) -> Delta:
+        if self.params.logprobs is None:
+            return Delta(text)
+        lp: TokenLogprobs = engine.logprobs(slot)
+        name = self.info.token_text
+        return Delta(text, Logprob(name(token), lp.logprob, [(name(t), v) for t, v in lp.top]))
 
 
 def generate(engine: Engine, info: TokenizerInfo, prompt_ids: Sequence[int], params: SamplingParams,
@@ -261,7 +289,7 @@ def generate(engine: Engine, info: TokenizerInfo, prompt_ids: Sequence[int], par
     token = engine.start(slot, prompt_ids, params)
     while True:
         text, reason = gen.push(token)
-        yield Delta(text)
+        yield gen.delta(text, token, engine, slot)
         if reason:
             break
         if cancelled():
@@ -315,7 +343,7 @@ class Batch:
     def _take(self, slot: int, token: int) -> list[tuple[Any, Delta | Finish]]:
         live = self.live[slot]
         text, reason = live.gen.push(token)
-        events: list[tuple[Any, Delta | Finish]] = [(live.job, Delta(text))]
+        events: list[tuple[Any, Delta | Finish]] = [(live.job, live.gen.delta(text, token, self.engine, slot))]
         if not reason and live.job.cancelled.is_set():
             reason = "abort"
         if reason:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from serving.api import Job, QueueFull
-from serving.generation import Delta, Finish, PromptTooLong, SamplingParams
+from serving.generation import Delta, Finish, Logprob, PromptTooLong, SamplingParams
 from serving.protocol import APIError, ChatRequest, CompletionRequest, messages, parse, unavailable
 
 router = APIRouter()
@@ -43,36 +44,98 @@ async def prompt_ids(ctx, build: Callable[[int], list[int]], max_tokens: int | N
     return ids
 
 
-def sampling(ctx, req, prompt_len: int, max_tokens: int | None) -> SamplingParams:
+def sampling(ctx, req, prompt_len: int, max_tokens: int | None, top_logprobs: int | None) -> SamplingParams:
     d = ctx.info.default_sampling
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    vocab = ctx.info.vocab_size
+    bias = []
+    for key, value in (req.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise APIError(400, f"logit_bias: key {key!r} is not a token id", param="logit_bias") from None
+        if not 0 <= token < vocab:
+            raise APIError(400, f"logit_bias: token id {token} is out of range (vocabulary size {vocab})",
+                           param="logit_bias")
+        bias.append((token, min(100.0, max(-100.0, value))))     # OpenAI's range; vLLM clamps the same way
+    bad = next((t for t in req.stop_token_ids or () if t >= vocab), None)
+    if bad is not None:
+        raise APIError(400, f"stop_token_ids: token id {bad} is out of range (vocabulary size {vocab})",
+                       param="stop_token_ids")
+    if max_tokens is not None and req.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens ({req.min_tokens}) must be less than or equal to max_tokens "
+                            f"({max_tokens})", param="min_tokens")
+    if req.n > ctx.scheduler.capacity:
+        raise APIError(400, f"n: at most {ctx.scheduler.capacity} choices on this server (its slots plus "
+                            f"--max-waiting)", param="n")
     return SamplingParams(
         temperature=req.temperature if req.temperature is not None else d.get("temperature", 1.0),
         top_p=req.top_p if req.top_p is not None else d.get("top_p", 1.0),
         top_k=max(0, req.top_k if req.top_k is not None else d.get("top_k", 0)),
         max_tokens=ctx.max_context - prompt_len if max_tokens is None else max_tokens,
-        stop=stop, seed=req.seed, ignore_eos=req.ignore_eos)
+        stop=stop, seed=req.seed, ignore_eos=req.ignore_eos,
+        presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
+        logit_bias=tuple(bias), min_p=req.min_p or 0.0, min_tokens=req.min_tokens,
+        stop_token_ids=tuple(req.stop_token_ids or ()), eos_token_ids=tuple(sorted(ctx.info.stop_ids)),
+        logprobs=top_logprobs)
 
 
-def submit(request: Request, ids: list[int], params: SamplingParams) -> Job:
+GOLDEN = 0x9E3779B97F4A7C15     # 2**64 / golden ratio: choice i's seed is the request's plus i times this
+
+
+def submit(request: Request, ids: list[int], params: SamplingParams, n: int) -> list[Job]:
+    """Queue the request's n choices (all or none); choice i of a seeded request samples with a seed derived from
+    the request's seed and i (choice 0 with the seed itself), so the same request gives the same choices."""
     ctx = request.app.state.ctx
     ctx.check_serving()                    # again: the server may have begun shutting down while we tokenised
-    job = Job(ids, params, asyncio.get_running_loop())
+    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    jobs = [Job(ids, params if params.seed is None or i == 0 else replace(params, seed=params.seed + i * GOLDEN),
+                loop, events=events, index=i) for i in range(n)]
     try:
-        ctx.scheduler.submit(job)
+        ctx.scheduler.submit(*jobs)
     except QueueFull:
         raise APIError(429, f"server busy: {ctx.scheduler.max_waiting} requests already waiting; retry later",
                        "rate_limit_error", code="rate_limit_exceeded") from None
-    return job
+    return jobs
 
 
-def usage(fin: Finish) -> dict:
-    return {"prompt_tokens": fin.prompt_tokens, "completion_tokens": fin.completion_tokens,
-            "total_tokens": fin.prompt_tokens + fin.completion_tokens}
+def usage(fins: list[Finish]) -> dict:
+    prompt, completion = fins[0].prompt_tokens, sum(f.completion_tokens for f in fins)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def sse(body: Any) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def _lp(value: float) -> float:
+    return max(value, -9999.0)         # -inf is not JSON: OpenAI's and vLLM's floor
+
+
+def chat_logprobs(lps: list[Logprob]) -> dict:
+    """OpenAI's chat shape: per token its text, logprob, UTF-8 bytes and the top alternatives."""
+    def entry(token: str, value: float) -> dict:
+        return {"token": token, "logprob": _lp(value), "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in lps]}
+
+
+def completion_logprobs(lps: list[Logprob], offset: int) -> dict:
+    """OpenAI's completions shape. top_logprobs holds the chosen token and the top ones (up to logprobs + 1),
+    text_offset each token's place in the text, counting from `offset`."""
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for lp in lps:
+        out["tokens"].append(lp.token)
+        out["token_logprobs"].append(_lp(lp.logprob))
+        top = {lp.token: _lp(lp.logprob)}
+        for t, v in lp.top:
+            top.setdefault(t, _lp(v))
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(lp.token)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------- chat
@@ -82,6 +145,8 @@ async def chat(request: Request):
     req: ChatRequest = parse(ChatRequest, await request.body())
     ctx.check_model(req.model)
     msgs = messages(req.messages)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "when using top_logprobs, logprobs must be set to true", param="top_logprobs")
     ctx.check_serving()
     max_tokens = req.max_completion_tokens or req.max_tokens
 
@@ -93,30 +158,32 @@ async def chat(request: Request):
         return ctx.info.encode(text, limit=limit)
 
     ids = await prompt_ids(ctx, build, max_tokens, "messages")
-    job = submit(request, ids, sampling(ctx, req, len(ids), max_tokens))
+    params = sampling(ctx, req, len(ids), max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    jobs = submit(request, ids, params, req.n)
     rid, created, model = f"chatcmpl-{request.state.request_id}", int(time.time()), ctx.name
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     if req.stream:
-        def chunk(delta: dict, finish: str | None = None) -> str:
-            body = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        def chunk(i: int, delta: dict, lps: list[Logprob] | None = None, finish: str | None = None) -> str:
+            body = {**base, "choices": [{"index": i, "delta": delta, "logprobs": chat_logprobs(lps) if lps else None,
+                                         "finish_reason": finish}]}
             return sse({**body, "usage": None} if include_usage else body)
 
-        def end(fin: Finish) -> list[str]:
-            out = [chunk({}, fin.reason)]
-            if include_usage:
-                out.append(sse({**base, "choices": [], "usage": usage(fin)}))
-            return out
+        def end(fins: list[Finish]) -> list[str]:
+            return [sse({**base, "choices": [], "usage": usage(fins)})] if include_usage else []
 
-        return stream(job, chunk({"role": "assistant", "content": ""}), lambda t: chunk({"content": t}), end)
+        return stream(jobs, [chunk(i, {"role": "assistant", "content": ""}) for i in range(req.n)],
+                      lambda i, t, lps: chunk(i, {"content": t}, lps), lambda i, fin: chunk(i, {}, None, fin.reason),
+                      end)
 
-    text, fin = await collect(request, job)
+    results = await collect(request, jobs)
     return JSONResponse({
         "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                     "finish_reason": fin.reason}],
-        "usage": usage(fin)})
+        "choices": [{"index": i, "message": {"role": "assistant", "content": text},
+                     "logprobs": chat_logprobs(lps) if req.logprobs else None, "finish_reason": fin.reason}
+                    for i, (text, lps, fin) in enumerate(results)],
+        "usage": usage([fin for _, _, fin in results])})
 
 
 # ------------------------------------------------------------------------------------------ completions
@@ -125,6 +192,9 @@ async def completions(request: Request):
     ctx = request.app.state.ctx
     req: CompletionRequest = parse(CompletionRequest, await request.body())
     ctx.check_model(req.model)
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo with logprobs (the prompt's logprobs) is not supported by this server",
+                       param="echo")
     ctx.check_serving()
     prompt = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and \
         isinstance(req.prompt[0], (str, list)) else req.prompt
@@ -142,75 +212,95 @@ async def completions(request: Request):
     echo = ""
     if req.echo:
         echo = prompt if isinstance(prompt, str) else await asyncio.to_thread(ctx.info.decode, ids)
-    job = submit(request, ids, sampling(ctx, req, len(ids), req.max_tokens))
+    jobs = submit(request, ids, sampling(ctx, req, len(ids), req.max_tokens, req.logprobs), req.n)
     rid, created, model = f"cmpl-{request.state.request_id}", int(time.time()), ctx.name
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     if req.stream:
-        def chunk(text: str, finish: str | None = None) -> str:
-            body = {**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+        offsets = [0] * req.n              # per choice: where the next token's text begins
+
+        def chunk(i: int, text: str, lps: list[Logprob] | None = None, finish: str | None = None) -> str:
+            logprobs = None
+            if lps:
+                logprobs = completion_logprobs(lps, offsets[i])
+                offsets[i] += sum(len(lp.token) for lp in lps)
+            body = {**base, "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
             return sse({**body, "usage": None} if include_usage else body)
 
-        def end(fin: Finish) -> list[str]:
-            out = [chunk("", fin.reason)]
-            if include_usage:
-                out.append(sse({**base, "choices": [], "usage": usage(fin)}))
-            return out
+        def end(fins: list[Finish]) -> list[str]:
+            return [sse({**base, "choices": [], "usage": usage(fins)})] if include_usage else []
 
-        return stream(job, chunk(echo) if echo else None, chunk, end)
+        return stream(jobs, [chunk(i, echo) for i in range(req.n)] if echo else [], chunk,
+                      lambda i, fin: chunk(i, "", None, fin.reason), end)
 
-    text, fin = await collect(request, job)
+    results = await collect(request, jobs)
     return JSONResponse({
-        **base, "choices": [{"index": 0, "text": echo + text, "logprobs": None, "finish_reason": fin.reason}],
-        "usage": usage(fin)})
+        **base, "choices": [{"index": i, "text": echo + text,
+                             "logprobs": completion_logprobs(lps, 0) if req.logprobs is not None else None,
+                             "finish_reason": fin.reason} for i, (text, lps, fin) in enumerate(results)],
+        "usage": usage([fin for _, _, fin in results])})
 
 
 # -------------------------------------------------------------------------------------------- answering
-async def collect(request: Request, job) -> tuple[str, Finish]:
-    """The whole text of a non-streamed request; stops the generation if the client hangs up."""
+async def collect(request: Request, jobs: list[Job]) -> list[tuple[str, list[Logprob], Finish]]:
+    """Each choice's whole text, logprobs and end; stops the generations if the client hangs up."""
     async def watch_disconnect():
         while not await request.is_disconnected():
             await asyncio.sleep(0.25)
-        job.cancelled.set()
+        for job in jobs:
+            job.cancelled.set()
 
     watcher = asyncio.create_task(watch_disconnect())
-    parts = []
+    parts: list[list[str]] = [[] for _ in jobs]
+    lps: list[list[Logprob]] = [[] for _ in jobs]
+    fins: dict[int, Finish] = {}
     try:
-        while True:
-            ev = await job.events.get()
+        while len(fins) < len(jobs):
+            i, ev = await jobs[0].events.get()
             if isinstance(ev, APIError):
                 raise ev
             if isinstance(ev, Delta):
-                parts.append(ev.text)
+                parts[i].append(ev.text)
+                if ev.logprob:
+                    lps[i].append(ev.logprob)
                 continue
-            if job.shutdown and ev.reason == "abort":
+            if jobs[i].shutdown and ev.reason == "abort":
                 raise unavailable("server is shutting down: request aborted")
-            return "".join(parts), ev
+            fins[i] = ev
+        return [("".join(parts[i]), lps[i], fins[i]) for i in range(len(jobs))]
     finally:
         watcher.cancel()
-        job.cancelled.set()
+        for job in jobs:
+            job.cancelled.set()
 
 
-def stream(job, first: str | None, text_chunk: Callable[[str], str], end: Callable[[Finish], list[str]]):
+def stream(jobs: list[Job], first: list[str], text_chunk: Callable[[int, str, list[Logprob] | None], str],
+           finish_chunk: Callable[[int, Finish], str], end: Callable[[list[Finish]], list[str]]):
+    """SSE over the choices' events as they come (each chunk names its choice's index): a chunk per token that
+    released text or carries logprobs, one with each choice's finish_reason, then `end` and [DONE]."""
     async def events():
         try:
-            if first:
-                yield first
-            while True:
-                ev = await job.events.get()
+            for line in first:
+                yield line
+            fins: dict[int, Finish] = {}
+            while len(fins) < len(jobs):
+                i, ev = await jobs[0].events.get()
                 if isinstance(ev, Delta):
-                    if ev.text:
-                        yield text_chunk(ev.text)
+                    if ev.text or ev.logprob:
+                        yield text_chunk(i, ev.text, [ev.logprob] if ev.logprob else None)
                 elif isinstance(ev, Finish):
-                    for line in end(ev):
-                        yield line
-                    break
+                    fins[i] = ev
+                    yield finish_chunk(i, ev)
                 else:                      # an APIError from the engine thread, after headers went out
                     yield sse({"error": ev.body()["error"]})
                     break
+            else:
+                for line in end([fins[i] for i in range(len(jobs))]):
+                    yield line
             yield "data: [DONE]\n\n"
         finally:
-            job.cancelled.set()           # client gone (or done): stop generating, free the slot
+            for job in jobs:               # client gone (or done): stop generating, free the slots
+                job.cancelled.set()
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -14,6 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 INT64 = (-2**63, 2**63 - 1)     # vLLM's seed range (torch.long)
+MAX_LOGIT_BIAS = 300            # entries (a fixed width on the JAX runtime's device)
+MAX_STOP_TOKEN_IDS = 32
+MAX_LOGPROBS = 20               # vLLM's default --max-logprobs; OpenAI's top_logprobs bound
 
 
 # ------------------------------------------------------------------------------------------------ errors
@@ -60,6 +63,8 @@ class StreamOptions(_Strict):
 
 
 Seed = Annotated[int, Field(ge=INT64[0], le=INT64[1])]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]                  # OpenAI's and vLLM's range
+Finite = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class _Sampling(_Strict):
@@ -72,12 +77,23 @@ class _Sampling(_Strict):
     stop: str | list[str] | None = None
     seed: Seed | None = None
     ignore_eos: bool = False
+    n: Annotated[int, Field(ge=1)] = 1
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    # vLLM: > 0; bounded here so that float32 logits divided by it stay finite
+    repetition_penalty: Annotated[float, Field(ge=1e-6, le=1e6)] | None = None
+    logit_bias: Annotated[dict[str, Finite], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
 
 
 class ChatRequest(_Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
@@ -89,6 +105,7 @@ class CompletionRequest(_Sampling):
         Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
     max_tokens: Annotated[int, Field(ge=0)] | None = 16     # OpenAI's and vLLM's default for completions
     echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 class TokenizeRequest(_Strict):
@@ -110,10 +127,8 @@ _FIELDS = {f for m in _MODELS for f in m.model_fields}
 # Parameters of the OpenAI / vLLM APIs that this server does not honour, with the values that mean "not used".
 # A request that sets one to anything else gets a 400 naming it: never a 200 that silently ignored it.
 _NOT_HONOURED = {
-    "n": (None, 1), "best_of": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0),
-    "prompt_logprobs": (None,), "logit_bias": (None, {}), "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0), "repetition_penalty": (None, 1), "min_p": (None, 0), "min_tokens": (None, 0),
-    "stop_token_ids": (None, []), "response_format": (None, {"type": "text"}), "structured_outputs": (None,),
+    "best_of": (None, 1),       # removed from vLLM (0.19); `n` and `logprobs` do what it did
+    "prompt_logprobs": (None,), "response_format": (None, {"type": "text"}), "structured_outputs": (None,),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "use_beam_search": (None, False), "length_penalty": (None, 1), "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
@@ -125,7 +140,7 @@ UNSUPPORTED = {
                   "functions": (None, []), "function_call": (None, "none", "auto"), "chat_template": (None,),
                   "chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
                   "continue_final_message": (None, False)},
-    CompletionRequest: {**_NOT_HONOURED, "logprobs": (None,), "suffix": (None, "")},
+    CompletionRequest: {**_NOT_HONOURED, "suffix": (None, "")},
 }
 
 

@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from serving.engine import SamplingParams
+from serving.engine import SamplingParams, TokenLogprobs
 
 log = logging.getLogger("serving.pytorch")
 
@@ -44,6 +44,12 @@ class TorchEngine:
         self._params = SamplingParams(temperature=0.0)
         self._gen = torch.Generator(device=device)
         self._logits: torch.Tensor | None = None
+        # what the penalties read: generated-token counts and the prompt's tokens, over the vocabulary
+        vocab = text_config.vocab_size
+        self._counts = torch.zeros(vocab, dtype=torch.int32, device=device)
+        self._seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        self._out = 0                          # tokens generated so far
+        self._logprobs: TokenLogprobs | None = None
         # Decode steps (one token, static shapes) go through transformers' own compiled call, as its
         # generate(cache_implementation="static") does on CUDA: inductor with CUDA graphs ("reduce-overhead").
         # Prompts of any length run eagerly. G5G_TORCH_COMPILE=0 keeps decode eager too.
@@ -77,7 +83,12 @@ class TorchEngine:
         self._pos += n
         # a copy (float32, off the CUDA graph's output buffer, which the next replay overwrites)
         self._logits = out.logits[0, -1].float().clone()
-        return int(sample(self._logits, self._params, self._gen))
+        p = self._params
+        x = adjust(self._logits, p, self._counts, self._seen, held=self._out < p.min_tokens)
+        token = int(sample(x, p, self._gen))
+        if p.logprobs is not None:
+            self._logprobs = raw_logprobs(self._logits, token, p.logprobs)
+        return token
 
     @torch.inference_mode()
     def start(self, slot: int, prompt_ids: Sequence[int], params: SamplingParams) -> int:
@@ -89,6 +100,10 @@ class TorchEngine:
         self._pos = 0
         self._params = params
         self._gen.manual_seed(params.seed64())
+        self._counts.zero_()
+        self._seen.zero_()
+        self._seen[torch.tensor(list(prompt_ids), device=self.device).clamp(0, self._seen.numel() - 1)] = True
+        self._out = 0
         return self._forward(prompt_ids)
 
     def step(self, tokens: Mapping[int, int]) -> dict[int, int]:
@@ -96,18 +111,62 @@ class TorchEngine:
             return {}
         if set(tokens) != {0} or self._pos == 0:
             raise RuntimeError("step() on a slot that was not started")
-        return {0: self._forward([tokens[0]])}
+        token = tokens[0]
+        if 0 <= token < self._counts.numel():
+            self._counts[token] += 1
+        self._out += 1
+        return {0: self._forward([token])}
 
     def logits(self, slot: int) -> np.ndarray:
         return self._logits.cpu().numpy()
+
+    def logprobs(self, slot: int) -> TokenLogprobs:
+        return self._logprobs
 
 
 FLOOR = -80.0   # as serving/jax_runtime/sampling.py: tempered, max-shifted logits are clamped here
 
 
+def f32(x) -> float:
+    """x rounded to float32, as the JAX runtime holds its per-row parameters."""
+    return float(np.float32(x))
+
+
+def adjust(logits: torch.Tensor, p: SamplingParams, counts: torch.Tensor, seen: torch.Tensor,
+           held: bool) -> torch.Tensor:
+    """serving.engine's adjustments before the draw, in vLLM's order (as serving/jax_runtime/sampling.py's
+    adjust): logit_bias and min_tokens, penalties, min_p. counts/seen: the sequence's history over the vocabulary."""
+    x = logits
+    v = x.numel()
+    bias = [(t, b) for t, b in p.logit_bias if 0 <= t < v]
+    held_ids = [t for t in p.min_tokens_ids() if 0 <= t < v] if held else []
+    if bias or held_ids:
+        x = x.clone()
+        if bias:
+            x.index_add_(0, torch.tensor([t for t, _ in bias], device=x.device),
+                         torch.tensor([b for _, b in bias], dtype=x.dtype, device=x.device))
+        x[held_ids] = -torch.inf
+    if p.penalised:                  # vLLM's apply_penalties
+        out = counts > 0
+        rep = f32(p.repetition_penalty)
+        x = torch.where(seen | out, torch.where(x > 0, x / rep, x * rep), x)
+        x = x - f32(p.frequency_penalty) * counts - f32(p.presence_penalty) * out
+    t = f32(p.temperature)
+    if p.min_p > 0 and t > 0:        # p < min_p * p_max at temperature t  <=>  logit < max + t * log(min_p)
+        x = torch.where(x < x.max() + f32(t * np.log(np.float32(p.min_p))), -torch.inf, x)
+    return x
+
+
+def raw_logprobs(logits: torch.Tensor, chosen: int, k: int) -> TokenLogprobs:
+    """vLLM's default logprobs_mode, raw_logprobs: log_softmax of the model's logits, before any adjustment."""
+    lp = torch.log_softmax(logits, 0)
+    top = lp.topk(k) if k else None
+    return TokenLogprobs(float(lp[chosen]), tuple(zip(top.indices.tolist(), top.values.tolist())) if k else ())
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> torch.Tensor:
     """The next token (a 0-d tensor) from float32 logits [V] by serving.engine's sampling contract."""
-    t = float(np.float32(params.temperature))     # what underflows float32 is greedy, as on the JAX runtime
+    t = f32(params.temperature)                   # what underflows float32 is greedy, as on the JAX runtime
     if t <= 0.0:
         return logits.argmax()
     x = ((logits - logits.max()) / t).clamp_min(FLOOR)

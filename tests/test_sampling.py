@@ -109,3 +109,41 @@ def test_jax_rows_do_not_depend_on_their_batch():
                                           keys[r:r + 1], pos[r:r + 1])))
         assert int(alone[0]) == together[r]
     assert together[1] == logits[1].argmax()
+
+
+ADJUSTED = [
+    SamplingParams(temperature=0.7, repetition_penalty=1.7, frequency_penalty=0.5, presence_penalty=-1.2),
+    SamplingParams(temperature=1.0, logit_bias=((3, 100.0), (7, -100.0), (250, 2.5)), min_p=0.2),
+    SamplingParams(temperature=0.0, min_tokens=4, eos_token_ids=(1, 2), stop_token_ids=(9,), min_p=0.9),
+    SamplingParams(temperature=2.0, repetition_penalty=0.5, min_p=0.01, logit_bias=((1, 1.0),), min_tokens=1,
+                   eos_token_ids=(5,)),
+]
+
+
+def test_both_runtimes_adjust_logits_alike():
+    """The adjustments before the draw (bias, min_tokens, penalties, min_p) give the same logits on both
+    runtimes, a batch of differently set rows on JAX against one row at a time on PyTorch."""
+    pytest.importorskip("jax")
+    torch = pytest.importorskip("torch")
+    import jax.numpy as jnp
+    from serving.jax_runtime import sampling as js
+    from serving.pytorch_runtime import adjust
+
+    rng = np.random.default_rng(4)
+    v, n = 300, len(ADJUSTED)
+    logits = (rng.standard_normal((n, v)) * 3).astype(np.float32)
+    counts = rng.integers(0, 3, (n, v)).astype(np.int32) * (rng.random((n, v)) < 0.05)
+    seen = rng.random((n, v)) < 0.05
+    rows = js.empty_rows(n, v)
+    for i, p in enumerate(ADJUSTED):
+        js.set_row(rows, i, p, v)
+    rows["suppress"] = np.array([bool(p.min_tokens) for p in ADJUSTED])
+    temp = np.array([p.temperature for p in ADJUSTED], np.float32)
+    got = np.asarray(js.adjust(jnp.asarray(logits), jnp.asarray(temp), {k: jnp.asarray(a) for k, a in rows.items()},
+                               jnp.asarray(counts), jnp.asarray(seen)))
+    for i, p in enumerate(ADJUSTED):
+        want = adjust(torch.tensor(logits[i]), p, torch.tensor(counts[i]), torch.tensor(seen[i]), held=True).numpy()
+        np.testing.assert_array_equal(np.isinf(got[i]), np.isinf(want))
+        np.testing.assert_allclose(got[i][np.isfinite(want)], want[np.isfinite(want)], rtol=1e-6, atol=1e-5)
+        assert not np.array_equal(want, logits[i])           # every row changed something
+    assert np.isneginf(got[2][[1, 2, 9]]).all() and got[1].argmax() == 3

@@ -176,7 +176,12 @@ BAD = [
     (json.dumps({"messages": [{"content": "hi"}]}), 400, "messages.0.role"),
     (json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
      400, "messages.0.content"),
-    (json.dumps({"messages": ASK, "n": 2}), 400, "n"),
+    (json.dumps({"messages": ASK, "n": 0}), 400, "n"),
+    (json.dumps({"messages": ASK, "n": 10**6}), 400, "n"),                           # more than the server holds
+    (json.dumps({"messages": ASK, "presence_penalty": 2.5}), 400, "presence_penalty"),
+    (json.dumps({"messages": ASK, "logit_bias": {"99999": 5}}), 400, "logit_bias"),  # outside the vocabulary
+    (json.dumps({"messages": ASK, "top_logprobs": 3}), 400, "top_logprobs"),         # without logprobs: true
+    (json.dumps({"messages": ASK, "min_tokens": 9, "max_tokens": 4}), 400, "min_tokens"),
     (json.dumps({"messages": ASK, "max_tokens": 3, "stream_options": {"include_usage": True}}), 400,
      "stream_options"),
     (json.dumps({"messages": [{"role": "user", "content": "word " * 400}]}), 400, "messages"),   # > context

@@ -52,11 +52,22 @@ def _cases() -> list[tuple[str, str, bytes | None, dict]]:
     for name, values in bad_values.items():
         for v in values:
             post(CHAT, chat(**{name: v}))
+    # Sampling parameters of the wrong type or out of range.
+    bad_sampling = {
+        "n": [0, -1, 1.5, "2", 10**9], "logprobs": ["yes", 1], "top_logprobs": [-1, 21, 2.5],
+        "presence_penalty": [2.5, -2.01, "x", float("nan")], "frequency_penalty": [-3, 1e309, True],
+        "repetition_penalty": [0, -1, float("inf"), "1"], "min_p": [-0.1, 1.01, [0.1]],
+        "logit_bias": [{"a": 1}, {"-1": 1}, {"512": 1}, {"5": "x"}, {"5": float("nan")}, [5],
+                       {str(i): 1 for i in range(301)}],
+        "min_tokens": [-1, 1.5, 5], "stop_token_ids": [[-1], [10**9], "5", [1.5], list(range(33))],
+    }
+    for name, values in bad_sampling.items():
+        for v in values:
+            post(CHAT, chat(**{name: v}))
+    post(CHAT, chat(top_logprobs=3))                                    # top_logprobs without logprobs
     # Parameters we do not honour, set: refused with a 400 naming them.
-    unhonoured = {"logit_bias": {"5": 10}, "presence_penalty": 0.5, "frequency_penalty": -1,
-                  "repetition_penalty": 1.2, "min_p": 0.1, "response_format": {"type": "json_object"}, "echo": True,
-                  "best_of": 2, "n": 3, "logprobs": True, "top_logprobs": 2, "tools": [{"type": "function"}],
-                  "tool_choice": "required", "min_tokens": 3, "stop_token_ids": [5], "use_beam_search": True,
+    unhonoured = {"response_format": {"type": "json_object"}, "echo": True, "best_of": 2,
+                  "tools": [{"type": "function"}], "tool_choice": "required", "use_beam_search": True,
                   "chat_template_kwargs": {"enable_thinking": True}, "skip_special_tokens": False,
                   "guided_json": {"type": "object"}, "include_stop_str_in_output": True}
     for name, v in unhonoured.items():
@@ -83,13 +94,19 @@ def _cases() -> list[tuple[str, str, bytes | None, dict]]:
                {"top_p": 1e-9}, {"seed": 2**63 - 1}, {"seed": -(2**63)}, {"max_tokens": 1}, {"max_tokens": 230},
                {"unknown_field": 1, "user": "u"}, {"stream": True, "max_tokens": 2},
                {"stream": True, "stream_options": {"include_usage": True}, "max_tokens": 2},
-               {"stream": False, "stream_options": None}, {"n": 1, "logprobs": False, "presence_penalty": 0}):
+               {"stream": False, "stream_options": None}, {"n": 1, "logprobs": False, "presence_penalty": 0},
+               {"n": 3, "seed": 1, "stream": True}, {"logprobs": True, "top_logprobs": 20, "stream": True},
+               {"logit_bias": {"1": -100, "106": -100, "5": 100}}, {"min_tokens": 4, "stop_token_ids": [1, 106]},
+               {"repetition_penalty": 1e-6}, {"logprobs": None},
+               {"presence_penalty": -2, "frequency_penalty": 2, "min_p": 1}):
         post(CHAT, chat(**kw))
     # Completions.
     for kw in ({"prompt": ""}, {"prompt": []}, {"prompt": [[]]}, {"prompt": [1, 2, 3]}, {"prompt": [10**9]},
                {"prompt": [-1]}, {"prompt": ["a", "b"]}, {"prompt": [[1], [2]]}, {"prompt": {"x": 1}},
                {"prompt": None}, {}, {"prompt": "hi", "echo": True, "max_tokens": 0},
                {"prompt": "hi", "suffix": "end"}, {"prompt": "hi", "logprobs": 2}, {"prompt": "hi", "best_of": 3},
+               {"prompt": "hi", "logprobs": 21}, {"prompt": "hi", "logprobs": 20, "n": 2, "stream": True},
+               {"prompt": "hi", "logprobs": 1, "echo": True},
                {"prompt": "hi", "max_tokens": 10**6}, {"prompt": [2] * 300_000}, {"prompt": "hi " * 4_000_000},
                {"prompt": ["hi"], "stream": True, "echo": True, "max_tokens": 2}, {"prompt": [[2, 105]]},
                {"prompt": "hi", "messages": ASK}, {"prompt": 1.5}):

@@ -1,6 +1,7 @@
 """The OpenAI surface, driven with the official `openai` client against both runtimes' server processes.
 
-Chat, completions (string and token-id prompts, streaming, echo), the parameters refused with a 400, model
+Chat, completions (string and token-id prompts, streaming, echo), the sampling parameters (logprobs, n,
+penalties, logit_bias, min_p, min_tokens, stop_token_ids), the parameters refused with a 400, model
 retrieval, /tokenize, /detokenize, /version, /ping, HEAD /health, x-request-id; then --api-key and CORS on a server
 started with those flags.
 """
@@ -12,6 +13,7 @@ import openai
 import pytest
 import requests
 
+from serving.openai_text import GOLDEN
 from tests.fixtures.serving import tiny_server
 from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
 
@@ -92,21 +94,134 @@ def test_completion_stop_and_seed(url):
     assert c.completions.create(**kw).choices[0].text == c.completions.create(**kw).choices[0].text
 
 
+# ------------------------------------------------------------------------------------ sampling parameters
+def test_chat_logprobs_are_openais_shape(url):
+    r = client(url).chat.completions.create(model="tiny", messages=ASK, temperature=0, logprobs=True,
+                                            top_logprobs=3)
+    choice = r.choices[0]
+    assert choice.message.content == ANSWER
+    content = choice.logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(e.token for e in content).startswith(ANSWER)
+    for e in content:
+        assert e.bytes == list(e.token.encode()) and e.logprob <= 0
+        assert len(e.top_logprobs) == 3
+        values = [t.logprob for t in e.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        # greedy, no adjustments: the chosen token is the most likely one
+        assert (e.top_logprobs[0].token, e.top_logprobs[0].logprob) == (e.token, e.logprob)
+    plain = client(url).chat.completions.create(model="tiny", messages=ASK, temperature=0, logprobs=True)
+    assert all(e.top_logprobs == [] for e in plain.choices[0].logprobs.content)
+    assert client(url).chat.completions.create(model="tiny", messages=ASK, max_tokens=2).choices[0].logprobs is None
+
+
+def test_completion_logprobs_streamed_and_not(url):
+    c = client(url)
+    ids = chat_ids(url)
+    r = c.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 12
+    assert "".join(lp.tokens) == r.choices[0].text == ANSWER[:len(r.choices[0].text)]
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(12)]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == value and 1 <= len(top) <= 3 and max(top.values()) == value   # greedy: the top one
+    chunks = list(c.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0, logprobs=2,
+                                       stream=True))
+    streamed = [ch.choices[0].logprobs for ch in chunks if ch.choices[0].logprobs]
+    assert sum((s.tokens for s in streamed), []) == lp.tokens
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+    assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
+
+
+def test_n_choices_are_independent_reproducible_and_indexed(url):
+    c = client(url)
+    kw = dict(model="tiny", messages=ASK, temperature=1.5, max_tokens=12, seed=7)
+    r = c.chat.completions.create(n=3, **kw)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    texts = [ch.message.content for ch in r.choices]
+    assert len(set(texts)) > 1
+    assert [ch.message.content for ch in c.chat.completions.create(n=3, **kw).choices] == texts
+    # choice i is the request alone with the seed 7 + i * GOLDEN (mod 2**64, as an int64): choice 0 the seed itself
+    alone = [c.chat.completions.create(**{**kw, "seed": (7 + i * GOLDEN + 2**63) % 2**64 - 2**63}) for i in range(3)]
+    assert [a.choices[0].message.content for a in alone] == texts
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    chunks = list(c.chat.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kw))
+    got = {i: "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices and ch.choices[0].index == i)
+           for i in range(3)}
+    assert got == dict(enumerate(texts))
+    assert sum(1 for ch in chunks if ch.choices and ch.choices[0].finish_reason) == 3
+    assert chunks[-1].usage == r.usage
+    done = c.completions.create(model="tiny", prompt="Site", max_tokens=4, n=2, temperature=0)
+    assert [ch.index for ch in done.choices] == [0, 1] and done.choices[0].text == done.choices[1].text
+
+
+def test_logit_bias_stop_token_ids_and_min_tokens(url):
+    c = client(url)
+    ids = chat_ids(url)
+    answer = c.completions.create(model="tiny", prompt=ids, max_tokens=100, temperature=0, logprobs=0)
+    forced = requests.post(f"{url}/tokenize", json={"prompt": "Site", "add_special_tokens": False},
+                           timeout=30).json()["tokens"][0]
+    r = c.completions.create(model="tiny", prompt=ids, max_tokens=5, temperature=1.0, seed=1,
+                             logit_bias={str(forced): 100})
+    assert r.choices[0].text == requests.post(f"{url}/detokenize", json={"tokens": [forced] * 5},
+                                              timeout=30).json()["prompt"]
+    tokens = requests.post(f"{url}/tokenize", json={"prompt": ANSWER, "add_special_tokens": False},
+                           timeout=30).json()["tokens"]
+    stop = tokens[3]
+    first = tokens.index(stop)
+    r = c.completions.create(model="tiny", prompt=ids, max_tokens=100, temperature=0,
+                             extra_body={"stop_token_ids": [stop]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == first + 1
+    n = answer.usage.completion_tokens
+    r = c.completions.create(model="tiny", prompt=ids, max_tokens=n + 10, temperature=0,
+                             extra_body={"min_tokens": n + 4})
+    assert r.usage.completion_tokens >= n + 4 and r.choices[0].text.startswith(ANSWER)
+
+
+def test_both_runtimes_answer_the_same_with_these_parameters(runtime_servers):
+    """Greedy with penalties, bias and logprobs: the same text and (within float tolerance) the same logprobs."""
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "What is a stop string?"}], temperature=0,
+              max_tokens=20, logprobs=True, top_logprobs=2, presence_penalty=0.8, frequency_penalty=0.4,
+              logit_bias={"40": 2.5}, extra_body={"repetition_penalty": 1.3, "min_tokens": 5})
+    a, b = (client(runtime_servers[rt]).chat.completions.create(**kw).choices[0] for rt in RUNTIMES)
+    assert a.message.content == b.message.content
+    for x, y in zip(a.logprobs.content, b.logprobs.content, strict=True):
+        assert x.token == y.token and abs(x.logprob - y.logprob) < 2e-3
+        assert [t.token for t in x.top_logprobs] == [t.token for t in y.top_logprobs]
+
+
+@pytest.mark.parametrize("kind,kw,param", [
+    ("chat", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("chat", {"frequency_penalty": -3}, "frequency_penalty"),
+    ("chat", {"logit_bias": {"five": 3}}, "logit_bias"),
+    ("chat", {"logit_bias": {"512": 3}}, "logit_bias"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"n": 0}, "n"),
+    ("chat", {"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ("chat", {"extra_body": {"min_p": 1.5}}, "min_p"),
+    ("chat", {"extra_body": {"min_tokens": 5}}, "min_tokens"),                       # more than max_tokens
+    ("chat", {"extra_body": {"stop_token_ids": [100000]}}, "stop_token_ids"),
+    ("completions", {"logprobs": 21}, "logprobs"),
+    ("completions", {"logprobs": 1, "echo": True}, "echo"),
+])
+def test_out_of_range_sampling_parameters_are_a_400_naming_them(url, kind, kw, param):
+    c = client(url)
+    with pytest.raises(openai.BadRequestError) as e:
+        if kind == "chat":
+            c.chat.completions.create(model="tiny", messages=ASK, max_tokens=2, **kw)
+        else:
+            c.completions.create(model="tiny", prompt="hi", max_tokens=2, **kw)
+    assert e.value.body["param"] == param and param in e.value.body["message"], e.value.body
+
+
 # ------------------------------------------------------------------------------------------- refused
 @pytest.mark.parametrize("kind,kw,param", [
-    ("chat", {"presence_penalty": 0.5}, "presence_penalty"),
-    ("chat", {"frequency_penalty": 0.5}, "frequency_penalty"),
-    ("chat", {"logit_bias": {"5": 3}}, "logit_bias"),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("chat", {"logprobs": True, "top_logprobs": 2}, "logprobs"),
-    ("chat", {"n": 2}, "n"),
-    ("chat", {"extra_body": {"repetition_penalty": 1.1}}, "repetition_penalty"),
-    ("chat", {"extra_body": {"min_p": 0.05}}, "min_p"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ("completions", {"best_of": 2}, "best_of"),
-    ("completions", {"logprobs": 1}, "logprobs"),
     ("completions", {"suffix": "!"}, "suffix"),
-    ("completions", {"presence_penalty": 1.0}, "presence_penalty"),
 ])
 def test_parameters_we_do_not_honour_are_a_400_naming_them(url, kind, kw, param):
     c = client(url)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.engine import SamplingParams
+from serving.engine import TOP_LOGPROBS, SamplingParams, TokenLogprobs
 
 from . import checkpoint, config, model, sampling
 
@@ -153,6 +153,7 @@ class JaxEngine:
         self.ple_table = params.pop("ple_embed", None)  # host-side: see model._embed
         self.params = jax.device_put(params)
         self._cache = model.empty_cache(cfg, self.slots, self.max_context, self.dtype)
+        self._state = sampling.empty_state(self.slots, cfg.vocab_size)   # what the penalties read, per slot
         t_put = time.perf_counter() - t0
         before = compile_counts()
         self._prefill, self._decode = self._compile_ladder()
@@ -166,7 +167,15 @@ class JaxEngine:
         self._top_k = np.zeros(self.slots, np.int32)
         self._top_p = np.ones(self.slots, np.float32)
         self._keys = np.zeros((self.slots, 2), np.uint32)
+        self._rows = self._empty_rows(self.slots)  # the other per-request parameters (sampling.adjust's rows)
+        self._prompt_len = np.zeros(self.slots, np.int32)
+        self._min_tokens = np.zeros(self.slots, np.int32)
+        self._top_n = np.zeros(self.slots, np.int32)          # top logprobs each sequence asked for
         self._logits: dict[int, tuple] = {}       # slot -> (device logits [rows, V], row): the last step's
+        self._logprobs: dict[int, tuple] = {}     # slot -> ([device or host logprob arrays], row): the last step's
+
+    def _empty_rows(self, n: int) -> dict:
+        return sampling.empty_rows(n, self.cfg.vocab_size)
 
     def _compile_ladder(self):
         cfg = self.cfg
@@ -182,25 +191,40 @@ class JaxEngine:
                 return None
             return jax.ShapeDtypeStruct((n, self.ple_table.shape[1]), self.ple_table.dtype)
 
-        def sampling_spec(n):
-            return vec(n, jnp.float32), vec(n), vec(n, jnp.float32), vec(n, jnp.uint32, 2)
+        state_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self._state)
 
-        def prefill_fn(params, cache, slot, tokens, length, ple_rows, temp, top_k, top_p, keys):
+        def sampling_spec(n):
+            rows = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self._empty_rows(n).items()}
+            return vec(n, jnp.float32), vec(n), vec(n, jnp.float32), vec(n, jnp.uint32, 2), rows
+
+        def choose(logits, state_rows, temp, top_k, top_p, keys, positions, rows):
+            x = sampling.adjust(logits, temp, rows, *state_rows)
+            chosen = sampling.sample(x, temp, top_k, top_p, keys, positions)
+            return chosen, sampling.logprobs(logits, chosen, rows["logprobs"], TOP_LOGPROBS)
+
+        def prefill_fn(params, cache, state, slot, tokens, length, ple_rows, temp, top_k, top_p, keys, rows):
             logits, cache = model.prefill(cfg, params, cache, slot, tokens, length, ple_rows)
             logits = logits[None]
-            return sampling.sample(logits, temp, top_k, top_p, keys, length[None]), logits, cache
+            state = sampling.start_row(state, slot, tokens, length)
+            history = [jax.lax.dynamic_slice_in_dim(state[k], slot, 1) for k in ("counts", "seen")]
+            chosen, lp = choose(logits, history, temp, top_k, top_p, keys, length[None], rows)
+            return chosen, logits, cache, state, lp
 
-        def decode_fn(capacity, params, cache, tokens, positions, ple_rows, temp, top_k, top_p, keys):
+        def decode_fn(capacity, params, cache, state, tokens, positions, ple_rows, temp, top_k, top_p, keys, rows):
             logits, cache = model.decode(cfg, capacity, params, cache, tokens, positions, ple_rows)
-            return sampling.sample(logits, temp, top_k, top_p, keys, positions + 1), logits, cache
+            state = sampling.count(state, tokens)
+            b = tokens.shape[0]
+            history = [state["counts"][:b], state["seen"][:b]]
+            chosen, lp = choose(logits, history, temp, top_k, top_p, keys, positions + 1, rows)
+            return chosen, logits, cache, state, lp
 
         prefill, decode = {}, {}
         for c in self.buckets:
-            prefill[c] = jax.jit(prefill_fn, donate_argnums=(1,)).lower(
-                params_spec, cache_spec, i32, vec(c), i32, rows_spec(c), *sampling_spec(1)).compile()
+            prefill[c] = jax.jit(prefill_fn, donate_argnums=(1, 2)).lower(
+                params_spec, cache_spec, state_spec, i32, vec(c), i32, rows_spec(c), *sampling_spec(1)).compile()
             for b in self.batches:
-                decode[b, c] = jax.jit(functools.partial(decode_fn, c), donate_argnums=(1,)).lower(
-                    params_spec, cache_spec, vec(b), vec(b), rows_spec(b), *sampling_spec(b)).compile()
+                decode[b, c] = jax.jit(functools.partial(decode_fn, c), donate_argnums=(1, 2)).lower(
+                    params_spec, cache_spec, state_spec, vec(b), vec(b), rows_spec(b), *sampling_spec(b)).compile()
         return prefill, decode
 
     def _ple_rows(self, tokens: np.ndarray):
@@ -226,12 +250,19 @@ class JaxEngine:
         self._top_k[slot] = max(int(params.top_k), 0)
         self._top_p[slot] = float(params.top_p)
         self._keys[slot] = params.seed_words()
+        sampling.set_row(self._rows, slot, params, self.cfg.vocab_size)
+        self._min_tokens[slot] = params.min_tokens
+        self._top_n[slot] = params.logprobs or 0
+        self._prompt_len[slot] = n
         s = slice(slot, slot + 1)
-        out, logits, self._cache = self._prefill[bucket](
-            self.params, self._cache, np.int32(slot), tokens, np.int32(n), self._ple_rows(tokens),
-            self._temp[s], self._top_k[s], self._top_p[s], self._keys[s])
+        rows = {k: v[s].copy() for k, v in self._rows.items()}
+        rows["suppress"] = self._min_tokens[s] > 0
+        out, logits, self._cache, self._state, lp = self._prefill[bucket](
+            self.params, self._cache, self._state, np.int32(slot), tokens, np.int32(n), self._ple_rows(tokens),
+            self._temp[s], self._top_k[s], self._top_p[s], self._keys[s], rows)
         self._pos[slot] = n
         self._logits[slot] = (logits, 0)
+        self._logprobs[slot] = ([lp], 0)
         return int(out[0])
 
     def step(self, tokens: Mapping[int, int]) -> dict[int, int]:
@@ -252,17 +283,30 @@ class JaxEngine:
         for slot, t in tokens.items():
             ids[slot] = min(max(int(t), 0), self.cfg.vocab_size - 1)
         temp = np.where(live[:b], self._temp[:b], 0.0).astype(np.float32)
-        out, logits, self._cache = self._decode[b, c](
-            self.params, self._cache, ids, self._pos[:b].copy(), self._ple_rows(ids),
-            temp, self._top_k[:b].copy(), self._top_p[:b].copy(), self._keys[:b].copy())
+        rows = {k: np.where(live[:b].reshape(-1, *[1] * (v.ndim - 1)), v[:b], fill[0])
+                for (k, v), fill in zip(self._rows.items(), self._empty_rows(1).values())}
+        # tokens out so far (the one being fed in included) < min_tokens: the stop ids stay held back
+        rows["suppress"] = live[:b] & (self._pos[:b] - self._prompt_len[:b] + 1 < self._min_tokens[:b])
+        out, logits, self._cache, self._state, lp = self._decode[b, c](
+            self.params, self._cache, self._state, ids, self._pos[:b].copy(), self._ple_rows(ids),
+            temp, self._top_k[:b].copy(), self._top_p[:b].copy(), self._keys[:b].copy(), rows)
         out = np.asarray(out)
         self._pos[live] += 1
         self._logits = {slot: (logits, slot) for slot in tokens}
+        shared = [lp]                             # copied to the host once, by the first logprobs() that asks
+        self._logprobs = {slot: (shared, slot) for slot in tokens}
         return {slot: int(out[slot]) for slot in tokens}
 
     def logits(self, slot: int) -> np.ndarray:
         arr, row = self._logits[slot]
         return np.array(arr[row], dtype=np.float32)
+
+    def logprobs(self, slot: int) -> TokenLogprobs:
+        box, row = self._logprobs[slot]
+        box[0] = [np.asarray(a) for a in box[0]]     # to the host once per step (a no-op after the first call)
+        chosen, ids, top = box[0]
+        k = int(self._top_n[slot])
+        return TokenLogprobs(float(chosen[row]), tuple(zip(ids[row, :k].tolist(), top[row, :k].tolist())))
 
 
 def load(model_dir: str | Path, settings: Settings | None = None, max_context: int | None = None) -> JaxEngine:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 FLOOR = -80.0     # tempered, max-shifted logits are clamped here: exp(-80) ≈ 2e-35, never drawn in practice
 ITERS = 30        # bisection steps: the cut lands within 80 / 2**30 ≈ 7e-8 of the exact threshold
@@ -64,3 +65,106 @@ def sample(logits, temperature, top_k, top_p, keys, positions):
         return jnp.where(hot, drawn, greedy)
 
     return jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda _: greedy, None)
+
+
+# -- per-request adjustments before the draw, and raw logprobs after it (the contract in serving/engine.py) --------
+# `rows` holds one row per sequence: presence, frequency, repetition, min_p [B] float32; bias_ids/bias_vals [B, W]
+# (padded with id = vocab size, which the scatter drops); stop_ids [B, S] (padded likewise) and suppress [B] bool
+# (fewer than min_tokens out yet); logprobs [B] bool. `state` is the per-slot history the penalties read, on the
+# device: counts [slots, V] int32 (generated tokens) and seen [slots, V] bool (prompt tokens).
+
+
+BIAS_WIDTH = 300          # logit_bias entries per sequence (serving/protocol.py refuses more)
+STOP_WIDTH = 64           # ids min_tokens holds back per sequence: eos ids + stop_token_ids (at most 32)
+
+
+def empty_rows(n: int, vocab: int) -> dict:
+    """n rows that change nothing (host arrays)."""
+    f32 = lambda fill: np.full(n, fill, np.float32)   # noqa: E731
+    return {"presence": f32(0), "frequency": f32(0), "repetition": f32(1), "min_p": f32(0),
+            "bias_ids": np.full((n, BIAS_WIDTH), vocab, np.int32), "bias_vals": np.zeros((n, BIAS_WIDTH), np.float32),
+            "stop_ids": np.full((n, STOP_WIDTH), vocab, np.int32), "suppress": np.zeros(n, bool),
+            "logprobs": np.zeros(n, bool)}
+
+
+def set_row(rows: dict, i: int, p, vocab: int) -> None:
+    """Row i of `rows` from a SamplingParams (suppress stays the caller's: it changes as tokens come out)."""
+    held = p.min_tokens_ids()
+    if len(p.logit_bias) > BIAS_WIDTH or len(held) > STOP_WIDTH:
+        raise ValueError(f"at most {BIAS_WIDTH} logit_bias entries and {STOP_WIDTH} stop token ids")
+    fresh = empty_rows(1, vocab)
+    fresh.update(presence=p.presence_penalty, frequency=p.frequency_penalty, repetition=p.repetition_penalty,
+                 min_p=p.min_p, logprobs=p.logprobs is not None)
+    for k, v in fresh.items():
+        if k != "suppress":
+            rows[k][i] = v
+    rows["bias_ids"][i, :len(p.logit_bias)] = [t for t, _ in p.logit_bias]
+    rows["bias_vals"][i, :len(p.logit_bias)] = [b for _, b in p.logit_bias]
+    rows["stop_ids"][i, :len(held)] = held
+
+
+def empty_state(slots: int, vocab: int) -> dict:
+    return {"counts": jnp.zeros((slots, vocab), jnp.int32), "seen": jnp.zeros((slots, vocab), bool)}
+
+
+def start_row(state, slot, tokens, length):
+    """A new sequence in `slot`: nothing generated yet, the prompt is tokens[:length]."""
+    v = state["counts"].shape[1]
+    ids = jnp.where(jnp.arange(tokens.shape[0]) < length, tokens, v)
+    seen = jnp.zeros((v,), bool).at[ids].set(True, mode="drop")
+    return {"counts": state["counts"].at[slot].set(0), "seen": state["seen"].at[slot].set(seen)}
+
+
+def count(state, tokens):
+    """The generated tokens just fed to rows 0..B-1 (a free row's count is junk until its slot starts again)."""
+    return {**state, "counts": state["counts"].at[jnp.arange(tokens.shape[0]), tokens].add(1)}
+
+
+def _bias(x, rows):
+    r = jnp.arange(x.shape[0])[:, None]
+    x = x.at[r, rows["bias_ids"]].add(rows["bias_vals"], mode="drop")
+    held = jnp.where(rows["suppress"][:, None], rows["stop_ids"], x.shape[1])
+    return x.at[r, held].set(-jnp.inf, mode="drop")
+
+
+def _penalise(x, counts, seen, rows):
+    """vLLM's apply_penalties: repetition over prompt + output, then frequency and presence over the output."""
+    rep = rows["repetition"][:, None]
+    out = counts > 0
+    x = jnp.where(seen | out, jnp.where(x > 0, x / rep, x * rep), x)
+    return x - rows["frequency"][:, None] * counts - rows["presence"][:, None] * out
+
+
+def _min_p(x, temperature, min_p):
+    """p(token) < min_p * p(most likely) at this temperature  <=>  logit < max + T * log(min_p)."""
+    on = (min_p > 0) & (temperature > 0)
+    cut = x.max(-1) + temperature * jnp.log(jnp.where(on, min_p, 1.0))
+    return jnp.where(on[:, None] & (x < cut[:, None]), -jnp.inf, x)
+
+
+def adjust(logits, temperature, rows, counts, seen):
+    """logit_bias and min_tokens, penalties, min_p, in vLLM's order; skipped (one lax.cond) when no row needs any.
+    counts/seen: the rows' history [B, V]."""
+    def apply(x):
+        x = _penalise(_bias(x, rows), counts, seen, rows)
+        return _min_p(x, temperature, rows["min_p"])
+
+    penalised = (rows["presence"] != 0) | (rows["frequency"] != 0) | (rows["repetition"] != 1)
+    needed = (jnp.any(rows["bias_ids"] < logits.shape[1]) | jnp.any(rows["suppress"]) | jnp.any(penalised)
+              | jnp.any((rows["min_p"] > 0) & (temperature > 0)))
+    return jax.lax.cond(needed, apply, lambda x: x, logits)
+
+
+def logprobs(logits, chosen, wanted, k: int):
+    """Raw logprobs (log_softmax of the model's logits): the chosen token's [B], the top k ids and logprobs
+    [B, k]; zeros unless some row wants them."""
+    def compute(_):
+        lp = jax.nn.log_softmax(logits, axis=-1)
+        top, ids = jax.lax.top_k(lp, k)
+        return jnp.take_along_axis(lp, chosen[:, None], axis=1)[:, 0], ids.astype(jnp.int32), top
+
+    def none(_):
+        b = logits.shape[0]
+        return jnp.zeros((b,), jnp.float32), jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), jnp.float32)
+
+    return jax.lax.cond(jnp.any(wanted), compute, none, None)
