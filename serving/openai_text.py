@@ -17,7 +17,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from serving.api import Job, QueueFull
 from serving.generation import Delta, Finish, PromptTooLong, SamplingParams
-from serving.protocol import APIError, ChatRequest, CompletionRequest, messages, parse, unavailable
+from serving.protocol import APIError, ChatRequest, CompletionRequest, ResponseFormat, messages, parse, unavailable
+from serving.structured import InvalidGrammar
+from serving.tool_calls import GemmaCalls, NamedCall, Reader, RequiredCalls, merge, required_schema
 
 router = APIRouter()
 
@@ -54,10 +56,56 @@ def sampling(ctx, req, prompt_len: int, max_tokens: int | None) -> SamplingParam
         stop=stop, seed=req.seed, ignore_eos=req.ignore_eos)
 
 
-def submit(request: Request, ids: list[int], params: SamplingParams) -> Job:
+def tool_plan(req: ChatRequest) -> tuple[list[dict] | None, Callable[[], Reader], Any]:
+    """What `tools` and `tool_choice` ask for (serving/tool_calls.py): (the tools the chat template shows, a new
+    reader of the output, the JSON schema the output is forced to follow or None)."""
+    tools = req.tools or []
+    choice = req.tool_choice or ("auto" if tools else "none")
+    if choice == "none":
+        return None, Reader, None
+    if not tools:
+        raise APIError(400, f"tool_choice {json.dumps(choice) if isinstance(choice, str) else 'a function'} needs "
+                            f"tools", param="tool_choice")
+    shown = [t.model_dump(exclude_none=True) for t in tools]
+    if choice == "auto":
+        return shown, GemmaCalls, None
+    params = {t.function.name: t.function.parameters or {"type": "object", "properties": {}} for t in tools}
+    if choice == "required":
+        return shown, RequiredCalls, required_schema(params)
+    name = choice.function.name
+    if name not in params:
+        raise APIError(400, f"tool_choice: no tool named {name!r} in tools", param="tool_choice")
+    return shown, lambda: NamedCall(name), params[name]
+
+
+def output_grammar(ctx, fmt: ResponseFormat | None, tool_schema: Any = None) -> Any:
+    """The grammar the output follows (compiled here: call from a worker thread), or None for free text."""
+    try:
+        if tool_schema is not None:
+            if fmt is not None and fmt.type != "text":
+                raise APIError(400, "response_format cannot be combined with tool_choice \"required\" or a named "
+                                    "function (the call's arguments are already JSON)", param="response_format")
+            try:
+                return ctx.grammars.json_schema(tool_schema)
+            except InvalidGrammar as e:
+                raise APIError(400, f"tools: a function's parameters are not a usable JSON schema: {e}",
+                               param="tools") from None
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return ctx.grammars.json_object()
+        if fmt.json_schema is None:
+            raise InvalidGrammar("type json_schema needs json_schema: {\"name\": …, \"schema\": {…}}")
+        return ctx.grammars.json_schema(fmt.json_schema.schema_)
+    except InvalidGrammar as e:
+        raise APIError(400, f"response_format: invalid JSON schema: {e}", param="response_format") from None
+
+
+def submit(request: Request, ids: list[int], params: SamplingParams, grammar: Any = None,
+           reveal: frozenset[int] = frozenset()) -> Job:
     ctx = request.app.state.ctx
     ctx.check_serving()                    # again: the server may have begun shutting down while we tokenised
-    job = Job(ids, params, asyncio.get_running_loop())
+    job = Job(ids, params, asyncio.get_running_loop(), grammar=grammar, reveal=reveal)
     try:
         ctx.scheduler.submit(job)
     except QueueFull:
@@ -82,18 +130,22 @@ async def chat(request: Request):
     req: ChatRequest = parse(ChatRequest, await request.body())
     ctx.check_model(req.model)
     msgs = messages(req.messages)
+    tools, reader, tool_schema = tool_plan(req)
     ctx.check_serving()
     max_tokens = req.max_completion_tokens or req.max_tokens
 
     def build(limit: int) -> list[int]:
         try:
-            text = ctx.info.render_chat(msgs)
+            text = ctx.info.render_chat(msgs, tools)
         except Exception as e:             # e.g. the template rejects the conversation
             raise APIError(400, f"chat template: {e}", param="messages") from None
         return ctx.info.encode(text, limit=limit)
 
     ids = await prompt_ids(ctx, build, max_tokens, "messages")
-    job = submit(request, ids, sampling(ctx, req, len(ids), max_tokens))
+    grammar = await asyncio.to_thread(output_grammar, ctx, req.response_format, tool_schema)
+    reader = reader()
+    reveal = ctx.info.tool_markup if isinstance(reader, GemmaCalls) else frozenset()
+    job = submit(request, ids, sampling(ctx, req, len(ids), max_tokens), grammar, reveal)
     rid, created, model = f"chatcmpl-{request.state.request_id}", int(time.time()), ctx.name
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -104,18 +156,20 @@ async def chat(request: Request):
             return sse({**body, "usage": None} if include_usage else body)
 
         def end(fin: Finish) -> list[str]:
-            out = [chunk({}, fin.reason)]
+            out = [chunk(d) for d in reader.close()] + [chunk({}, reader.finish_reason(fin.reason))]
             if include_usage:
                 out.append(sse({**base, "choices": [], "usage": usage(fin)}))
             return out
 
-        return stream(job, chunk({"role": "assistant", "content": ""}), lambda t: chunk({"content": t}), end)
+        return stream(job, chunk({"role": "assistant", "content": ""}),
+                      lambda t: [chunk(d) for d in reader.feed(t)], end)
 
     text, fin = await collect(request, job)
+    message = merge(reader.feed(text) + reader.close())
     return JSONResponse({
         "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                     "finish_reason": fin.reason}],
+        "choices": [{"index": 0, "message": message, "logprobs": None,
+                     "finish_reason": reader.finish_reason(fin.reason)}],
         "usage": usage(fin)})
 
 
@@ -139,10 +193,11 @@ async def completions(request: Request):
                                                                                limit=limit)
 
     ids = await prompt_ids(ctx, build, req.max_tokens, "prompt")
+    grammar = await asyncio.to_thread(output_grammar, ctx, req.response_format)
     echo = ""
     if req.echo:
         echo = prompt if isinstance(prompt, str) else await asyncio.to_thread(ctx.info.decode, ids)
-    job = submit(request, ids, sampling(ctx, req, len(ids), req.max_tokens))
+    job = submit(request, ids, sampling(ctx, req, len(ids), req.max_tokens), grammar)
     rid, created, model = f"cmpl-{request.state.request_id}", int(time.time()), ctx.name
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -158,7 +213,7 @@ async def completions(request: Request):
                 out.append(sse({**base, "choices": [], "usage": usage(fin)}))
             return out
 
-        return stream(job, chunk(echo) if echo else None, chunk, end)
+        return stream(job, chunk(echo) if echo else None, lambda t: [chunk(t)], end)
 
     text, fin = await collect(request, job)
     return JSONResponse({
@@ -192,7 +247,7 @@ async def collect(request: Request, job) -> tuple[str, Finish]:
         job.cancelled.set()
 
 
-def stream(job, first: str | None, text_chunk: Callable[[str], str], end: Callable[[Finish], list[str]]):
+def stream(job, first: str | None, on_text: Callable[[str], list[str]], end: Callable[[Finish], list[str]]):
     async def events():
         try:
             if first:
@@ -201,7 +256,8 @@ def stream(job, first: str | None, text_chunk: Callable[[str], str], end: Callab
                 ev = await job.events.get()
                 if isinstance(ev, Delta):
                     if ev.text:
-                        yield text_chunk(ev.text)
+                        for line in on_text(ev.text):
+                            yield line
                 elif isinstance(ev, Finish):
                     for line in end(ev):
                         yield line

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from serving.engine import SamplingParams
+from serving.structured import MASKED
 
 log = logging.getLogger("serving.pytorch")
 
@@ -38,6 +39,7 @@ class TorchEngine:
         self.text_config = text_config
         self.device = device
         self.max_context = max_context
+        self.vocab_size = text_config.vocab_size
         # Sliding-window layers get rings of the window, full layers max_context positions (transformers' layout).
         self._cache = StaticCache(config=text_config, max_cache_len=max_context)
         self._pos = 0
@@ -53,7 +55,7 @@ class TorchEngine:
         self._decode_checked = not compile_ok
 
     @torch.inference_mode()
-    def _forward(self, ids: Sequence[int]) -> int:
+    def _forward(self, ids: Sequence[int], mask: np.ndarray | None) -> int:
         n = len(ids)
         if self._pos + n > self.max_context:
             raise ValueError(f"sequence of {self._pos + n} tokens exceeds the PyTorch runtime's max_context "
@@ -77,10 +79,12 @@ class TorchEngine:
         self._pos += n
         # a copy (float32, off the CUDA graph's output buffer, which the next replay overwrites)
         self._logits = out.logits[0, -1].float().clone()
-        return int(sample(self._logits, self._params, self._gen))
+        logits = self._logits if mask is None else apply_mask(self._logits, mask)
+        return int(sample(logits, self._params, self._gen))
 
     @torch.inference_mode()
-    def start(self, slot: int, prompt_ids: Sequence[int], params: SamplingParams) -> int:
+    def start(self, slot: int, prompt_ids: Sequence[int], params: SamplingParams,
+              mask: np.ndarray | None = None) -> int:
         if slot != 0:
             raise ValueError(f"slot {slot} is not one of the PyTorch runtime's {self.slots} slots")
         if not prompt_ids:
@@ -89,20 +93,26 @@ class TorchEngine:
         self._pos = 0
         self._params = params
         self._gen.manual_seed(params.seed64())
-        return self._forward(prompt_ids)
+        return self._forward(prompt_ids, mask)
 
-    def step(self, tokens: Mapping[int, int]) -> dict[int, int]:
+    def step(self, tokens: Mapping[int, int], masks: Mapping[int, np.ndarray] | None = None) -> dict[int, int]:
         if not tokens:
             return {}
         if set(tokens) != {0} or self._pos == 0:
             raise RuntimeError("step() on a slot that was not started")
-        return {0: self._forward([tokens[0]])}
+        return {0: self._forward([tokens[0]], (masks or {}).get(0))}
 
     def logits(self, slot: int) -> np.ndarray:
         return self._logits.cpu().numpy()
 
 
 FLOOR = -80.0   # as serving/jax_runtime/sampling.py: tempered, max-shifted logits are clamped here
+
+
+def apply_mask(logits: torch.Tensor, mask: np.ndarray) -> torch.Tensor:
+    """float32 logits [V] with every token the packed bitmask row `mask` (serving/engine.py) disallows at MASKED."""
+    bits = np.unpackbits(np.ascontiguousarray(mask, "<i4").view(np.uint8), bitorder="little")[:logits.numel()]
+    return logits.masked_fill(torch.from_numpy(bits == 0).to(logits.device), MASKED)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> torch.Tensor:

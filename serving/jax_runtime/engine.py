@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from serving.engine import SamplingParams
+from serving.structured import mask_words
 
 from . import checkpoint, config, model, sampling
 
@@ -148,6 +149,7 @@ class JaxEngine:
         self.max_context = self.buckets[-1]
         self.slots = settings.slots
         self.batches = settings.batch_ladder()
+        self.vocab_size = cfg.vocab_size
         t0 = time.perf_counter()
         params = dict(params)
         self.ple_table = params.pop("ple_embed", None)  # host-side: see model._embed
@@ -167,6 +169,9 @@ class JaxEngine:
         self._top_p = np.ones(self.slots, np.float32)
         self._keys = np.zeros((self.slots, 2), np.uint32)
         self._logits: dict[int, tuple] = {}       # slot -> (device logits [rows, V], row): the last step's
+        # Allowed-token masks of rows without a grammar stay on the device: only grammar rows are uploaded.
+        self._all_allowed = {n: jax.device_put(np.full((n, mask_words(self.vocab_size)), -1, np.int32))
+                             for n in {1, *self.batches}}
 
     def _compile_ladder(self):
         cfg = self.cfg
@@ -183,16 +188,19 @@ class JaxEngine:
             return jax.ShapeDtypeStruct((n, self.ple_table.shape[1]), self.ple_table.dtype)
 
         def sampling_spec(n):
-            return vec(n, jnp.float32), vec(n), vec(n, jnp.float32), vec(n, jnp.uint32, 2)
+            return (vec(n, jnp.float32), vec(n), vec(n, jnp.float32), vec(n, jnp.uint32, 2),
+                    vec(n, jnp.int32, mask_words(cfg.vocab_size)))
 
-        def prefill_fn(params, cache, slot, tokens, length, ple_rows, temp, top_k, top_p, keys):
+        def prefill_fn(params, cache, slot, tokens, length, ple_rows, temp, top_k, top_p, keys, mask):
             logits, cache = model.prefill(cfg, params, cache, slot, tokens, length, ple_rows)
             logits = logits[None]
-            return sampling.sample(logits, temp, top_k, top_p, keys, length[None]), logits, cache
+            allowed = sampling.apply_mask(logits, mask)
+            return sampling.sample(allowed, temp, top_k, top_p, keys, length[None]), logits, cache
 
-        def decode_fn(capacity, params, cache, tokens, positions, ple_rows, temp, top_k, top_p, keys):
+        def decode_fn(capacity, params, cache, tokens, positions, ple_rows, temp, top_k, top_p, keys, mask):
             logits, cache = model.decode(cfg, capacity, params, cache, tokens, positions, ple_rows)
-            return sampling.sample(logits, temp, top_k, top_p, keys, positions + 1), logits, cache
+            allowed = sampling.apply_mask(logits, mask)
+            return sampling.sample(allowed, temp, top_k, top_p, keys, positions + 1), logits, cache
 
         prefill, decode = {}, {}
         for c in self.buckets:
@@ -212,7 +220,17 @@ class JaxEngine:
         if not 0 <= slot < self.slots:
             raise ValueError(f"slot {slot} is not one of the JAX runtime's {self.slots} slots")
 
-    def start(self, slot: int, prompt_ids: Sequence[int], params: SamplingParams) -> int:
+    def _masks(self, rows: int, masks: Mapping[int, np.ndarray] | None):
+        """The [rows, words] allowed-token masks of a call: the device's all-allowed one unless a row has a grammar."""
+        if not masks:
+            return self._all_allowed[rows]
+        out = np.full((rows, mask_words(self.vocab_size)), -1, np.int32)
+        for row, mask in masks.items():
+            out[row] = mask
+        return out
+
+    def start(self, slot: int, prompt_ids: Sequence[int], params: SamplingParams,
+              mask: np.ndarray | None = None) -> int:
         self._check_slot(slot)
         n = len(prompt_ids)
         if n == 0:
@@ -229,12 +247,13 @@ class JaxEngine:
         s = slice(slot, slot + 1)
         out, logits, self._cache = self._prefill[bucket](
             self.params, self._cache, np.int32(slot), tokens, np.int32(n), self._ple_rows(tokens),
-            self._temp[s], self._top_k[s], self._top_p[s], self._keys[s])
+            self._temp[s], self._top_k[s], self._top_p[s], self._keys[s],
+            self._masks(1, None if mask is None else {0: mask}))
         self._pos[slot] = n
         self._logits[slot] = (logits, 0)
         return int(out[0])
 
-    def step(self, tokens: Mapping[int, int]) -> dict[int, int]:
+    def step(self, tokens: Mapping[int, int], masks: Mapping[int, np.ndarray] | None = None) -> dict[int, int]:
         if not tokens:
             return {}
         for slot in tokens:
@@ -254,7 +273,7 @@ class JaxEngine:
         temp = np.where(live[:b], self._temp[:b], 0.0).astype(np.float32)
         out, logits, self._cache = self._decode[b, c](
             self.params, self._cache, ids, self._pos[:b].copy(), self._ple_rows(ids),
-            temp, self._top_k[:b].copy(), self._top_p[:b].copy(), self._keys[:b].copy())
+            temp, self._top_k[:b].copy(), self._top_p[:b].copy(), self._keys[:b].copy(), self._masks(b, masks))
         out = np.asarray(out)
         self._pos[live] += 1
         self._logits = {slot: (logits, slot) for slot in tokens}
