@@ -8,7 +8,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from serving.generation import Batch, Delta, Finish, SamplingParams, TokenizerInfo, generate
+from serving.generation import Batch, Delta, Detokenizer, Finish, SamplingParams, TokenizerInfo, generate
 from serving.structured import MASKED, Grammars, InvalidGrammar, mask_words
 from serving.tool_calls import GemmaCalls, NamedCall, RequiredCalls, merge, parse_call, required_schema
 from tests.fixtures.tiny_gemma4 import QUESTION
@@ -190,6 +190,22 @@ def test_text_that_only_looks_like_markup_stays_content():
         _, msg = _play(reader, list(text))
         assert msg == {"role": "assistant", "content": text} and not reader.called
         assert reader.finish_reason("stop") == "stop"
+
+
+def test_tool_markup_reaches_the_reader_only_when_revealed(info):
+    """Gemma 4's tool-call tags are special tokens: hidden from content, shown to the "auto" reader."""
+    text = 'ok<|tool_call>call:f{a:<|"|>x<|"|>}<tool_call|>'
+    ids = info.encode(text)
+    assert len(info.tool_markup) == 3 and sum(i in info.tool_markup for i in ids) == 4
+
+    def detokenized(reveal):
+        detok = Detokenizer(info, reveal)
+        return "".join(detok.push(i) for i in ids) + detok.flush()
+
+    assert detokenized(frozenset()) == "okcall:f{a:x}"
+    assert detokenized(info.tool_markup) == text
+    _, msg = _play(GemmaCalls(), [detokenized(info.tool_markup)])
+    assert msg["content"] == "ok" and msg["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a": "x"}'}
 
 
 def test_named_and_required_readers():
