@@ -135,7 +135,8 @@ def bench_outlines(vocab, text, runs):
 
 def summary(compiles, steps) -> dict:
     ms = sorted(s * 1e3 for s in steps)
-    return {"compile_s_median": round(statistics.median(compiles), 4), "compile_s_runs": [round(c, 4) for c in compiles],
+    return {"compile_s_median": round(statistics.median(compiles), 4),
+            "compile_s_runs": [round(c, 4) for c in compiles],
             "mask_ms_median": round(statistics.median(ms), 4), "mask_ms_p99": round(ms[int(0.99 * (len(ms) - 1))], 4),
             "mask_ms_max": round(ms[-1], 4), "steps": len(ms)}
 

@@ -300,11 +300,10 @@ class _Live:
 
 class Batch:
     """Continuous batching over an engine's slots. A job is anything with `prompt_ids`, `params`, `cancelled`
-    (a threading.Event), optionally `grammar` (serving/structured.py; None: unconstrained) and `reveal` (special
-    token ids to show in the text, e.g. TokenizerInfo.tool_markup). `join` prefills a
-    job into a free slot, `step` advances every live job by one token; both return the (job, Delta | Finish) events
-    to hand out. A job whose client left ends with "abort" at its next token. One thread drives a Batch (the
-    engine's)."""
+    (a threading.Event), and optionally `grammar` (serving/structured.py; None: unconstrained) and `reveal`
+    (special token ids the text shows, e.g. TokenizerInfo.tool_markup). `join` prefills a job into a free slot,
+    `step` advances every live job by one token; both return the (job, Delta | Finish) events to hand out. A job
+    whose client left ends with "abort" at its next token. One thread drives a Batch (the engine's)."""
 
     def __init__(self, engine: Engine, info: TokenizerInfo):
         self.engine, self.info = engine, info

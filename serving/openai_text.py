@@ -60,8 +60,8 @@ def tool_plan(req: ChatRequest) -> tuple[list[dict] | None, Callable[[], Reader]
     """What `tools` and `tool_choice` ask for (serving/tool_calls.py): (the tools the chat template shows, a new
     reader of the output, the JSON schema the output is forced to follow or None)."""
     tools = req.tools or []
-    choice = req.tool_choice or ("auto" if tools else "none")
-    if choice == "none":
+    choice = req.tool_choice or "auto"
+    if choice == "none" or (choice == "auto" and not tools):
         return None, Reader, None
     if not tools:
         raise APIError(400, f"tool_choice {json.dumps(choice) if isinstance(choice, str) else 'a function'} needs "

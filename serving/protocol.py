@@ -174,7 +174,8 @@ _NOT_HONOURED = {
     "logits_processors": (None,), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
 }
 UNSUPPORTED = {
-    ChatRequest: {**_NOT_HONOURED, "echo": (None, False), "functions": (None, []), "function_call": (None, "none", "auto"), "chat_template": (None,),
+    ChatRequest: {**_NOT_HONOURED, "echo": (None, False), "functions": (None, []),
+                  "function_call": (None, "none", "auto"), "chat_template": (None,),
                   "chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
                   "continue_final_message": (None, False)},
     CompletionRequest: {**_NOT_HONOURED, "logprobs": (None,), "suffix": (None, "")},

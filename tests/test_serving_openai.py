@@ -120,7 +120,8 @@ def test_parameters_we_do_not_honour_are_a_400_naming_them(url, kind, kw, param)
 @pytest.mark.parametrize("kw,param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(["}}}},
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(["}}}},
      "response_format"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
@@ -233,7 +234,8 @@ def test_forced_tool_call_is_well_formed_streamed_and_not(url, choice):
 def test_a_conversation_with_tool_results_renders_through_the_template(url):
     conversation = [{"role": "user", "content": "Weather?"},
                     {"role": "assistant", "content": None, "tool_calls": [
-                        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"n": 2, "u": "c"}'}}]},
+                        {"id": "call_1", "type": "function",
+                         "function": {"name": "f", "arguments": '{"n": 2, "u": "c"}'}}]},
                     {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     r = requests.post(f"{url}/tokenize", json={"messages": conversation}, timeout=30)
     text = requests.post(f"{url}/detokenize", json={"tokens": r.json()["tokens"]}, timeout=30).json()["prompt"]

@@ -4,7 +4,8 @@ Continuous batching over a fixed number of slots: one KV cache with a row per sl
 limit, updated in place (donated). Two ladders fix every shape: lengths (prompt buckets, and the prefix of the
 full-attention cache a decode step reads) and batches (how many leading rows a decode step runs). At boot every
 executable is compiled ahead of time (through JAX's persistent cache, so a second boot loads them): prefill for
-each length bucket, decode for each (batch, length) pair; each one samples its tokens on the device. After boot
+each length bucket, decode for each (batch, length) pair; each one samples its tokens on the device, among those
+its rows' allowed-token masks allow (serving/engine.py). After boot
 only those executables run; calling one with another shape raises instead of compiling.
 """
 from __future__ import annotations
