@@ -263,8 +263,8 @@ def messages(msgs: list[Message]) -> list[dict]:
         if m.role == "tool":
             name = m.name or called.get(m.tool_call_id)
             if name is None:
-                raise APIError(400, f"{where}.tool_call_id: {m.tool_call_id!r} names no earlier tool call",
-                               param=f"{where}.tool_call_id")
+                why = "is required" if m.tool_call_id is None else f"{m.tool_call_id!r} names no earlier tool call"
+                raise APIError(400, f"{where}.tool_call_id {why}", param=f"{where}.tool_call_id")
             msg.update(name=name, tool_call_id=m.tool_call_id)
         out.append(msg)
     return out

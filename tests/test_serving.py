@@ -172,7 +172,8 @@ BAD = [
     (json.dumps({"messages": ASK, "stop": [3]}), 400, "stop"),                       # not "stop.list[str].0"
     (json.dumps({"messages": [{"role": "user", "content": 5}]}), 400, "messages.0.content"),
     (json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}), 400, "messages.0.role"),
-    (json.dumps({"messages": [{"role": "tool", "content": "hi"}]}), 400, "messages.0.role"),
+    (json.dumps({"messages": [{"role": "tool", "content": "hi"}]}), 400, "messages.0.tool_call_id"),
+    (json.dumps({"messages": [{"role": "function", "content": "hi"}]}), 400, "messages.0.role"),
     (json.dumps({"messages": [{"content": "hi"}]}), 400, "messages.0.role"),
     (json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
      400, "messages.0.content"),
