@@ -1,22 +1,39 @@
 """Structured output: a grammar per request, enforced where the next token is chosen.
 
-`response_format` (json_object, json_schema) and forced tool calls compile to an xgrammar grammar, once per request,
-in a worker thread (an invalid schema is the client's 400). The generation loop (serving/generation.py) gives each
-such request a `Matcher`: before every sampling step it writes the tokens the grammar allows next as a bitmask
-(bit i % 32 of int32 word i // 32 is token i, the layout xgrammar and the runtimes share) and after every generated
-token it advances. The runtime sets every other token's logit to MASKED before it samples (serving/engine.py).
-xgrammar was chosen over outlines-core by measurement (benchmarks/grammar_bench.py, README).
+`response_format` (json_object, json_schema) and forced tool calls compile, through outlines-core, to an index over
+the checkpoint's tokenizer: JSON schema -> regex -> for every state, the tokens allowed and where each leads. The
+compile runs in a worker thread, bounded in time and size (an unusable schema is the client's 400), and the result
+is cached per schema. The generation loop (serving/generation.py) gives each such request a `Matcher`: before every
+sampling step it writes the tokens the grammar allows next as a bitmask (bit i % 32 of int32 word i // 32 is token
+i, the layout outlines-core and the runtimes share) and after every generated token it advances. The runtime sets
+every other token's logit to MASKED before it samples (serving/engine.py). Why outlines-core: README, Design notes.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 MASKED = -1e30      # the logit a disallowed token gets: finite, so a row that allows nothing never makes NaNs
+
+# Bounds on one compile (environment, read at import): its time, and the size of the regex it starts from.
+COMPILE_TIMEOUT_S = float(os.environ.get("G5G_GRAMMAR_TIMEOUT_S", "30"))
+MAX_REGEX_CHARS = int(os.environ.get("G5G_GRAMMAR_MAX_REGEX", "100000"))
+CACHE_ENTRIES = 64
+
+# response_format json_object: outlines-core's own "any object" nests values 3 deep and costs ~30 s and ~330 MB
+# on a 262k vocabulary; this one (values: scalars, arrays of scalars, objects of scalars) costs ~6 s and ~90 MB.
+_SCALAR = {"type": ["string", "number", "boolean", "null"]}
+ANY_OBJECT = {"type": "object", "additionalProperties": {"anyOf": [
+    _SCALAR, {"type": "array", "items": _SCALAR}, {"type": "object", "additionalProperties": _SCALAR}]}}
 
 
 def mask_words(vocab_size: int) -> int:
@@ -28,56 +45,118 @@ class InvalidGrammar(ValueError):
     """The request's schema cannot be compiled: a 400 for the client."""
 
 
+def token_bytes(tokenizer, skip: frozenset[int]) -> dict[bytes, list[int]]:
+    """What each token of a SentencePiece-style tokenizer (Gemma's) writes: '▁' is a space, <0xNN> is the byte NN,
+    other tokens are their UTF-8 text. Tokens in `skip` (special tokens, stop tokens) write nothing here."""
+    out: dict[bytes, list[int]] = {}
+    for text, i in tokenizer.get_vocab().items():
+        if i in skip:
+            continue
+        byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", text)
+        data = bytes([int(byte[1], 16)]) if byte else text.replace("▁", " ").encode()
+        if data:
+            out.setdefault(data, []).append(i)
+    return out
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled schema: outlines-core's index, the stop tokens that may end it, the mask width."""
+    index: Any
+    stop_ids: frozenset[int]
+    words: int
+
+
 class Grammars:
     """Compiles grammars over a checkpoint's tokenizer (serving.generation.TokenizerInfo), for a runtime whose logits
-    are `vocab_size` wide. The tokenizer tables are built on first use, not at boot."""
+    are `vocab_size` wide. The vocabulary is built on first use, not at boot. Compiled grammars are kept in an LRU
+    keyed by the schema's compact JSON (key order kept: it is the output's key order); one instance serves one
+    tokenizer, so a repeated schema costs nothing."""
 
-    def __init__(self, info, vocab_size: int):
+    def __init__(self, info, vocab_size: int, timeout_s: float = COMPILE_TIMEOUT_S,
+                 max_regex_chars: int = MAX_REGEX_CHARS, cache_entries: int = CACHE_ENTRIES):
         self.info, self.vocab_size = info, vocab_size
-        self._compiler = None
+        self.timeout_s, self.max_regex_chars, self.cache_entries = timeout_s, max_regex_chars, cache_entries
+        self._vocabulary = None
         self._lock = threading.Lock()
+        self._cache: OrderedDict[str, tuple[float, Future]] = OrderedDict()
+        # Two compiles at a time: one past its time limit goes on (outlines-core cannot be stopped) but no further.
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="grammar")
 
-    def _get(self):
-        with self._lock:
-            if self._compiler is None:
-                import xgrammar as xgr
-                with self.info.prompt_lock:
-                    tables = xgr.TokenizerInfo.from_huggingface(self.info.prompt_tokenizer, vocab_size=self.vocab_size,
-                                                                stop_token_ids=sorted(self.info.stop_ids))
-                self._compiler = xgr.GrammarCompiler(tables, max_threads=1)
-            return self._compiler
-
-    def json_schema(self, schema: Any) -> Any:
+    def json_schema(self, schema: Any) -> Grammar:
         """A compiled grammar for JSON valid against `schema`, written compactly (no free whitespace: a weak
-        model cannot stall in it)."""
+        model cannot stall in it). Waits at most the time limit; InvalidGrammar with the reason otherwise."""
+        key = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+            else:
+                self._cache[key] = (time.monotonic(), self._pool.submit(self._compile, key))
+                if len(self._cache) > self.cache_entries:
+                    self._cache.popitem(last=False)
+            started, future = self._cache[key]
         try:
-            return self._get().compile_json_schema(json.dumps(schema), any_whitespace=False)
-        except RuntimeError as e:      # xgrammar's message starts with "[time] file.cc:line: "
-            raise InvalidGrammar(re.sub(r"^\[[^]]*\] \S+: ", "", str(e)).strip()) from None
+            return future.result(timeout=max(0.0, started + self.timeout_s - time.monotonic()))
+        except TimeoutError:
+            raise InvalidGrammar(f"compiling it takes longer than {self.timeout_s:g} s") from None
 
-    def json_object(self) -> Any:
-        """Any JSON object (response_format json_object)."""
-        return self._get().compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+    def json_object(self) -> Grammar:
+        """Any JSON object (response_format json_object), nested at most two deep (ANY_OBJECT)."""
+        return self.json_schema(ANY_OBJECT)
+
+    def _compile(self, schema_json: str) -> Grammar:
+        from outlines_core import Index
+        from outlines_core.json_schema import build_regex_from_schema
+
+        t0 = time.monotonic()
+        try:
+            regex = build_regex_from_schema(schema_json, whitespace_pattern="")
+            if len(regex) > self.max_regex_chars:
+                raise InvalidGrammar(f"too large: its regex has {len(regex)} characters, over the limit of "
+                                     f"{self.max_regex_chars}")
+            index = Index(regex, self._vocab())
+        except ValueError as e:          # outlines-core's reason is its first line; the rest is advice to file bugs
+            raise InvalidGrammar(str(e).strip().split("\n")[0].strip()) from None
+        if time.monotonic() - t0 > self.timeout_s:      # finished after its requester gave up: refused for all
+            raise InvalidGrammar(f"compiling it takes longer than {self.timeout_s:g} s")
+        return Grammar(index, self.info.stop_ids, mask_words(self.vocab_size))
+
+    def _vocab(self):
+        from outlines_core import Vocabulary
+
+        with self._lock:
+            if self._vocabulary is None:
+                with self.info.prompt_lock:
+                    tokens = token_bytes(self.info.prompt_tokenizer, self.info.hidden_ids | self.info.stop_ids)
+                # outlines-core knows one end token; Matcher lets any of the checkpoint's stop tokens end.
+                self._vocabulary = Vocabulary(min(self.info.stop_ids), tokens)
+            return self._vocabulary
 
 
 class Matcher:
     """One request's position in its grammar."""
 
-    def __init__(self, grammar):
-        import xgrammar as xgr
-        self._matcher = xgr.GrammarMatcher(grammar)
-        self._mask = np.empty((1, mask_words(grammar.tokenizer_info.vocab_size)), np.int32)
+    def __init__(self, grammar: Grammar):
+        from outlines_core import Guide
+
+        self._guide, self._stops = Guide(grammar.index), grammar.stop_ids
+        self._mask = np.zeros(grammar.words, np.int32)
+        self.done = False       # the grammar is complete and has taken its stop token
 
     def allowed(self) -> np.ndarray:
         """The bitmask row of the tokens allowed next (a view, rewritten by the next call)."""
-        self._matcher.fill_next_token_bitmask(self._mask)
-        return self._mask[0]
+        self._guide.write_mask_into(self._mask.ctypes.data, self._mask.size, self._mask.itemsize)
+        if self._guide.is_finished():
+            bits = self._mask.view(np.uint32)
+            for s in self._stops:
+                bits[s >> 5] |= np.uint32(1 << (s & 31))
+        return self._mask
 
     def accept(self, token: int) -> None:
-        if not self._matcher.accept_token(token):
-            raise RuntimeError(f"token {token} breaks the request's grammar (the runtime ignored the mask?)")
-
-    @property
-    def done(self) -> bool:
-        """The grammar is complete and has taken its stop token."""
-        return self._matcher.is_terminated()
+        if token in self._stops and self._guide.is_finished():
+            self.done = True
+            return
+        try:
+            self._guide.advance(token, return_tokens=False)
+        except ValueError:
+            raise RuntimeError(f"token {token} breaks the request's grammar (the runtime ignored the mask?)") from None

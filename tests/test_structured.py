@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from serving.generation import Batch, Delta, Detokenizer, Finish, SamplingParams, TokenizerInfo, generate
-from serving.structured import MASKED, Grammars, InvalidGrammar, mask_words
+from serving.structured import MASKED, Grammars, InvalidGrammar, mask_words, token_bytes
 from serving.tool_calls import GemmaCalls, NamedCall, RequiredCalls, merge, parse_call, required_schema
 from tests.fixtures.tiny_gemma4 import QUESTION
 
@@ -61,16 +61,60 @@ def grammars(info) -> Grammars:
 
 
 @pytest.mark.parametrize("schema,message", [
-    ({"type": "object", "required": "name"}, "required must be an array"),
-    ({"type": "string", "pattern": "(["}, "Regex"),
-    ({"properties": {"a": {"$ref": "#/$defs/missing"}}}, "missing"),
-    ({"type": "nonsense"}, 'Unsupported type "nonsense"'),
-    ({"type": "integer", "minimum": 5, "maximum": 1}, "minimum greater than maximum"),
-    (False, "cannot accept any value"),
+    ({"type": "string", "pattern": "(["}, "Failed to build DFA"),
+    ({"properties": {"a": {"$ref": "#/$defs/missing"}}}, "Invalid reference path"),
+    ({"type": "nonsense"}, "Unsupported type: nonsense"),
+    ({"$ref": "#"}, "recusion limit"),
+    (False, "Unsupported JSON Schema structure false$"),
 ])
 def test_unusable_schemas_are_refused_with_the_reason(grammars, schema, message):
     with pytest.raises(InvalidGrammar, match=message):
         grammars.json_schema(schema)
+
+
+def test_the_vocabulary_is_what_each_token_writes(info):
+    """Every ordinary token's bytes are what the tokenizer decodes it to; byte-fallback tokens are one byte;
+    special and stop tokens write nothing (the grammar never allows them as text)."""
+    tok = info.prompt_tokenizer
+    got = {i: b for b, ids in token_bytes(tok, info.hidden_ids | info.stop_ids).items() for i in ids}
+    assert not set(got) & (info.hidden_ids | info.stop_ids)
+    assert got[tok.convert_tokens_to_ids("<0x0A>")] == b"\n"
+    assert len(got) == len(tok) - len(info.hidden_ids | info.stop_ids)
+    for i, b in got.items():
+        if len(b) > 1 or b.isascii():
+            assert tok.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False).encode() == b
+
+
+def test_a_repeated_schema_is_compiled_once(info):
+    grammars = Grammars(info, len(info.prompt_tokenizer), cache_entries=2)
+    first = grammars.json_schema(SCHEMA)
+    assert grammars.json_schema(json.loads(json.dumps(SCHEMA))) is first
+    grammars.json_schema({"type": "integer"})
+    grammars.json_schema({"type": "boolean"})                  # evicts SCHEMA, the least recently used
+    assert grammars.json_schema(SCHEMA) is not first
+
+
+def test_compile_limits_refuse_instead_of_hanging(info):
+    with pytest.raises(InvalidGrammar, match="too large: its regex has"):
+        Grammars(info, len(info.prompt_tokenizer), max_regex_chars=50).json_schema(SCHEMA)
+    with pytest.raises(InvalidGrammar, match="longer than 0 s"):
+        Grammars(info, len(info.prompt_tokenizer), timeout_s=0).json_schema(SCHEMA)
+
+
+def test_a_matcher_walks_a_valid_instance_to_a_stop_token(info, grammars):
+    """The mask allows each token of a compact valid instance in turn, then any of the checkpoint's stop tokens
+    (and only then); taking one ends the grammar."""
+    from serving.structured import Matcher
+    text = json.dumps({"name": "Ada", "age": 36, "unit": "celsius", "ok": True}, separators=(",", ":"))
+    for stop in sorted(info.stop_ids):
+        m = Matcher(grammars.json_schema(SCHEMA))
+        for tok in info.encode(text):
+            bits = np.unpackbits(m.allowed().view(np.uint8), bitorder="little")
+            assert bits[tok] and not any(bits[s] for s in info.stop_ids)
+            m.accept(tok)
+        assert np.unpackbits(m.allowed().view(np.uint8), bitorder="little")[stop]
+        m.accept(stop)
+        assert m.done
 
 
 @pytest.fixture(scope="module")
