@@ -88,13 +88,11 @@ class Grammars:
         model cannot stall in it). Waits at most the time limit; InvalidGrammar with the reason otherwise."""
         key = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
         with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-            else:
-                self._cache[key] = (time.monotonic(), self._pool.submit(self._compile, key))
-                if len(self._cache) > self.cache_entries:
-                    self._cache.popitem(last=False)
-            started, future = self._cache[key]
+            entry = self._cache.pop(key, None) or (time.monotonic(), self._pool.submit(self._compile, key))
+            self._cache[key] = entry                    # the most recently used last
+            while len(self._cache) > self.cache_entries:
+                self._cache.popitem(last=False)
+        started, future = entry
         try:
             return future.result(timeout=max(0.0, started + self.timeout_s - time.monotonic()))
         except TimeoutError:
