@@ -11,6 +11,7 @@ every other token's logit to MASKED before it samples (serving/engine.py). Why o
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import threading
@@ -57,6 +58,70 @@ def token_bytes(tokenizer, skip: frozenset[int]) -> dict[bytes, list[int]]:
         if data:
             out.setdefault(data, []).append(i)
     return out
+
+
+def _digits(lo: str, hi: str) -> list[str]:
+    """Regex alternatives for the numbers from `lo` to `hi`, both written with the same number of digits."""
+    if lo == hi:
+        return [lo]
+    n = len(lo) - 1
+    if lo[1:] == "0" * n and hi[1:] == "9" * n:
+        return [f"[{lo[0]}-{hi[0]}]" + "[0-9]" * n]
+    if lo[0] == hi[0]:
+        return [lo[0] + r for r in _digits(lo[1:], hi[1:])]
+    middle = [f"[{int(lo[0]) + 1}-{int(hi[0]) - 1}]" + "[0-9]" * n] if int(hi[0]) - int(lo[0]) > 1 else []
+    return ([lo[0] + r for r in _digits(lo[1:], "9" * n)] + middle
+            + [hi[0] + r for r in _digits("0" * n, hi[1:])])
+
+
+def _naturals(lo: int, hi: int | None) -> list[str]:
+    """Regex alternatives for the integers lo..hi (hi None: no end), 0 <= lo, in canonical decimal."""
+    out, length = [], len(str(lo))
+    while hi is None or length <= len(str(hi)):
+        first, last = max(lo, 10 ** (length - 1) if length > 1 else 0), 10 ** length - 1
+        if hi is None and first == 10 ** (length - 1) and length > 1:
+            return out + [f"[1-9][0-9]{{{length - 1},}}"]          # every longer number
+        out += _digits(str(first), str(last if hi is None else min(hi, last)))
+        length += 1
+    return out
+
+
+def integer_regex(lo: int | None, hi: int | None) -> str:
+    """A regex for the integers from `lo` to `hi` (None: unbounded on that side), as JSON writes them."""
+    parts = []
+    if lo is None or lo < 0:
+        parts += ["-" + r for r in _naturals(1 if hi is None or hi >= 0 else -hi, None if lo is None else -lo)]
+    if hi is None or hi >= 0:
+        parts += _naturals(max(lo or 0, 0), hi)
+    return "(" + "|".join(parts) + ")"
+
+
+def _number(value: Any) -> float | None:
+    """A finite JSON number, else None."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return value if ok else None
+
+
+def _bounded_integers(schema: Any, ranges: dict[str, str]) -> Any:
+    """`schema` with each integer subschema that has bounds (outlines-core ignores them) swapped for a string with
+    a marker pattern; `ranges` gets each marker's regex, put in place of the marker's string after the compile."""
+    if isinstance(schema, list):
+        return [_bounded_integers(s, ranges) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    low, xlow, high, xhigh = (_number(schema.get(k))
+                              for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"))
+    lows = ([math.ceil(low)] if low is not None else []) + ([math.floor(xlow) + 1] if xlow is not None else [])
+    highs = ([math.floor(high)] if high is not None else []) + ([math.ceil(xhigh) - 1] if xhigh is not None else [])
+    if schema.get("type") == "integer" and (lows or highs):
+        lo, hi = max(lows, default=None), min(highs, default=None)
+        if lo is not None and hi is not None and lo > hi:
+            raise InvalidGrammar(f"no integer from {lo} to {hi} (minimum greater than maximum)")
+        marker = f"G5GINTEGER{len(ranges)}"
+        ranges[marker] = integer_regex(lo, hi)
+        return {"type": "string", "pattern": marker}
+    return {k: v if k in ("enum", "const", "default", "examples") else _bounded_integers(v, ranges)
+            for k, v in schema.items()}
 
 
 @dataclass(frozen=True)
@@ -108,7 +173,11 @@ class Grammars:
 
         t0 = time.monotonic()
         try:
-            regex = build_regex_from_schema(schema_json, whitespace_pattern="")
+            ranges: dict[str, str] = {}
+            schema = _bounded_integers(json.loads(schema_json), ranges)
+            regex = build_regex_from_schema(json.dumps(schema), whitespace_pattern="")
+            for marker, integers in ranges.items():
+                regex = regex.replace(f'"{marker}"', integers)
             if len(regex) > self.max_regex_chars:
                 raise InvalidGrammar(f"too large: its regex has {len(regex)} characters, over the limit of "
                                      f"{self.max_regex_chars}")

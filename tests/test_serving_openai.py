@@ -218,7 +218,7 @@ def test_forced_tool_call_is_well_formed_streamed_and_not(url, choice):
         if r.choices[0].finish_reason == "tool_calls":
             break
         assert choice == "required" and r.choices[0].finish_reason == "length"
-        assert r.choices[0].message.content.startswith('[{"name": ') and not r.choices[0].message.tool_calls
+        assert r.choices[0].message.content.startswith('[{"name":"') and not r.choices[0].message.tool_calls
     msg = r.choices[0].message
     assert r.choices[0].finish_reason == "tool_calls" and msg.content is None and msg.tool_calls
     for call in msg.tool_calls:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from serving.generation import Batch, Delta, Detokenizer, Finish, SamplingParams, TokenizerInfo, generate
-from serving.structured import MASKED, Grammars, InvalidGrammar, mask_words, token_bytes
+from serving.structured import MASKED, Grammars, InvalidGrammar, integer_regex, mask_words, token_bytes
 from serving.tool_calls import GemmaCalls, NamedCall, RequiredCalls, merge, parse_call, required_schema
 from tests.fixtures.tiny_gemma4 import QUESTION
 
@@ -65,6 +65,7 @@ def grammars(info) -> Grammars:
     ({"properties": {"a": {"$ref": "#/$defs/missing"}}}, "Invalid reference path"),
     ({"type": "nonsense"}, "Unsupported type: nonsense"),
     ({"$ref": "#"}, "recusion limit"),
+    ({"type": "integer", "minimum": 5, "maximum": 1}, "minimum greater than maximum"),
     (False, "Unsupported JSON Schema structure false$"),
 ])
 def test_unusable_schemas_are_refused_with_the_reason(grammars, schema, message):
@@ -83,6 +84,17 @@ def test_the_vocabulary_is_what_each_token_writes(info):
     for i, b in got.items():
         if len(b) > 1 or b.isascii():
             assert tok.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False).encode() == b
+
+
+@pytest.mark.parametrize("lo,hi", [(1, 7), (0, None), (None, 0), (-5, 5), (13, 987), (0, 0), (-1000, -3), (5, None),
+                                   (None, -3), (100, 100000), (-3, None), (None, 12), (-1, 1), (9, 10)])
+def test_integer_bounds_become_an_exact_regex(lo, hi):
+    """outlines-core ignores minimum/maximum; serving/structured.py enforces them with a regex of its own."""
+    import re
+    rx = re.compile(integer_regex(lo, hi))
+    for n in [*range(-1500, 1500), -123456, 123456, 99999, 100000, 100001]:
+        assert bool(rx.fullmatch(str(n))) == ((lo is None or n >= lo) and (hi is None or n <= hi)), n
+    assert not any(rx.fullmatch(t) for t in ("-0", "01", "007", "+1", ""))
 
 
 def test_a_repeated_schema_is_compiled_once(info):
