@@ -143,7 +143,7 @@ class Grammars:
         self.info, self.vocab_size = info, vocab_size
         self.timeout_s, self.max_regex_chars, self.cache_entries = timeout_s, max_regex_chars, cache_entries
         self._vocabulary = None
-        self._lock = threading.Lock()
+        self._lock, self._vocab_lock = threading.Lock(), threading.Lock()
         self._cache: OrderedDict[str, tuple[float, Future]] = OrderedDict()
         # Two compiles at a time: one past its time limit goes on (outlines-core cannot be stopped) but no further.
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="grammar")
@@ -182,7 +182,8 @@ class Grammars:
                 raise InvalidGrammar(f"too large: its regex has {len(regex)} characters, over the limit of "
                                      f"{self.max_regex_chars}")
             index = Index(regex, self._vocab())
-        except ValueError as e:          # outlines-core's reason is its first line; the rest is advice to file bugs
+        except (ValueError, TypeError, RecursionError) as e:    # TypeError: nested past outlines-core's JSON parser
+            # outlines-core's reason is its first line; the rest is advice to file bugs
             raise InvalidGrammar(str(e).strip().split("\n")[0].strip()) from None
         if time.monotonic() - t0 > self.timeout_s:      # finished after its requester gave up: refused for all
             raise InvalidGrammar(f"compiling it takes longer than {self.timeout_s:g} s")
@@ -191,7 +192,7 @@ class Grammars:
     def _vocab(self):
         from outlines_core import Vocabulary
 
-        with self._lock:
+        with self._vocab_lock:
             if self._vocabulary is None:
                 with self.info.prompt_lock:
                     tokens = token_bytes(self.info.prompt_tokenizer, self.info.hidden_ids | self.info.stop_ids)
