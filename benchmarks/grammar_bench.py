@@ -1,4 +1,5 @@
-"""Which grammar library constrains JSON output: xgrammar vs outlines-core, on CPU, over a Gemma-sized vocabulary.
+"""Which grammar library constrains JSON output: xgrammar vs outlines-core, on CPU, over a Gemma-sized vocabulary;
+and the server's own path (serving/structured.py, outlines-core) over the same vocabulary.
 
 For `response_format` json_schema the server compiles one grammar per request and, for every generated token, asks
 the request's matcher which of the vocabulary's tokens may come next (a bitmask the runtime applies to the logits
@@ -10,13 +11,16 @@ before sampling). So two figures decide:
 
 The vocabulary has Gemma 4's size, 262 144 tokens, in Gemma's layout (specials, 256 <0xNN> byte-fallback tokens,
 '▁' for a space), but its words are synthetic (fixed seed: letters, capitalised and '▁'-prefixed, digits,
-punctuation runs): no real Gemma tokenizer is reachable from here. Both libraries see the same tokens.
+punctuation runs): no real Gemma tokenizer is reachable from here. All see the same tokens. xgrammar is not a
+dependency of the server (pip install xgrammar==0.2.9 to measure it; without it, it is left out). The server's path
+also reports the cold compile of response_format json_object (its generic object schema) and a cache hit.
 
     python -m benchmarks.grammar_bench [--runs 5] [--json benchmarks/results/grammar_cpu.json]
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -133,12 +137,56 @@ def bench_outlines(vocab, text, runs):
     return compiles, steps
 
 
-def summary(compiles, steps) -> dict:
+def bench_serving(vocab, text, runs):
+    """serving.structured as the server runs it: Grammars without a cache (every compile cold) and with one, and a
+    Matcher walking the instance."""
+    import threading
+    from types import SimpleNamespace
+
+    from serving.structured import Grammars, Matcher
+
+    class Tokenizer:      # the synthetic vocabulary behind the one method serving.structured.token_bytes calls
+        def get_vocab(self):
+            return {t: i for i, t in enumerate(vocab)}
+
+    specials = frozenset(i for i, t in enumerate(vocab) if t.startswith("<") and t.endswith(">") and len(t) > 1
+                         and not t.startswith("<0x"))
+    info = SimpleNamespace(prompt_tokenizer=Tokenizer(), prompt_lock=threading.Lock(), hidden_ids=specials,
+                           stop_ids=frozenset([EOS]))
+    cold, cached = Grammars(info, VOCAB, cache_entries=0), Grammars(info, VOCAB)
+    for grammars in (cold, cached):
+        grammars.json_schema({"type": "integer"})         # builds the vocabulary, once per server
+    compiles, hits = [], []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        cold.json_schema(SCHEMA)
+        compiles.append(time.perf_counter() - t0)
+    grammar = cached.json_schema(SCHEMA)
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        cached.json_schema(SCHEMA)
+        hits.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    cold.json_object()
+    object_compile = time.perf_counter() - t0
+    matcher, steps = Matcher(grammar), []
+    for tok in walk_ids(vocab, text):
+        t0 = time.perf_counter()
+        mask = matcher.allowed()
+        assert mask[tok >> 5] >> (tok & 31) & 1, vocab[tok]
+        matcher.accept(tok)
+        steps.append(time.perf_counter() - t0)
+    assert matcher.done
+    return compiles, steps, {"json_object_compile_s": round(object_compile, 4),
+                             "cache_hit_ms_median": round(statistics.median(hits) * 1e3, 4)}
+
+
+def summary(compiles, steps, extra=None) -> dict:
     ms = sorted(s * 1e3 for s in steps)
     return {"compile_s_median": round(statistics.median(compiles), 4),
             "compile_s_runs": [round(c, 4) for c in compiles],
             "mask_ms_median": round(statistics.median(ms), 4), "mask_ms_p99": round(ms[int(0.99 * (len(ms) - 1))], 4),
-            "mask_ms_max": round(ms[-1], 4), "steps": len(ms)}
+            "mask_ms_max": round(ms[-1], 4), "steps": len(ms), **(extra or {})}
 
 
 def main() -> None:
@@ -151,8 +199,11 @@ def main() -> None:
     out = {"vocab_size": VOCAB, "vocabulary": "synthetic, Gemma layout (see benchmarks/grammar_bench.py)",
            "schema": SCHEMA, "instance": text, "runs": args.runs, "machine": platform.machine(),
            "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
-           "xgrammar": {"version": version("xgrammar"), **summary(*bench_xgrammar(vocab, text, args.runs))},
-           "outlines_core": {"version": version("outlines_core"), **summary(*bench_outlines(vocab, text, args.runs))}}
+           "outlines_core": {"version": version("outlines_core"), **summary(*bench_outlines(vocab, text, args.runs))},
+           "serving_structured": {"version": version("outlines_core"),
+                                  **summary(*bench_serving(vocab, text, args.runs))}}
+    if importlib.util.find_spec("xgrammar"):
+        out["xgrammar"] = {"version": version("xgrammar"), **summary(*bench_xgrammar(vocab, text, args.runs))}
     print(json.dumps(out, indent=1))
     if args.json:
         with open(args.json, "w") as f:
