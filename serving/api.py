@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import signal
 import threading
@@ -38,6 +39,7 @@ from serving.engine import Engine
 from serving.generation import Batch, Finish, SamplingParams, TokenizerInfo
 from serving.middleware import Guard
 from serving.protocol import APIError, unavailable
+from serving.structured import Grammars
 
 log = logging.getLogger("serving.api")
 disable_created_metrics()
@@ -116,6 +118,8 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     shutdown: bool = False        # aborted because the server is shutting down (not because the client left)
     index: int = 0                # which of the request's `n` choices (its jobs share one `events` queue)
+    grammar: Any = None           # serving/structured.py: the grammar the output follows (None: free text)
+    reveal: frozenset[int] = frozenset()    # special tokens shown in the text (tool-call markup)
 
     def send(self, ev: Any) -> None:
         """From the engine thread: hand an event, as (index, event), to the request's coroutine."""
@@ -279,6 +283,10 @@ class Context:
     @property
     def max_context(self) -> int:
         return self.scheduler.engine.max_context
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        return Grammars(self.info, self.scheduler.engine.vocab_size)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.name:

@@ -21,6 +21,13 @@ Before that, in vLLM's order (its v1 sampler), the logits are adjusted per reque
 - min_p (sampled rows): tokens less likely than min_p times the most likely one, at `temperature`, are dropped.
 Logprobs are vLLM's default `logprobs_mode="raw_logprobs"`: log_softmax of the model's logits before any of the
 above (bias, penalties, temperature, cuts); `logprobs(slot)` has the chosen token's and the top ones.
+
+Allowed tokens (structured output, serving/structured.py): `start` takes a mask and `step` a {slot: mask} for the
+slots whose request follows a grammar. A mask is a packed bitmask row, int32 [ceil(vocab_size / 32)], bit i % 32 of
+word i // 32 set when token i may come next; the runtime gives every other token the logit
+serving.structured.MASKED before the adjustments above and the draw. A slot without a mask is unconstrained. The
+generation loop writes a fresh mask for every token (the grammar advances on the host), so both calls take it on
+every call.
 """
 from __future__ import annotations
 
@@ -74,13 +81,18 @@ class Engine(Protocol):
     max_context: int
     #: sequences it holds at once (slot ids are 0 .. slots-1)
     slots: int
+    #: width of the logits (the model's vocabulary, at least the tokenizer's)
+    vocab_size: int
 
-    def start(self, slot: int, prompt_ids: Sequence[int], params: SamplingParams) -> int:
-        """Put a new sequence into `slot` (dropping whatever was there), run its prompt, return its first token."""
+    def start(self, slot: int, prompt_ids: Sequence[int], params: SamplingParams,
+              mask: np.ndarray | None = None) -> int:
+        """Put a new sequence into `slot` (dropping whatever was there), run its prompt, return its first token
+        (one `mask` allows)."""
 
-    def step(self, tokens: Mapping[int, int]) -> dict[int, int]:
+    def step(self, tokens: Mapping[int, int], masks: Mapping[int, np.ndarray] | None = None) -> dict[int, int]:
         """One decode step for the sequences in `tokens` ({slot: the token just generated for it}): append each
-        token, return {slot: next token}. Every live slot is stepped together; a slot left out is free."""
+        token, return {slot: next token} (among those masks[slot] allows). Every live slot is stepped together;
+        a slot left out is free."""
 
     def logits(self, slot: int) -> np.ndarray:
         """float32 logits [vocab] behind the slot's last token (tests, diagnostics; copies from the device)."""

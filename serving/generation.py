@@ -14,7 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
+
 from serving.engine import Engine, SamplingParams, TokenLogprobs
+from serving.structured import Matcher
+from serving.tool_calls import MARKUP
 
 # Gemma 4's control tokens that shape the output (see the checkpoint's tokenizer.json).
 TURN_END = "<turn|>"                            # end of a dialogue turn: always a stop token
@@ -45,6 +49,7 @@ class TokenizerInfo:
     prompt_lock: threading.Lock = field(default_factory=threading.Lock)
     max_token_chars: int = 1            # the longest token's text: n characters are at least n / this tokens
     token_texts: dict = field(default_factory=dict)     # id -> its text alone (logprobs), filled as needed
+    tool_markup: frozenset[int] = frozenset()   # Gemma 4's tool-call tags: shown when tool calls are read
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "TokenizerInfo":
@@ -75,7 +80,8 @@ class TokenizerInfo:
                 defaults[key] = gen[key]
         return cls(tok, frozenset(stop), frozenset(hidden), vocab.get(THOUGHT_START), vocab.get(THOUGHT_END),
                    defaults, prompt_tokenizer=AutoTokenizer.from_pretrained(model_dir),
-                   max_token_chars=max(map(len, vocab), default=1))
+                   max_token_chars=max(map(len, vocab), default=1),
+                   tool_markup=frozenset(vocab[t] for t in MARKUP if t in vocab))
 
     @property
     def vocab_size(self) -> int:
@@ -89,9 +95,10 @@ class TokenizerInfo:
                 text = self.token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
         return text
 
-    def render_chat(self, messages: list[dict]) -> str:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         with self.prompt_lock:
-            return self.prompt_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.prompt_tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                             add_generation_prompt=True)
 
     def encode(self, text: str, add_special_tokens: bool = False, limit: int | None = None) -> list[int]:
         """Token ids of `text`; PromptTooLong past `limit` tokens. Text that cannot fit is refused before the
@@ -118,10 +125,10 @@ class TokenizerInfo:
 
 class Detokenizer:
     """Turns generated token ids into text deltas: never splits a UTF-8 character across deltas, never shows
-    special tokens or what the model writes inside a thought block."""
+    special tokens (except those in `reveal`) or what the model writes inside a thought block."""
 
-    def __init__(self, info: TokenizerInfo):
-        self.info = info
+    def __init__(self, info: TokenizerInfo, reveal: frozenset[int] = frozenset()):
+        self.info, self.reveal = info, reveal
         self.ids: list[int] = []       # visible ids so far
         self.prefix = 0                # ids[prefix:read] is already-emitted context used to decode the next delta
         self.read = 0
@@ -138,7 +145,7 @@ class Detokenizer:
         if token_id == self.info.thought_end:
             self.in_thought = False
             return ""
-        if self.in_thought or token_id in self.info.hidden_ids:
+        if self.in_thought or (token_id in self.info.hidden_ids and token_id not in self.reveal):
             return ""
         self.ids.append(token_id)
         before = self._decode(self.ids[self.prefix:self.read])
@@ -245,18 +252,28 @@ def _release(stops: StopStrings, detok: Detokenizer) -> tuple[str, bool]:
 class Generation:
     """One request's state between tokens: its budget, detokeniser, stop strings and token times."""
 
-    def __init__(self, info: TokenizerInfo, prompt_ids: Sequence[int], params: SamplingParams, max_context: int):
+    def __init__(self, info: TokenizerInfo, prompt_ids: Sequence[int], params: SamplingParams, max_context: int,
+                 grammar: Any = None, reveal: frozenset[int] = frozenset()):
         self.info, self.params = info, params
         self.prompt_tokens = len(prompt_ids)
         self.budget = min(params.max_tokens, max_context - len(prompt_ids))
-        self.detok = Detokenizer(info)
+        self.detok = Detokenizer(info, reveal)
         self.stops = StopStrings(params.stop)
+        self.matcher = Matcher(grammar) if grammar is not None else None
         self.times: list[float] = []
+
+    def mask(self) -> np.ndarray | None:
+        """The tokens the request's grammar allows next (serving/engine.py's mask); None: any."""
+        return self.matcher.allowed() if self.matcher is not None else None
 
     def push(self, token: int) -> tuple[str, str | None]:
         """Take a generated token: (text it releases, finish reason or None to go on)."""
         self.times.append(time.monotonic())
-        if (token in self.info.stop_ids and not self.params.ignore_eos) or token in self.params.stop_token_ids:
+        if self.matcher is not None:
+            self.matcher.accept(token)
+        done = self.matcher is not None and self.matcher.done     # the grammar took its stop token
+        if (done or (token in self.info.stop_ids and not self.params.ignore_eos)
+                or token in self.params.stop_token_ids):
             return _release(self.stops, self.detok)[0], "stop"
         delta = self.detok.push(token)
         # before min_tokens tokens are out no stop string ends generation (as vLLM); the runtime holds back the stop ids
@@ -280,13 +297,15 @@ class Generation:
 
 
 def generate(engine: Engine, info: TokenizerInfo, prompt_ids: Sequence[int], params: SamplingParams,
-             cancelled: Callable[[], bool] = lambda: False, slot: int = 0) -> Iterator[Delta | Finish]:
-    """Run one request to the end in one slot. Yields a Delta per generated token, then one Finish."""
-    gen = Generation(info, prompt_ids, params, engine.max_context)
+             cancelled: Callable[[], bool] = lambda: False, slot: int = 0,
+             grammar: Any = None) -> Iterator[Delta | Finish]:
+    """Run one request to the end in one slot (following `grammar`, a serving.structured compiled grammar, when
+    given). Yields a Delta per generated token, then one Finish."""
+    gen = Generation(info, prompt_ids, params, engine.max_context, grammar)
     if gen.budget <= 0 or cancelled():
         yield gen.finish("length" if gen.budget <= 0 else "abort")
         return
-    token = engine.start(slot, prompt_ids, params)
+    token = engine.start(slot, prompt_ids, params, gen.mask())
     while True:
         text, reason = gen.push(token)
         yield gen.delta(text, token, engine, slot)
@@ -295,7 +314,8 @@ def generate(engine: Engine, info: TokenizerInfo, prompt_ids: Sequence[int], par
         if cancelled():
             reason = "abort"
             break
-        token = engine.step({slot: token})[slot]
+        mask = gen.mask()
+        token = engine.step({slot: token}, None if mask is None else {slot: mask})[slot]
     yield gen.finish(reason)
 
 
@@ -308,10 +328,11 @@ class _Live:
 
 
 class Batch:
-    """Continuous batching over an engine's slots. A job is anything with `prompt_ids`, `params` and `cancelled`
-    (a threading.Event). `join` prefills a job into a free slot, `step` advances every live job by one token;
-    both return the (job, Delta | Finish) events to hand out. A job whose client left ends with "abort" at its
-    next token. One thread drives a Batch (the engine's)."""
+    """Continuous batching over an engine's slots. A job is anything with `prompt_ids`, `params`, `cancelled`
+    (a threading.Event), and optionally `grammar` (serving/structured.py; None: unconstrained) and `reveal`
+    (special token ids the text shows, e.g. TokenizerInfo.tool_markup). `join` prefills a job into a free slot,
+    `step` advances every live job by one token; both return the (job, Delta | Finish) events to hand out. A job
+    whose client left ends with "abort" at its next token. One thread drives a Batch (the engine's)."""
 
     def __init__(self, engine: Engine, info: TokenizerInfo):
         self.engine, self.info = engine, info
@@ -322,18 +343,20 @@ class Batch:
         return self.engine.slots - len(self.live)
 
     def join(self, job) -> list[tuple[Any, Delta | Finish]]:
-        gen = Generation(self.info, job.prompt_ids, job.params, self.engine.max_context)
+        gen = Generation(self.info, job.prompt_ids, job.params, self.engine.max_context,
+                         getattr(job, "grammar", None), getattr(job, "reveal", frozenset()))
         if gen.budget <= 0 or job.cancelled.is_set():
             return [(job, gen.finish("length" if gen.budget <= 0 else "abort"))]
         slot = next(s for s in range(self.engine.slots) if s not in self.live)
-        token = self.engine.start(slot, job.prompt_ids, job.params)
+        token = self.engine.start(slot, job.prompt_ids, job.params, gen.mask())
         self.live[slot] = _Live(job, gen, token)
         return self._take(slot, token)
 
     def step(self) -> list[tuple[Any, Delta | Finish]]:
         if not self.live:
             return []
-        out = self.engine.step({slot: live.token for slot, live in self.live.items()})
+        masks = {slot: m for slot, live in self.live.items() if (m := live.gen.mask()) is not None}
+        out = self.engine.step({slot: live.token for slot, live in self.live.items()}, masks or None)
         events = []
         for slot, token in out.items():
             self.live[slot].token = token

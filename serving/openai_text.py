@@ -18,7 +18,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from serving.api import Job, QueueFull
 from serving.generation import Delta, Finish, Logprob, PromptTooLong, SamplingParams
-from serving.protocol import APIError, ChatRequest, CompletionRequest, messages, parse, unavailable
+from serving.protocol import APIError, ChatRequest, CompletionRequest, ResponseFormat, messages, parse, unavailable
+from serving.structured import InvalidGrammar
+from serving.tool_calls import GemmaCalls, NamedCall, Reader, RequiredCalls, merge, required_schema
 
 router = APIRouter()
 
@@ -81,17 +83,64 @@ def sampling(ctx, req, prompt_len: int, max_tokens: int | None, top_logprobs: in
         logprobs=top_logprobs)
 
 
+def tool_plan(req: ChatRequest) -> tuple[list[dict] | None, Callable[[], Reader], Any]:
+    """What `tools` and `tool_choice` ask for (serving/tool_calls.py): (the tools the chat template shows, a new
+    reader of the output, the JSON schema the output is forced to follow or None)."""
+    tools = req.tools or []
+    choice = req.tool_choice or "auto"
+    if choice == "none" or (choice == "auto" and not tools):
+        return None, Reader, None
+    if not tools:
+        raise APIError(400, f"tool_choice {json.dumps(choice) if isinstance(choice, str) else 'a function'} needs "
+                            f"tools", param="tool_choice")
+    shown = [t.model_dump(exclude_none=True) for t in tools]
+    if choice == "auto":
+        return shown, GemmaCalls, None
+    params = {t.function.name: t.function.parameters or {"type": "object", "properties": {}} for t in tools}
+    if choice == "required":
+        return shown, RequiredCalls, required_schema(params)
+    name = choice.function.name
+    if name not in params:
+        raise APIError(400, f"tool_choice: no tool named {name!r} in tools", param="tool_choice")
+    return shown, lambda: NamedCall(name), params[name]
+
+
+def output_grammar(ctx, fmt: ResponseFormat | None, tool_schema: Any = None) -> Any:
+    """The grammar the output follows (compiled here: call from a worker thread), or None for free text."""
+    try:
+        if tool_schema is not None:
+            if fmt is not None and fmt.type != "text":
+                raise APIError(400, "response_format cannot be combined with tool_choice \"required\" or a named "
+                                    "function (the call's arguments are already JSON)", param="response_format")
+            try:
+                return ctx.grammars.json_schema(tool_schema)
+            except InvalidGrammar as e:
+                raise APIError(400, f"tools: a function's parameters are not a usable JSON schema: {e}",
+                               param="tools") from None
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return ctx.grammars.json_object()
+        if fmt.json_schema is None:
+            raise InvalidGrammar("type json_schema needs json_schema: {\"name\": …, \"schema\": {…}}")
+        return ctx.grammars.json_schema(fmt.json_schema.schema_)
+    except InvalidGrammar as e:
+        raise APIError(400, f"response_format: invalid JSON schema: {e}", param="response_format") from None
+
+
 GOLDEN = 0x9E3779B97F4A7C15     # 2**64 / golden ratio: choice i's seed is the request's plus i times this
 
 
-def submit(request: Request, ids: list[int], params: SamplingParams, n: int) -> list[Job]:
+def submit(request: Request, ids: list[int], params: SamplingParams, n: int, grammar: Any = None,
+           reveal: frozenset[int] = frozenset()) -> list[Job]:
     """Queue the request's n choices (all or none); choice i of a seeded request samples with a seed derived from
-    the request's seed and i (choice 0 with the seed itself), so the same request gives the same choices."""
+    the request's seed and i (choice 0 with the seed itself), so the same request gives the same choices. Each
+    choice follows `grammar` with a matcher of its own."""
     ctx = request.app.state.ctx
     ctx.check_serving()                    # again: the server may have begun shutting down while we tokenised
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     jobs = [Job(ids, params if params.seed is None or i == 0 else replace(params, seed=params.seed + i * GOLDEN),
-                loop, events=events, index=i) for i in range(n)]
+                loop, events=events, index=i, grammar=grammar, reveal=reveal) for i in range(n)]
     try:
         ctx.scheduler.submit(*jobs)
     except QueueFull:
@@ -147,19 +196,23 @@ async def chat(request: Request):
     msgs = messages(req.messages)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "when using top_logprobs, logprobs must be set to true", param="top_logprobs")
+    tools, new_reader, tool_schema = tool_plan(req)
     ctx.check_serving()
     max_tokens = req.max_completion_tokens or req.max_tokens
 
     def build(limit: int) -> list[int]:
         try:
-            text = ctx.info.render_chat(msgs)
+            text = ctx.info.render_chat(msgs, tools)
         except Exception as e:             # e.g. the template rejects the conversation
             raise APIError(400, f"chat template: {e}", param="messages") from None
         return ctx.info.encode(text, limit=limit)
 
     ids = await prompt_ids(ctx, build, max_tokens, "messages")
-    params = sampling(ctx, req, len(ids), max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-    jobs = submit(request, ids, params, req.n)
+    grammar = await asyncio.to_thread(output_grammar, ctx, req.response_format, tool_schema)
+    params = sampling(ctx, req, len(ids), max_tokens, (req.top_logprobs or 0) if req.logprobs else None)  # n checked
+    readers = [new_reader() for _ in range(req.n)]     # each choice's text -> content and tool_calls deltas
+    reveal = ctx.info.tool_markup if isinstance(readers[0], GemmaCalls) else frozenset()
+    jobs = submit(request, ids, params, req.n, grammar, reveal)
     rid, created, model = f"chatcmpl-{request.state.request_id}", int(time.time()), ctx.name
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -170,18 +223,28 @@ async def chat(request: Request):
                                          "finish_reason": finish}]}
             return sse({**body, "usage": None} if include_usage else body)
 
+        def on_text(i: int, text: str, lps: list[Logprob] | None) -> list[str]:
+            deltas = readers[i].feed(text) if text else []
+            if not deltas:                 # held back (a tool call in the making), or no text: logprobs only
+                return [chunk(i, {"content": ""}, lps)] if lps else []
+            return [chunk(i, d, lps if k == 0 else None) for k, d in enumerate(deltas)]
+
+        def on_finish(i: int, fin: Finish) -> list[str]:
+            return ([chunk(i, d) for d in readers[i].close()]
+                    + [chunk(i, {}, None, readers[i].finish_reason(fin.reason))])
+
         def end(fins: list[Finish]) -> list[str]:
             return [sse({**base, "choices": [], "usage": usage(fins)})] if include_usage else []
 
         return stream(jobs, [chunk(i, {"role": "assistant", "content": ""}) for i in range(req.n)],
-                      lambda i, t, lps: chunk(i, {"content": t}, lps), lambda i, fin: chunk(i, {}, None, fin.reason),
-                      end)
+                      on_text, on_finish, end)
 
     results = await collect(request, jobs)
     return JSONResponse({
         "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": i, "message": {"role": "assistant", "content": text},
-                     "logprobs": chat_logprobs(lps) if req.logprobs else None, "finish_reason": fin.reason}
+        "choices": [{"index": i, "message": merge(readers[i].feed(text) + readers[i].close()),
+                     "logprobs": chat_logprobs(lps) if req.logprobs else None,
+                     "finish_reason": readers[i].finish_reason(fin.reason)}
                     for i, (text, lps, fin) in enumerate(results)],
         "usage": usage([fin for _, _, fin in results])})
 
@@ -209,10 +272,11 @@ async def completions(request: Request):
                                                                                limit=limit)
 
     ids = await prompt_ids(ctx, build, req.max_tokens, "prompt")
+    grammar = await asyncio.to_thread(output_grammar, ctx, req.response_format)
     echo = ""
     if req.echo:
         echo = prompt if isinstance(prompt, str) else await asyncio.to_thread(ctx.info.decode, ids)
-    jobs = submit(request, ids, sampling(ctx, req, len(ids), req.max_tokens, req.logprobs), req.n)
+    jobs = submit(request, ids, sampling(ctx, req, len(ids), req.max_tokens, req.logprobs), req.n, grammar)
     rid, created, model = f"cmpl-{request.state.request_id}", int(time.time()), ctx.name
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -231,8 +295,9 @@ async def completions(request: Request):
         def end(fins: list[Finish]) -> list[str]:
             return [sse({**base, "choices": [], "usage": usage(fins)})] if include_usage else []
 
-        return stream(jobs, [chunk(i, echo) for i in range(req.n)] if echo else [], chunk,
-                      lambda i, fin: chunk(i, "", None, fin.reason), end)
+        return stream(jobs, [chunk(i, echo) for i in range(req.n)] if echo else [],
+                      lambda i, t, lps: [chunk(i, t, lps)] if t or lps else [],
+                      lambda i, fin: [chunk(i, "", None, fin.reason)], end)
 
     results = await collect(request, jobs)
     return JSONResponse({
@@ -275,10 +340,10 @@ async def collect(request: Request, jobs: list[Job]) -> list[tuple[str, list[Log
             job.cancelled.set()
 
 
-def stream(jobs: list[Job], first: list[str], text_chunk: Callable[[int, str, list[Logprob] | None], str],
-           finish_chunk: Callable[[int, Finish], str], end: Callable[[list[Finish]], list[str]]):
-    """SSE over the choices' events as they come (each chunk names its choice's index): a chunk per token that
-    released text or carries logprobs, one with each choice's finish_reason, then `end` and [DONE]."""
+def stream(jobs: list[Job], first: list[str], on_text: Callable[[int, str, list[Logprob] | None], list[str]],
+           on_finish: Callable[[int, Finish], list[str]], end: Callable[[list[Finish]], list[str]]):
+    """SSE over the choices' events as they come (each chunk names its choice's index): what `on_text` makes of
+    each token's text and logprobs, what `on_finish` makes of each choice's end, then `end` and [DONE]."""
     async def events():
         try:
             for line in first:
@@ -287,11 +352,12 @@ def stream(jobs: list[Job], first: list[str], text_chunk: Callable[[int, str, li
             while len(fins) < len(jobs):
                 i, ev = await jobs[0].events.get()
                 if isinstance(ev, Delta):
-                    if ev.text or ev.logprob:
-                        yield text_chunk(i, ev.text, [ev.logprob] if ev.logprob else None)
+                    for line in on_text(i, ev.text, [ev.logprob] if ev.logprob else None):
+                        yield line
                 elif isinstance(ev, Finish):
                     fins[i] = ev
-                    yield finish_chunk(i, ev)
+                    for line in on_finish(i, ev):
+                        yield line
                 else:                      # an APIError from the engine thread, after headers went out
                     yield sse({"error": ev.body()["error"]})
                     break

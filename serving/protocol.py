@@ -7,12 +7,12 @@ long, lone surrogates) is a 400 like any other malformed body.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 INT64 = (-2**63, 2**63 - 1)     # vLLM's seed range (torch.long)
 MAX_LOGIT_BIAS = 300            # entries (a fixed width on the JAX runtime's device)
 MAX_STOP_TOKEN_IDS = 32
@@ -51,11 +51,60 @@ class TextPart(_Strict):
     text: str | None = None
 
 
+class CalledFunction(_Strict):
+    name: str
+    arguments: str                          # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(_Strict):
     role: str
     content: str | list[TextPart] | None = None
-    tool_calls: list | None = None          # refused when set: an assistant turn we cannot render
-    function_call: dict | None = None
+    tool_calls: list[ToolCall] | None = None    # an assistant turn that called tools
+    tool_call_id: str | None = None             # a tool turn: the call it answers
+    name: str | None = None
+    function_call: dict | None = None           # the deprecated form: refused
+
+
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class Function(_Strict):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None    # a JSON schema; none: no arguments
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: Function
+
+
+class ChosenFunction(_Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(_Strict):
@@ -86,6 +135,7 @@ class _Sampling(_Strict):
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] = 0
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    response_format: ResponseFormat | None = None
 
 
 class ChatRequest(_Sampling):
@@ -94,6 +144,8 @@ class ChatRequest(_Sampling):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
@@ -121,14 +173,15 @@ class DetokenizeRequest(_Strict):
     tokens: TokenIds
 
 
-_MODELS = (ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, Message, TextPart, StreamOptions)
-_FIELDS = {f for m in _MODELS for f in m.model_fields}
+_MODELS = (ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, Message, TextPart, StreamOptions,
+           ToolCall, CalledFunction, Tool, Function, NamedToolChoice, ChosenFunction, ResponseFormat, JsonSchemaFormat)
+_FIELDS = {f.alias or name for m in _MODELS for name, f in m.model_fields.items()}
 
 # Parameters of the OpenAI / vLLM APIs that this server does not honour, with the values that mean "not used".
 # A request that sets one to anything else gets a 400 naming it: never a 200 that silently ignored it.
 _NOT_HONOURED = {
     "best_of": (None, 1),       # removed from vLLM (0.19); `n` and `logprobs` do what it did
-    "prompt_logprobs": (None,), "response_format": (None, {"type": "text"}), "structured_outputs": (None,),
+    "prompt_logprobs": (None,), "structured_outputs": (None,),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "use_beam_search": (None, False), "length_penalty": (None, 1), "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
@@ -136,8 +189,8 @@ _NOT_HONOURED = {
     "logits_processors": (None,), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
 }
 UNSUPPORTED = {
-    ChatRequest: {**_NOT_HONOURED, "echo": (None, False), "tools": (None, []), "tool_choice": (None, "none", "auto"),
-                  "functions": (None, []), "function_call": (None, "none", "auto"), "chat_template": (None,),
+    ChatRequest: {**_NOT_HONOURED, "echo": (None, False), "functions": (None, []),
+                  "function_call": (None, "none", "auto"), "chat_template": (None,),
                   "chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
                   "continue_final_message": (None, False)},
     CompletionRequest: {**_NOT_HONOURED, "suffix": (None, "")},
@@ -190,17 +243,17 @@ def parse(model: type[_Strict], body: bytes) -> Any:
 
 
 def messages(msgs: list[Message]) -> list[dict]:
-    """Chat messages as the chat template takes them; only text content."""
-    out = []
+    """Chat messages as the chat template takes them: text content; an assistant's tool calls with their arguments
+    as objects; a tool's answer with the name of the function it answers."""
+    out, called = [], {}            # called: tool call id -> function name
     for i, m in enumerate(msgs):
         where = f"messages.{i}"
         if m.role not in ROLES:
             raise APIError(400, f"{where}.role: unsupported role {m.role!r} (expected one of {', '.join(ROLES)})",
                            param=f"{where}.role")
-        if m.tool_calls or m.function_call:
-            name = "tool_calls" if m.tool_calls else "function_call"
-            raise APIError(400, f"{where}.{name}: tool calls are not supported by this server",
-                           param=f"{where}.{name}")
+        if m.function_call:
+            raise APIError(400, f"{where}.function_call: the deprecated function_call is not supported by this "
+                                f"server (send tool_calls)", param=f"{where}.function_call")
         if isinstance(m.content, list):
             for part in m.content:
                 if part.type != "text":
@@ -208,12 +261,35 @@ def messages(msgs: list[Message]) -> list[dict]:
                                    param=f"{where}.content")
                 if part.text is None:
                     raise APIError(400, f"{where}.content: a text part needs `text`", param=f"{where}.content")
-            content = "".join(p.text for p in m.content)
+            content = "\n".join(p.text for p in m.content)   # as vLLM joins text parts
         elif m.content is None:
             if m.role != "assistant":
                 raise APIError(400, f"{where}.content is required", param=f"{where}.content")
             content = ""
         else:
             content = m.content
-        out.append({"role": ROLES[m.role], "content": content})
+        msg = {"role": ROLES[m.role], "content": content}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise APIError(400, f"{where}.tool_calls: only an assistant message has tool calls",
+                               param=f"{where}.tool_calls")
+            msg["tool_calls"] = [_called(c, f"{where}.tool_calls.{j}") for j, c in enumerate(m.tool_calls)]
+            called.update((c.id, c.function.name) for c in m.tool_calls if c.id)
+        if m.role == "tool":
+            name = m.name or called.get(m.tool_call_id)
+            if name is None:
+                why = "is required" if m.tool_call_id is None else f"{m.tool_call_id!r} names no earlier tool call"
+                raise APIError(400, f"{where}.tool_call_id {why}", param=f"{where}.tool_call_id")
+            msg.update(name=name, tool_call_id=m.tool_call_id)
+        out.append(msg)
     return out
+
+
+def _called(call: ToolCall, where: str) -> dict:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise APIError(400, f"{where}.function.arguments: not a JSON object", param=f"{where}.function.arguments")
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from serving.engine import SamplingParams, TokenLogprobs
+from serving.structured import MASKED
 
 log = logging.getLogger("serving.pytorch")
 
@@ -38,6 +39,7 @@ class TorchEngine:
         self.text_config = text_config
         self.device = device
         self.max_context = max_context
+        self.vocab_size = text_config.vocab_size
         # Sliding-window layers get rings of the window, full layers max_context positions (transformers' layout).
         self._cache = StaticCache(config=text_config, max_cache_len=max_context)
         self._pos = 0
@@ -59,7 +61,7 @@ class TorchEngine:
         self._decode_checked = not compile_ok
 
     @torch.inference_mode()
-    def _forward(self, ids: Sequence[int]) -> int:
+    def _forward(self, ids: Sequence[int], mask: np.ndarray | None) -> int:
         n = len(ids)
         if self._pos + n > self.max_context:
             raise ValueError(f"sequence of {self._pos + n} tokens exceeds the PyTorch runtime's max_context "
@@ -84,14 +86,16 @@ class TorchEngine:
         # a copy (float32, off the CUDA graph's output buffer, which the next replay overwrites)
         self._logits = out.logits[0, -1].float().clone()
         p = self._params
-        x = adjust(self._logits, p, self._counts, self._seen, held=self._out < p.min_tokens)
+        x = self._logits if mask is None else apply_mask(self._logits, mask)
+        x = adjust(x, p, self._counts, self._seen, held=self._out < p.min_tokens)
         token = int(sample(x, p, self._gen))
         if p.logprobs is not None:
             self._logprobs = raw_logprobs(self._logits, token, p.logprobs)
         return token
 
     @torch.inference_mode()
-    def start(self, slot: int, prompt_ids: Sequence[int], params: SamplingParams) -> int:
+    def start(self, slot: int, prompt_ids: Sequence[int], params: SamplingParams,
+              mask: np.ndarray | None = None) -> int:
         if slot != 0:
             raise ValueError(f"slot {slot} is not one of the PyTorch runtime's {self.slots} slots")
         if not prompt_ids:
@@ -104,9 +108,9 @@ class TorchEngine:
         self._seen.zero_()
         self._seen[torch.tensor(list(prompt_ids), device=self.device).clamp(0, self._seen.numel() - 1)] = True
         self._out = 0
-        return self._forward(prompt_ids)
+        return self._forward(prompt_ids, mask)
 
-    def step(self, tokens: Mapping[int, int]) -> dict[int, int]:
+    def step(self, tokens: Mapping[int, int], masks: Mapping[int, np.ndarray] | None = None) -> dict[int, int]:
         if not tokens:
             return {}
         if set(tokens) != {0} or self._pos == 0:
@@ -115,7 +119,7 @@ class TorchEngine:
         if 0 <= token < self._counts.numel():
             self._counts[token] += 1
         self._out += 1
-        return {0: self._forward([token])}
+        return {0: self._forward([token], (masks or {}).get(0))}
 
     def logits(self, slot: int) -> np.ndarray:
         return self._logits.cpu().numpy()
@@ -162,6 +166,10 @@ def raw_logprobs(logits: torch.Tensor, chosen: int, k: int) -> TokenLogprobs:
     lp = torch.log_softmax(logits, 0)
     top = lp.topk(k) if k else None
     return TokenLogprobs(float(lp[chosen]), tuple(zip(top.indices.tolist(), top.values.tolist())) if k else ())
+def apply_mask(logits: torch.Tensor, mask: np.ndarray) -> torch.Tensor:
+    """float32 logits [V] with every token the packed bitmask row `mask` (serving/engine.py) disallows at MASKED."""
+    bits = np.unpackbits(np.ascontiguousarray(mask, "<i4").view(np.uint8), bitorder="little")[:logits.numel()]
+    return logits.masked_fill(torch.from_numpy(bits == 0).to(logits.device), MASKED)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> torch.Tensor:

@@ -172,7 +172,8 @@ BAD = [
     (json.dumps({"messages": ASK, "stop": [3]}), 400, "stop"),                       # not "stop.list[str].0"
     (json.dumps({"messages": [{"role": "user", "content": 5}]}), 400, "messages.0.content"),
     (json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}), 400, "messages.0.role"),
-    (json.dumps({"messages": [{"role": "tool", "content": "hi"}]}), 400, "messages.0.role"),
+    (json.dumps({"messages": [{"role": "tool", "content": "hi"}]}), 400, "messages.0.tool_call_id"),
+    (json.dumps({"messages": [{"role": "function", "content": "hi"}]}), 400, "messages.0.role"),
     (json.dumps({"messages": [{"content": "hi"}]}), 400, "messages.0.role"),
     (json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
      400, "messages.0.content"),
@@ -393,3 +394,10 @@ def test_health_reports_a_load_failure(tiny_gemma4):
         wait_until(lambda: failed, what="load failure")
         r = requests.get(f"{url}/health", timeout=5)
         assert r.status_code == 503 and "model.safetensors" in r.json()["error"]["message"]
+
+
+def test_text_parts_of_a_message_are_joined_with_newlines_as_vllm_does():
+    from serving.protocol import ChatRequest, messages, parse
+
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
+    assert messages(parse(ChatRequest, json.dumps(body).encode()).messages)[0]["content"] == "a\nb"

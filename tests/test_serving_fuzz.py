@@ -66,12 +66,57 @@ def _cases() -> list[tuple[str, str, bytes | None, dict]]:
             post(CHAT, chat(**{name: v}))
     post(CHAT, chat(top_logprobs=3))                                    # top_logprobs without logprobs
     # Parameters we do not honour, set: refused with a 400 naming them.
-    unhonoured = {"response_format": {"type": "json_object"}, "echo": True, "best_of": 2,
-                  "tools": [{"type": "function"}], "tool_choice": "required", "use_beam_search": True,
+    unhonoured = {"echo": True, "best_of": 2, "functions": [{"name": "f"}], "use_beam_search": True,
                   "chat_template_kwargs": {"enable_thinking": True}, "skip_special_tokens": False,
                   "guided_json": {"type": "object"}, "include_stop_str_in_output": True}
     for name, v in unhonoured.items():
         post(CHAT, chat(**{name: v}))
+    # Structured output and tools: malformed, unusable, contradictory, and odd but valid.
+    fn = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "n": {"type": "integer"}}, "required": ["n"]}}}
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+        "a": {"type": "boolean"}}, "required": ["a"]}}}
+    deep = {"type": "string"}
+    for _ in range(200):
+        deep = {"type": "object", "properties": {"a": deep}, "required": ["a"]}
+    for kw in ({"response_format": v} for v in (
+            "json", {}, {"type": "xml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {}},
+            {"type": "json_schema", "json_schema": {"schema": 5}},
+            {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}},
+            {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "(["}}},
+            {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/nowhere"}}},
+            {"type": "json_schema", "json_schema": {"schema": False}},
+            {"type": "json_schema", "json_schema": {"schema": {"type": "array", "minItems": 5, "maxItems": 1}}},
+            {"type": "json_schema", "json_schema": {"schema": {"properties": {"a": {"$ref": "#"}}}}},
+            {"type": "json_schema", "json_schema": {"schema": deep}},
+            {"type": "json_object"}, {"type": "text"}, schema)):
+        post(CHAT, chat(**kw))
+    for kw in ({"tools": []}, {"tools": {}}, {"tools": [{"type": "function"}]}, {"tools": [fn, fn]},
+               {"tools": [{"type": "retrieval", "function": {"name": "f"}}]},
+               {"tools": [{"type": "function", "function": {"name": "a b"}}]},
+               {"tools": [{"type": "function", "function": {"name": "x" * 65}}]},
+               {"tools": [{"type": "function", "function": {"name": "f", "parameters": "no"}}]},
+               {"tool_choice": "required"}, {"tool_choice": "sometimes", "tools": [fn]}, {"tool_choice": 5},
+               {"tool_choice": {"type": "function", "function": {"name": "g"}}, "tools": [fn]},
+               {"tool_choice": {"type": "function"}, "tools": [fn]},
+               {"tool_choice": "required", "tools": [fn], "response_format": {"type": "json_object"}},
+               {"tool_choice": "required", "tools": [{"type": "function", "function": {
+                   "name": "f", "parameters": {"type": "nonsense"}}}]},
+               {"tool_choice": "none", "tools": [fn]}, {"tool_choice": "auto", "tools": [fn]},
+               {"tool_choice": "required", "tools": [fn], "max_tokens": 30},
+               {"tool_choice": {"type": "function", "function": {"name": "f"}}, "tools": [fn], "stream": True},
+               {"tool_choice": "auto"}, {"tool_choice": None, "tools": None}):
+        post(CHAT, chat(**kw))
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"n": 1}'}}
+    for msgs in ([{"role": "assistant", "content": None, "tool_calls": [call]},
+                  {"role": "tool", "tool_call_id": "c1", "content": "2"}],
+                 [{"role": "assistant", "tool_calls": [{**call, "function": {"name": "f", "arguments": "[1]"}}]}],
+                 [{"role": "assistant", "tool_calls": [{**call, "function": {"name": "f", "arguments": "{"}}]}],
+                 [{"role": "assistant", "tool_calls": [{**call, "function": {"name": "f"}}]}],
+                 [{"role": "user", "content": "x", "tool_calls": [call]}],
+                 [{"role": "tool", "content": "x", "name": "f"}], [{"role": "tool", "tool_call_id": 5, "content": "x"}],
+                 [{"role": "assistant", "content": None, "tool_calls": "c1"}]):
+        post(CHAT, {"model": "tiny", "messages": msgs, "max_tokens": 3})
     # Messages that are odd or wrong.
     odd_messages = [
         [{"role": "tool", "content": "x"}], [{"role": "function", "content": "x"}], [{"role": "user"}],

@@ -1,14 +1,15 @@
 """The OpenAI surface, driven with the official `openai` client against both runtimes' server processes.
 
 Chat, completions (string and token-id prompts, streaming, echo), the sampling parameters (logprobs, n,
-penalties, logit_bias, min_p, min_tokens, stop_token_ids), the parameters refused with a 400, model
-retrieval, /tokenize, /detokenize, /version, /ping, HEAD /health, x-request-id; then --api-key and CORS on a server
-started with those flags.
+penalties, logit_bias, min_p, min_tokens, stop_token_ids), structured output (response_format), tool calls, the
+parameters refused with a 400, model retrieval, /tokenize, /detokenize, /version, /ping, HEAD /health,
+x-request-id; then --api-key and CORS on a server started with those flags.
 """
 from __future__ import annotations
 
 import json
 
+import jsonschema
 import openai
 import pytest
 import requests
@@ -218,8 +219,6 @@ def test_out_of_range_sampling_parameters_are_a_400_naming_them(url, kind, kw, p
 
 # ------------------------------------------------------------------------------------------- refused
 @pytest.mark.parametrize("kind,kw,param", [
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ("completions", {"best_of": 2}, "best_of"),
     ("completions", {"suffix": "!"}, "suffix"),
 ])
@@ -233,10 +232,132 @@ def test_parameters_we_do_not_honour_are_a_400_naming_them(url, kind, kw, param)
     assert e.value.body["param"] == param and param in e.value.body["message"]
 
 
+@pytest.mark.parametrize("kw,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(["}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "tool", "tool_call_id": "nope", "content": "x"}]}, "messages.0.tool_call_id"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
+                                                          "function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages.0.tool_calls.0.function.arguments"),
+])
+def test_bad_structured_output_and_tool_requests_are_a_400_naming_the_parameter(url, kw, param):
+    body = {"model": "tiny", "messages": ASK, "max_tokens": 2, **kw}
+    r = requests.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_defaults_of_unhonoured_parameters_are_accepted(url):
     r = client(url).chat.completions.create(model="tiny", messages=ASK, n=1, presence_penalty=0, frequency_penalty=0,
                                             logprobs=False, response_format={"type": "text"}, logit_bias={})
     assert r.choices[0].message.content == ANSWER
+
+
+# -------------------------------------------------------------------------------- structured output, tools
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0},
+                         "unit": {"enum": ["celsius", "fahrenheit"]}, "tags": {"type": "array", "maxItems": 2,
+                                                                                "items": {"type": "string",
+                                                                                          "maxLength": 6}}},
+          "required": ["name", "age", "unit"]}
+# The fixture's context is 256 tokens and its tokenizer spells most of a declaration a character at a time: small tools.
+WEATHER = {"type": "function", "function": {
+    "name": "f", "parameters": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 7},
+                                                                 "u": {"enum": ["c", "f"]}},
+                                "required": ["n", "u"]}}}
+CLOCK = {"type": "function", "function": {"name": "g"}}
+
+
+def test_json_schema_output_validates_streamed_and_not(url):
+    """The fixture model knows one sentence, yet its answer under response_format is JSON valid for the schema."""
+    c = client(url)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    for temperature in (0.0, 1.0):
+        r = c.chat.completions.create(model="tiny", messages=ASK, response_format=fmt, max_tokens=150,
+                                      temperature=temperature, seed=7)
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+        chunks = list(c.chat.completions.create(model="tiny", messages=ASK, response_format=fmt, max_tokens=150,
+                                                temperature=temperature, seed=7, stream=True))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == r.choices[0].message.content
+        assert chunks[-1].choices[0].finish_reason == "stop"
+    r = c.completions.create(model="tiny", prompt=chat_ids(url), max_tokens=150, temperature=0,
+                             extra_body={"response_format": fmt})
+    jsonschema.validate(json.loads(r.choices[0].text), PERSON)
+
+
+def test_json_cut_short_by_max_tokens_finishes_with_length(url):
+    r = client(url).chat.completions.create(model="tiny", messages=ASK, max_tokens=4,
+                                            response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.content.startswith("{")
+
+
+def _streamed_calls(chunks) -> tuple[list[dict], str]:
+    """Tool calls put together from stream deltas, as a client does; and the last finish_reason."""
+    calls: dict[int, dict] = {}
+    for ch in chunks:
+        for d in ch.choices[0].delta.tool_calls or []:
+            call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+            if d.id:
+                assert call["id"] is None and not call["arguments"]       # id and name first, then arguments
+                call["id"] = d.id
+            call["name"] += d.function.name or ""
+            call["arguments"] += d.function.arguments or ""
+    return [calls[i] for i in sorted(calls)], chunks[-1].choices[0].finish_reason
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_forced_tool_call_is_well_formed_streamed_and_not(url, choice):
+    """Named: greedy. Required: the fixture model, asked for a JSON array of calls, often opens another call until
+    max_tokens cuts it (then the partial array is the content, finish "length"); of ten seeded samples, the first
+    that closes the array is checked."""
+    c = client(url)
+    params = {"f": WEATHER["function"]["parameters"], "g": {"type": "object", "properties": {}}}
+    tool_choice = {"type": "function", "function": {"name": "f"}} if choice == "named" else "required"
+    for seed in range(10):
+        kw = dict(model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER, CLOCK],
+                  tool_choice=tool_choice, temperature=0 if choice == "named" else 1, seed=seed)
+        r = c.chat.completions.create(**kw)
+        if r.choices[0].finish_reason == "tool_calls":
+            break
+        assert choice == "required" and r.choices[0].finish_reason == "length"
+        assert r.choices[0].message.content.startswith('[{"name":"') and not r.choices[0].message.tool_calls
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content is None and msg.tool_calls
+    for call in msg.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert choice == "required" or call.function.name == "f"
+        jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+    calls, finish = _streamed_calls(list(c.chat.completions.create(**kw, stream=True)))
+    assert finish == "tool_calls"
+    assert [(x["name"], json.loads(x["arguments"])) for x in calls] == \
+        [(t.function.name, json.loads(t.function.arguments)) for t in msg.tool_calls]
+
+
+def test_a_conversation_with_tool_results_renders_through_the_template(url):
+    conversation = [{"role": "user", "content": "Weather?"},
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "call_1", "type": "function",
+                         "function": {"name": "f", "arguments": '{"n": 2, "u": "c"}'}}]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    r = requests.post(f"{url}/tokenize", json={"messages": conversation}, timeout=30)
+    text = requests.post(f"{url}/detokenize", json={"tokens": r.json()["tokens"]}, timeout=30).json()["prompt"]
+    assert ('<|turn>model\n<|tool_call>call:f{n:2,u:<|"|>c<|"|>}<tool_call|><turn|>' in text and
+            '<|turn>tool\n<|tool_response>response:f{value:<|"|>sunny<|"|>}<tool_response|><turn|>' in text), text
+    out = client(url).chat.completions.create(model="tiny", messages=conversation, tools=[WEATHER], max_tokens=8)
+    assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
 # ---------------------------------------------------------------------------------------- the rest

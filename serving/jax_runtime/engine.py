@@ -4,7 +4,8 @@ Continuous batching over a fixed number of slots: one KV cache with a row per sl
 limit, updated in place (donated). Two ladders fix every shape: lengths (prompt buckets, and the prefix of the
 full-attention cache a decode step reads) and batches (how many leading rows a decode step runs). At boot every
 executable is compiled ahead of time (through JAX's persistent cache, so a second boot loads them): prefill for
-each length bucket, decode for each (batch, length) pair; each one samples its tokens on the device. After boot
+each length bucket, decode for each (batch, length) pair; each one samples its tokens on the device, among those
+its rows' allowed-token masks allow (serving/engine.py). After boot
 only those executables run; calling one with another shape raises instead of compiling.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from serving.engine import TOP_LOGPROBS, SamplingParams, TokenLogprobs
+from serving.structured import mask_words
 
 from . import checkpoint, config, model, sampling
 
@@ -148,6 +150,7 @@ class JaxEngine:
         self.max_context = self.buckets[-1]
         self.slots = settings.slots
         self.batches = settings.batch_ladder()
+        self.vocab_size = cfg.vocab_size
         t0 = time.perf_counter()
         params = dict(params)
         self.ple_table = params.pop("ple_embed", None)  # host-side: see model._embed
@@ -173,6 +176,9 @@ class JaxEngine:
         self._top_n = np.zeros(self.slots, np.int32)          # top logprobs each sequence asked for
         self._logits: dict[int, tuple] = {}       # slot -> (device logits [rows, V], row): the last step's
         self._logprobs: dict[int, tuple] = {}     # slot -> ([device or host logprob arrays], row): the last step's
+        # Allowed-token masks of rows without a grammar stay on the device: only grammar rows are uploaded.
+        self._all_allowed = {n: jax.device_put(np.full((n, mask_words(self.vocab_size)), -1, np.int32))
+                             for n in {1, *self.batches}}
 
     def _empty_rows(self, n: int) -> dict:
         return sampling.empty_rows(n, self.cfg.vocab_size)
@@ -195,27 +201,29 @@ class JaxEngine:
 
         def sampling_spec(n):
             rows = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self._empty_rows(n).items()}
-            return vec(n, jnp.float32), vec(n), vec(n, jnp.float32), vec(n, jnp.uint32, 2), rows
+            return (vec(n, jnp.float32), vec(n), vec(n, jnp.float32), vec(n, jnp.uint32, 2), rows,
+                    vec(n, jnp.int32, mask_words(cfg.vocab_size)))
 
-        def choose(logits, state_rows, temp, top_k, top_p, keys, positions, rows):
-            x = sampling.adjust(logits, temp, rows, *state_rows)
+        def choose(logits, state_rows, temp, top_k, top_p, keys, positions, rows, mask):
+            x = sampling.adjust(sampling.apply_mask(logits, mask), temp, rows, *state_rows)
             chosen = sampling.sample(x, temp, top_k, top_p, keys, positions)
             return chosen, sampling.logprobs(logits, chosen, rows["logprobs"], TOP_LOGPROBS)
 
-        def prefill_fn(params, cache, state, slot, tokens, length, ple_rows, temp, top_k, top_p, keys, rows):
+        def prefill_fn(params, cache, state, slot, tokens, length, ple_rows, temp, top_k, top_p, keys, rows, mask):
             logits, cache = model.prefill(cfg, params, cache, slot, tokens, length, ple_rows)
             logits = logits[None]
             state = sampling.start_row(state, slot, tokens, length)
             history = [jax.lax.dynamic_slice_in_dim(state[k], slot, 1) for k in ("counts", "seen")]
-            chosen, lp = choose(logits, history, temp, top_k, top_p, keys, length[None], rows)
+            chosen, lp = choose(logits, history, temp, top_k, top_p, keys, length[None], rows, mask)
             return chosen, logits, cache, state, lp
 
-        def decode_fn(capacity, params, cache, state, tokens, positions, ple_rows, temp, top_k, top_p, keys, rows):
+        def decode_fn(capacity, params, cache, state, tokens, positions, ple_rows, temp, top_k, top_p, keys, rows,
+                      mask):
             logits, cache = model.decode(cfg, capacity, params, cache, tokens, positions, ple_rows)
             state = sampling.count(state, tokens)
             b = tokens.shape[0]
             history = [state["counts"][:b], state["seen"][:b]]
-            chosen, lp = choose(logits, history, temp, top_k, top_p, keys, positions + 1, rows)
+            chosen, lp = choose(logits, history, temp, top_k, top_p, keys, positions + 1, rows, mask)
             return chosen, logits, cache, state, lp
 
         prefill, decode = {}, {}
@@ -236,7 +244,17 @@ class JaxEngine:
         if not 0 <= slot < self.slots:
             raise ValueError(f"slot {slot} is not one of the JAX runtime's {self.slots} slots")
 
-    def start(self, slot: int, prompt_ids: Sequence[int], params: SamplingParams) -> int:
+    def _masks(self, rows: int, masks: Mapping[int, np.ndarray] | None):
+        """The [rows, words] allowed-token masks of a call: the device's all-allowed one unless a row has a grammar."""
+        if not masks:
+            return self._all_allowed[rows]
+        out = np.full((rows, mask_words(self.vocab_size)), -1, np.int32)
+        for row, mask in masks.items():
+            out[row] = mask
+        return out
+
+    def start(self, slot: int, prompt_ids: Sequence[int], params: SamplingParams,
+              mask: np.ndarray | None = None) -> int:
         self._check_slot(slot)
         n = len(prompt_ids)
         if n == 0:
@@ -259,13 +277,14 @@ class JaxEngine:
         rows["suppress"] = self._min_tokens[s] > 0
         out, logits, self._cache, self._state, lp = self._prefill[bucket](
             self.params, self._cache, self._state, np.int32(slot), tokens, np.int32(n), self._ple_rows(tokens),
-            self._temp[s], self._top_k[s], self._top_p[s], self._keys[s], rows)
+            self._temp[s], self._top_k[s], self._top_p[s], self._keys[s], rows,
+            self._masks(1, None if mask is None else {0: mask}))
         self._pos[slot] = n
         self._logits[slot] = (logits, 0)
         self._logprobs[slot] = ([lp], 0)
         return int(out[0])
 
-    def step(self, tokens: Mapping[int, int]) -> dict[int, int]:
+    def step(self, tokens: Mapping[int, int], masks: Mapping[int, np.ndarray] | None = None) -> dict[int, int]:
         if not tokens:
             return {}
         for slot in tokens:
@@ -289,7 +308,7 @@ class JaxEngine:
         rows["suppress"] = live[:b] & (self._pos[:b] - self._prompt_len[:b] + 1 < self._min_tokens[:b])
         out, logits, self._cache, self._state, lp = self._decode[b, c](
             self.params, self._cache, self._state, ids, self._pos[:b].copy(), self._ple_rows(ids),
-            temp, self._top_k[:b].copy(), self._top_p[:b].copy(), self._keys[:b].copy(), rows)
+            temp, self._top_k[:b].copy(), self._top_p[:b].copy(), self._keys[:b].copy(), rows, self._masks(b, masks))
         out = np.asarray(out)
         self._pos[live] += 1
         self._logits = {slot: (logits, slot) for slot in tokens}

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from serving.structured import MASKED
+
 FLOOR = -80.0     # tempered, max-shifted logits are clamped here: exp(-80) ≈ 2e-35, never drawn in practice
 ITERS = 30        # bisection steps: the cut lands within 80 / 2**30 ≈ 7e-8 of the exact threshold
 
@@ -168,3 +170,9 @@ def logprobs(logits, chosen, wanted, k: int):
         return jnp.zeros((b,), jnp.float32), jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), jnp.float32)
 
     return jax.lax.cond(jnp.any(wanted), compute, none, None)
+def apply_mask(logits, mask):
+    """logits [B, V]; mask int32 [B, ceil(V / 32)], the packed allowed-token bitmask of serving/engine.py.
+    Disallowed tokens get the logit MASKED (an all-ones row changes nothing)."""
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(mask.shape[0], -1)[:, :logits.shape[1]] != 0
+    return jnp.where(allowed, logits, MASKED)

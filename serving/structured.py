@@ -1,0 +1,245 @@
+"""Structured output: a grammar per request, enforced where the next token is chosen.
+
+`response_format` (json_object, json_schema) and forced tool calls compile, through outlines-core, to an index over
+the checkpoint's tokenizer: JSON schema -> regex -> for every state, the tokens allowed and where each leads. The
+compile runs in a worker thread, bounded in time and size (an unusable schema is the client's 400), and the result
+is cached per schema. The generation loop (serving/generation.py) gives each such request a `Matcher`: before every
+sampling step it writes the tokens the grammar allows next as a bitmask (bit i % 32 of int32 word i // 32 is token
+i, the layout outlines-core and the runtimes share) and after every generated token it advances. The runtime sets
+every other token's logit to MASKED before it samples (serving/engine.py). Why outlines-core: README, Design notes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+MASKED = -1e30      # the logit a disallowed token gets: finite, so a row that allows nothing never makes NaNs
+
+# Bounds on one compile (environment, read at import): its time, and the size of the regex it starts from.
+COMPILE_TIMEOUT_S = float(os.environ.get("G5G_GRAMMAR_TIMEOUT_S", "30"))
+MAX_REGEX_CHARS = int(os.environ.get("G5G_GRAMMAR_MAX_REGEX", "100000"))
+CACHE_ENTRIES = 64
+
+# response_format json_object: outlines-core's own "any object" nests values 3 deep and costs ~30 s and ~330 MB
+# on a 262k vocabulary; this one (values: scalars, arrays of scalars, objects of scalars) costs ~6 s and ~90 MB.
+_SCALAR = {"type": ["string", "number", "boolean", "null"]}
+ANY_OBJECT = {"type": "object", "additionalProperties": {"anyOf": [
+    _SCALAR, {"type": "array", "items": _SCALAR}, {"type": "object", "additionalProperties": _SCALAR}]}}
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words in one row of the bitmask."""
+    return (vocab_size + 31) // 32
+
+
+class InvalidGrammar(ValueError):
+    """The request's schema cannot be compiled: a 400 for the client."""
+
+
+def token_bytes(tokenizer, skip: frozenset[int]) -> dict[bytes, list[int]]:
+    """What each token of a SentencePiece-style tokenizer (Gemma's) writes: '▁' is a space, <0xNN> is the byte NN,
+    other tokens are their UTF-8 text. Tokens in `skip` (special tokens, stop tokens) write nothing here."""
+    out: dict[bytes, list[int]] = {}
+    for text, i in tokenizer.get_vocab().items():
+        if i in skip:
+            continue
+        byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", text)
+        data = bytes([int(byte[1], 16)]) if byte else text.replace("▁", " ").encode()
+        if data:
+            out.setdefault(data, []).append(i)
+    return out
+
+
+def _digits(lo: str, hi: str) -> list[str]:
+    """Regex alternatives for the numbers from `lo` to `hi`, both written with the same number of digits."""
+    if lo == hi:
+        return [lo]
+    n = len(lo) - 1
+    if lo[1:] == "0" * n and hi[1:] == "9" * n:
+        return [f"[{lo[0]}-{hi[0]}]" + "[0-9]" * n]
+    if lo[0] == hi[0]:
+        return [lo[0] + r for r in _digits(lo[1:], hi[1:])]
+    middle = [f"[{int(lo[0]) + 1}-{int(hi[0]) - 1}]" + "[0-9]" * n] if int(hi[0]) - int(lo[0]) > 1 else []
+    return ([lo[0] + r for r in _digits(lo[1:], "9" * n)] + middle
+            + [hi[0] + r for r in _digits("0" * n, hi[1:])])
+
+
+def _naturals(lo: int, hi: int | None) -> list[str]:
+    """Regex alternatives for the integers lo..hi (hi None: no end), 0 <= lo, in canonical decimal."""
+    out, length = [], len(str(lo))
+    while hi is None or length <= len(str(hi)):
+        first, last = max(lo, 10 ** (length - 1) if length > 1 else 0), 10 ** length - 1
+        if hi is None and first == 10 ** (length - 1) and length > 1:
+            return out + [f"[1-9][0-9]{{{length - 1},}}"]          # every longer number
+        out += _digits(str(first), str(last if hi is None else min(hi, last)))
+        length += 1
+    return out
+
+
+def integer_regex(lo: int | None, hi: int | None) -> str:
+    """A regex for the integers from `lo` to `hi` (None: unbounded on that side), as JSON writes them."""
+    parts = []
+    if lo is None or lo < 0:
+        parts += ["-" + r for r in _naturals(1 if hi is None or hi >= 0 else -hi, None if lo is None else -lo)]
+    if hi is None or hi >= 0:
+        parts += _naturals(max(lo or 0, 0), hi)
+    return "(" + "|".join(parts) + ")"
+
+
+def _number(value: Any) -> float | None:
+    """A finite JSON number, else None."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return value if ok else None
+
+
+def _bounded_integers(schema: Any, ranges: dict[str, str]) -> Any:
+    """`schema` with each integer subschema that has bounds (outlines-core ignores them) swapped for a string with
+    a marker pattern; `ranges` gets each marker's regex, put in place of the marker's string after the compile."""
+    if isinstance(schema, list):
+        return [_bounded_integers(s, ranges) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    low, xlow, high, xhigh = (_number(schema.get(k))
+                              for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"))
+    lows = ([math.ceil(low)] if low is not None else []) + ([math.floor(xlow) + 1] if xlow is not None else [])
+    highs = ([math.floor(high)] if high is not None else []) + ([math.ceil(xhigh) - 1] if xhigh is not None else [])
+    if schema.get("type") == "integer" and (lows or highs):
+        lo, hi = max(lows, default=None), min(highs, default=None)
+        if lo is not None and hi is not None and lo > hi:
+            raise InvalidGrammar(f"no integer from {lo} to {hi} (minimum greater than maximum)")
+        marker = f"G5GINTEGER{len(ranges)}"
+        ranges[marker] = integer_regex(lo, hi)
+        return {"type": "string", "pattern": marker}
+    return {k: v if k in ("enum", "const", "default", "examples") else _bounded_integers(v, ranges)
+            for k, v in schema.items()}
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled schema: outlines-core's index, the stop tokens that may end it, the mask width."""
+    index: Any
+    stop_ids: frozenset[int]
+    words: int
+
+
+class Grammars:
+    """Compiles grammars over a checkpoint's tokenizer (serving.generation.TokenizerInfo), for a runtime whose logits
+    are `vocab_size` wide. The vocabulary is built on first use, not at boot. Compiled grammars are kept in an LRU
+    keyed by the schema's compact JSON (key order kept: it is the output's key order); one instance serves one
+    tokenizer, so a repeated schema costs nothing."""
+
+    def __init__(self, info, vocab_size: int, timeout_s: float = COMPILE_TIMEOUT_S,
+                 max_regex_chars: int = MAX_REGEX_CHARS, cache_entries: int = CACHE_ENTRIES):
+        self.info, self.vocab_size = info, vocab_size
+        self.timeout_s, self.max_regex_chars, self.cache_entries = timeout_s, max_regex_chars, cache_entries
+        self._vocabulary = None
+        self._lock, self._vocab_lock = threading.Lock(), threading.Lock()
+        self._cache: OrderedDict[str, tuple[float, Future]] = OrderedDict()
+        # Two compiles at a time: one past its time limit goes on (outlines-core cannot be stopped) but no further.
+        self._running = threading.Semaphore(2)
+
+    def json_schema(self, schema: Any) -> Grammar:
+        """A compiled grammar for JSON valid against `schema`, written compactly (no free whitespace: a weak
+        model cannot stall in it). Waits at most the time limit; InvalidGrammar with the reason otherwise."""
+        key = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+        with self._lock:
+            entry = self._cache.pop(key, None) or (time.monotonic(), self._start(key))
+            self._cache[key] = entry                    # the most recently used last
+            while len(self._cache) > self.cache_entries:
+                self._cache.popitem(last=False)
+        started, future = entry
+        try:
+            return future.result(timeout=max(0.0, started + self.timeout_s - time.monotonic()))
+        except TimeoutError:
+            raise InvalidGrammar(f"compiling it takes longer than {self.timeout_s:g} s") from None
+
+    def json_object(self) -> Grammar:
+        """Any JSON object (response_format json_object), nested at most two deep (ANY_OBJECT)."""
+        return self.json_schema(ANY_OBJECT)
+
+    def _start(self, key: str) -> Future:
+        """Compile in a daemon thread: one still running past its time limit must not keep the server from exiting
+        (a pool's workers are joined at exit)."""
+        future: Future = Future()
+
+        def run():
+            with self._running:
+                try:
+                    future.set_result(self._compile(key))
+                except BaseException as e:      # handed to whoever waits on it
+                    future.set_exception(e)
+
+        threading.Thread(target=run, name="grammar", daemon=True).start()
+        return future
+
+    def _compile(self, schema_json: str) -> Grammar:
+        from outlines_core import Index
+        from outlines_core.json_schema import build_regex_from_schema
+
+        t0 = time.monotonic()
+        try:
+            ranges: dict[str, str] = {}
+            schema = _bounded_integers(json.loads(schema_json), ranges)
+            regex = build_regex_from_schema(json.dumps(schema), whitespace_pattern="")
+            for marker, integers in ranges.items():
+                regex = regex.replace(f'"{marker}"', integers)
+            if len(regex) > self.max_regex_chars:
+                raise InvalidGrammar(f"too large: its regex has {len(regex)} characters, over the limit of "
+                                     f"{self.max_regex_chars}")
+            index = Index(regex, self._vocab())
+        except (ValueError, TypeError, RecursionError) as e:    # TypeError: nested past outlines-core's JSON parser
+            # outlines-core's reason is its first line; the rest is advice to file bugs
+            raise InvalidGrammar(str(e).strip().split("\n")[0].strip()) from None
+        if time.monotonic() - t0 > self.timeout_s:      # finished after its requester gave up: refused for all
+            raise InvalidGrammar(f"compiling it takes longer than {self.timeout_s:g} s")
+        return Grammar(index, self.info.stop_ids, mask_words(self.vocab_size))
+
+    def _vocab(self):
+        from outlines_core import Vocabulary
+
+        with self._vocab_lock:
+            if self._vocabulary is None:
+                with self.info.prompt_lock:
+                    tokens = token_bytes(self.info.prompt_tokenizer, self.info.hidden_ids | self.info.stop_ids)
+                # outlines-core knows one end token; Matcher lets any of the checkpoint's stop tokens end.
+                self._vocabulary = Vocabulary(min(self.info.stop_ids), tokens)
+            return self._vocabulary
+
+
+class Matcher:
+    """One request's position in its grammar."""
+
+    def __init__(self, grammar: Grammar):
+        from outlines_core import Guide
+
+        self._guide, self._stops = Guide(grammar.index), grammar.stop_ids
+        self._mask = np.zeros(grammar.words, np.int32)
+        self.done = False       # the grammar is complete and has taken its stop token
+
+    def allowed(self) -> np.ndarray:
+        """The bitmask row of the tokens allowed next (a view, rewritten by the next call)."""
+        self._guide.write_mask_into(self._mask.ctypes.data, self._mask.size, self._mask.itemsize)
+        if self._guide.is_finished():
+            bits = self._mask.view(np.uint32)
+            for s in self._stops:
+                bits[s >> 5] |= np.uint32(1 << (s & 31))
+        return self._mask
+
+    def accept(self, token: int) -> None:
+        if token in self._stops and self._guide.is_finished():
+            self.done = True
+            return
+        try:
+            self._guide.advance(token, return_tokens=False)
+        except ValueError:
+            raise RuntimeError(f"token {token} breaks the request's grammar (the runtime ignored the mask?)") from None

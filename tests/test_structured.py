@@ -1,0 +1,287 @@
+"""Structured output and tool calls below the HTTP layer: the allowed-token mask on both runtimes, grammars compiled
+over the tiny checkpoint's tokenizer, generation that must follow them, and Gemma 4's tool-call markup read back."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+
+from serving.generation import Batch, Delta, Detokenizer, Finish, SamplingParams, TokenizerInfo, generate
+from serving.structured import MASKED, Grammars, InvalidGrammar, integer_regex, mask_words, token_bytes
+from serving.tool_calls import GemmaCalls, NamedCall, RequiredCalls, merge, parse_call, required_schema
+from tests.fixtures.tiny_gemma4 import QUESTION
+
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
+                         "unit": {"enum": ["celsius", "fahrenheit"]}, "ok": {"type": "boolean"},
+                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2}},
+          "required": ["name", "age", "unit", "ok"]}
+
+
+def only(vocab: int, tokens) -> np.ndarray:
+    """The packed mask row allowing exactly `tokens`."""
+    bits = np.zeros(mask_words(vocab) * 32, np.uint8)
+    bits[list(tokens)] = 1
+    return np.packbits(bits, bitorder="little").view("<i4")
+
+
+# ------------------------------------------------------------------------------------------------ the mask
+@pytest.mark.parametrize("runtime", ["jax", "torch"])
+def test_mask_keeps_exactly_the_allowed_logits(runtime):
+    rng = np.random.default_rng(0)
+    vocab = 1000                                   # not a multiple of 32: the last word is partly padding
+    allowed = sorted(set(rng.integers(0, vocab, 200).tolist()) | {0, 31, 32, 999})
+    logits = rng.normal(size=vocab).astype(np.float32)
+    if runtime == "jax":
+        jnp = pytest.importorskip("jax.numpy")
+        from serving.jax_runtime.sampling import apply_mask
+        got = np.asarray(apply_mask(jnp.asarray(logits[None]), jnp.asarray(only(vocab, allowed)[None])))[0]
+        assert np.array_equal(np.asarray(apply_mask(jnp.asarray(logits[None]),
+                                                    jnp.full((1, mask_words(vocab)), -1, jnp.int32)))[0], logits)
+    else:
+        torch = pytest.importorskip("torch")
+        from serving.pytorch_runtime import apply_mask
+        got = apply_mask(torch.tensor(logits), only(vocab, allowed)).numpy()
+    want = np.full(vocab, MASKED, np.float32)
+    want[allowed] = logits[allowed]
+    assert np.array_equal(got, want)
+
+
+# --------------------------------------------------------------------------------------------- grammars
+@pytest.fixture(scope="module")
+def info(tiny_gemma4) -> TokenizerInfo:
+    return TokenizerInfo.load(tiny_gemma4)
+
+
+@pytest.fixture(scope="module")
+def grammars(info) -> Grammars:
+    return Grammars(info, len(info.prompt_tokenizer))
+
+
+@pytest.mark.parametrize("schema,message", [
+    ({"type": "string", "pattern": "(["}, "Failed to build DFA"),
+    ({"properties": {"a": {"$ref": "#/$defs/missing"}}}, "Invalid reference path"),
+    ({"type": "nonsense"}, "Unsupported type: nonsense"),
+    ({"$ref": "#"}, "recusion limit"),
+    ({"type": "integer", "minimum": 5, "maximum": 1}, "minimum greater than maximum"),
+    (False, "Unsupported JSON Schema structure false$"),
+])
+def test_unusable_schemas_are_refused_with_the_reason(grammars, schema, message):
+    with pytest.raises(InvalidGrammar, match=message):
+        grammars.json_schema(schema)
+
+
+def test_the_vocabulary_is_what_each_token_writes(info):
+    """Every ordinary token's bytes are what the tokenizer decodes it to; byte-fallback tokens are one byte;
+    special and stop tokens write nothing (the grammar never allows them as text)."""
+    tok = info.prompt_tokenizer
+    got = {i: b for b, ids in token_bytes(tok, info.hidden_ids | info.stop_ids).items() for i in ids}
+    assert not set(got) & (info.hidden_ids | info.stop_ids)
+    assert got[tok.convert_tokens_to_ids("<0x0A>")] == b"\n"
+    assert len(got) == len(tok) - len(info.hidden_ids | info.stop_ids)
+    for i, b in got.items():
+        if len(b) > 1 or b.isascii():
+            assert tok.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False).encode() == b
+
+
+@pytest.mark.parametrize("lo,hi", [(1, 7), (0, None), (None, 0), (-5, 5), (13, 987), (0, 0), (-1000, -3), (5, None),
+                                   (None, -3), (100, 100000), (-3, None), (None, 12), (-1, 1), (9, 10)])
+def test_integer_bounds_become_an_exact_regex(lo, hi):
+    """outlines-core ignores minimum/maximum; serving/structured.py enforces them with a regex of its own."""
+    import re
+    rx = re.compile(integer_regex(lo, hi))
+    for n in [*range(-1500, 1500), -123456, 123456, 99999, 100000, 100001]:
+        assert bool(rx.fullmatch(str(n))) == ((lo is None or n >= lo) and (hi is None or n <= hi)), n
+    assert not any(rx.fullmatch(t) for t in ("-0", "01", "007", "+1", ""))
+
+
+def test_a_repeated_schema_is_compiled_once(info):
+    grammars = Grammars(info, len(info.prompt_tokenizer), cache_entries=2)
+    first = grammars.json_schema(SCHEMA)
+    assert grammars.json_schema(json.loads(json.dumps(SCHEMA))) is first
+    grammars.json_schema({"type": "integer"})
+    grammars.json_schema({"type": "boolean"})                  # evicts SCHEMA, the least recently used
+    assert grammars.json_schema(SCHEMA) is not first
+
+
+def test_compile_limits_refuse_instead_of_hanging(info):
+    with pytest.raises(InvalidGrammar, match="too large: its regex has"):
+        Grammars(info, len(info.prompt_tokenizer), max_regex_chars=50).json_schema(SCHEMA)
+    with pytest.raises(InvalidGrammar, match="longer than 0 s"):
+        Grammars(info, len(info.prompt_tokenizer), timeout_s=0).json_schema(SCHEMA)
+
+
+def test_a_matcher_walks_a_valid_instance_to_a_stop_token(info, grammars):
+    """The mask allows each token of a compact valid instance in turn, then any of the checkpoint's stop tokens
+    (and only then); taking one ends the grammar."""
+    from serving.structured import Matcher
+    text = json.dumps({"name": "Ada", "age": 36, "unit": "celsius", "ok": True}, separators=(",", ":"))
+    for stop in sorted(info.stop_ids):
+        m = Matcher(grammars.json_schema(SCHEMA))
+        for tok in info.encode(text):
+            bits = np.unpackbits(m.allowed().view(np.uint8), bitorder="little")
+            assert bits[tok] and not any(bits[s] for s in info.stop_ids)
+            m.accept(tok)
+        assert np.unpackbits(m.allowed().view(np.uint8), bitorder="little")[stop]
+        m.accept(stop)
+        assert m.done
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_gemma4):
+    import torch
+
+    from serving.jax_runtime import Settings
+    from serving.jax_runtime import load as load_jax
+    from serving.pytorch_runtime import load as load_torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield {"pytorch": load_torch(tiny_gemma4),
+           "jax": load_jax(tiny_gemma4, Settings(buckets=(32, 256), dtype="float32", cache_dir=None, slots=2))}
+    torch.set_num_threads(n)
+
+
+class _Job:
+    def __init__(self, prompt_ids, params, grammar=None):
+        import threading
+        self.prompt_ids, self.params, self.grammar, self.cancelled = prompt_ids, params, grammar, threading.Event()
+
+
+def _text(events) -> tuple[str, str]:
+    assert isinstance(events[-1], Finish) and all(isinstance(e, Delta) for e in events[:-1])
+    return "".join(e.text for e in events[:-1]), events[-1].reason
+
+
+@pytest.mark.parametrize("runtime", ["pytorch", "jax"])
+def test_output_follows_the_schema_whatever_the_weights(runtime, engines, info, grammars):
+    """The fixture model knows one sentence; under the grammar, greedy and sampled answers are valid JSON for the
+    schema, and end by themselves (finish "stop"). In a batch (JAX: two slots, one unconstrained) each request
+    gets what it gets alone."""
+    engine = engines[runtime]
+    ask = info.chat_prompt([{"role": "user", "content": QUESTION}])
+    jobs = [_Job(ask, SamplingParams(temperature=0.0, max_tokens=150), grammars.json_schema(SCHEMA)),
+            _Job(ask, SamplingParams(temperature=1.0, seed=5, max_tokens=150), grammars.json_schema(SCHEMA)),
+            _Job(ask, SamplingParams(temperature=0.0, max_tokens=40))]
+    alone = [_text(list(generate(engine, info, j.prompt_ids, j.params, grammar=j.grammar))) for j in jobs]
+    for text, reason in alone[:2]:
+        assert reason == "stop"
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert not alone[2][0].startswith("{")              # the unconstrained one is the model's own text
+
+    jobs = [_Job(j.prompt_ids, j.params, j.grammar and grammars.json_schema(SCHEMA)) for j in jobs]
+    batch, got = Batch(engine, info), {id(j): [] for j in jobs}
+    waiting = list(jobs)
+    for _ in range(1000):
+        while waiting and batch.free:
+            for job, ev in batch.join(waiting.pop(0)):
+                got[id(job)].append(ev)
+        if not batch.live and not waiting:
+            break
+        for job, ev in batch.step():
+            got[id(job)].append(ev)
+    assert [_text(got[id(j)]) for j in jobs] == alone
+
+
+def test_max_tokens_cuts_the_json_with_length(engines, info, grammars):
+    ask = info.chat_prompt([{"role": "user", "content": QUESTION}])
+    text, reason = _text(list(generate(engines["jax"], info, ask, SamplingParams(temperature=0.0, max_tokens=5),
+                                       grammar=grammars.json_schema(SCHEMA))))
+    assert reason == "length" and text.startswith("{")
+    with pytest.raises(ValueError):
+        json.loads(text)
+
+
+def test_a_mask_costs_no_compile_on_jax(engines):
+    from serving.jax_runtime import compile_counts
+    engine = engines["jax"]
+    before = compile_counts()
+    assert engine.start(0, [2, 105, 9], SamplingParams(temperature=0.0), only(engine.vocab_size, [77])) == 77
+    assert engine.start(1, [2, 105], SamplingParams(temperature=1.0, seed=1), only(engine.vocab_size, [5, 6])) in (5, 6)
+    out = engine.step({0: 77, 1: 5}, {1: only(engine.vocab_size, [300])})
+    assert out[1] == 300
+    assert compile_counts() == before
+
+
+# ----------------------------------------------------------------------------------------------- tool calls
+def _play(reader, chunks) -> tuple[list[dict], dict]:
+    deltas = [d for c in chunks for d in reader.feed(c)] + reader.close()
+    return deltas, merge(deltas)
+
+
+def test_gemma_call_markup_becomes_openai_tool_calls():
+    name, args = parse_call('call:get_weather{city:<|"|>Paris, "FR" {x}<|"|>,days:3,metric:true,extra:null,'
+                            'scale:-1.5e2,nested:{list:[1,<|"|>a<|"|>,[]],"quoted key":"json \\"s\\""},empty:{}}')
+    assert name == "get_weather"
+    assert args == {"city": 'Paris, "FR" {x}', "days": 3, "metric": True, "extra": None, "scale": -150.0,
+                    "nested": {"list": [1, "a", []], "quoted key": 'json "s"'}, "empty": {}}
+    for bad in ("call:f", "f{a:1}", "call:f{a:1", "call:f{a}", "call:f{a:1} trailing", 'call:f{a:<|"|>x}'):
+        with pytest.raises(ValueError):
+            parse_call(bad)
+
+
+def test_a_call_split_across_stream_chunks():
+    text = 'Let me check.<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|>' \
+           '<|tool_call>call:now{}<tool_call|>'
+    whole, _ = _play(GemmaCalls(), [text])
+    for cut in range(1, len(text)):                    # every split point, and one character at a time
+        for chunks in ([text[:cut], text[cut:]], list(text)):
+            reader = GemmaCalls()
+            deltas, msg = _play(reader, chunks)
+            assert msg["content"] == "Let me check." and reader.called
+            assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == \
+                [("get_weather", {"city": "Paris", "days": 2}), ("now", {})]
+            assert all(c["id"].startswith("call_") and c["type"] == "function" for c in msg["tool_calls"])
+            # the name comes in a chunk of its own (with the id), before any argument
+            heads = [d["tool_calls"][0] for d in deltas if "tool_calls" in d and "id" in d["tool_calls"][0]]
+            assert [(h["index"], h["function"]) for h in heads] == [
+                (0, {"name": "get_weather", "arguments": ""}), (1, {"name": "now", "arguments": ""})]
+    assert "<|" not in "".join(d.get("content", "") for d in whole)
+
+
+def test_text_that_only_looks_like_markup_stays_content():
+    for text in ("a <|tool_ b", "x<|tool_call>call:bad name{}<tool_call|>y", "unfinished <|tool_call>call:f{a:"):
+        reader = GemmaCalls()
+        _, msg = _play(reader, list(text))
+        assert msg == {"role": "assistant", "content": text} and not reader.called
+        assert reader.finish_reason("stop") == "stop"
+
+
+def test_tool_markup_reaches_the_reader_only_when_revealed(info):
+    """Gemma 4's tool-call tags are special tokens: hidden from content, shown to the "auto" reader."""
+    text = 'ok<|tool_call>call:f{a:<|"|>x<|"|>}<tool_call|>'
+    ids = info.encode(text)
+    assert len(info.tool_markup) == 3 and sum(i in info.tool_markup for i in ids) == 4
+
+    def detokenized(reveal):
+        detok = Detokenizer(info, reveal)
+        return "".join(detok.push(i) for i in ids) + detok.flush()
+
+    assert detokenized(frozenset()) == "okcall:f{a:x}"
+    assert detokenized(info.tool_markup) == text
+    _, msg = _play(GemmaCalls(), [detokenized(info.tool_markup)])
+    assert msg["content"] == "ok" and msg["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a": "x"}'}
+
+
+def test_named_and_required_readers():
+    reader = NamedCall("f")
+    deltas, msg = _play(reader, ['{"a"', ": 1}"])
+    assert msg["content"] is None and msg["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    assert [list(d["tool_calls"][0]["function"]) for d in deltas] == [["name", "arguments"], ["arguments"],
+                                                                       ["arguments"]]
+    assert reader.finish_reason("stop") == "tool_calls" and reader.finish_reason("length") == "length"
+    _, msg = _play(RequiredCalls(), ['[{"name": "f", "parameters": {"a": 1}}, ', '{"name": "g", "parameters": {}}]'])
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == \
+        [("f", {"a": 1}), ("g", {})]
+    _, msg = _play(RequiredCalls(), ['[{"name": "f", "param'])           # cut short by max_tokens
+    assert msg == {"role": "assistant", "content": '[{"name": "f", "param'}
+
+
+def test_required_schema_accepts_only_known_calls():
+    schema = required_schema({"f": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                              "g": {"type": "object", "properties": {}}})
+    jsonschema.validate([{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}], schema)
+    for bad in ([], [{"name": "h", "parameters": {}}], [{"name": "f", "parameters": {}}], [{"name": "f"}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
