@@ -346,6 +346,27 @@ def test_forced_tool_call_is_well_formed_streamed_and_not(url, choice):
         [(t.function.name, json.loads(t.function.arguments)) for t in msg.tool_calls]
 
 
+def test_each_of_n_choices_makes_its_own_forced_call_with_logprobs_streamed_and_not(url):
+    """n, logprobs and a grammar together: every choice follows the grammar with a matcher of its own, its stream
+    chunks carry its index, and its logprobs cover the tokens it generated."""
+    c = client(url)
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER],
+              tool_choice={"type": "function", "function": {"name": "f"}}, temperature=1, seed=3, n=3,
+              logprobs=True, top_logprobs=2)
+    r = c.chat.completions.create(**kw)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    for ch in r.choices:
+        assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1
+        jsonschema.validate(json.loads(ch.message.tool_calls[0].function.arguments), WEATHER["function"]["parameters"])
+        assert ch.logprobs.content and all(len(t.top_logprobs) == 2 for t in ch.logprobs.content)
+    assert r.usage.completion_tokens == sum(len(ch.logprobs.content) for ch in r.choices)
+    chunks = list(c.chat.completions.create(**kw, stream=True))
+    for i, ch in enumerate(r.choices):
+        calls, finish = _streamed_calls([x for x in chunks if x.choices and x.choices[0].index == i])
+        assert finish == "tool_calls"
+        assert json.loads(calls[0]["arguments"]) == json.loads(ch.message.tool_calls[0].function.arguments)
+
+
 def test_a_conversation_with_tool_results_renders_through_the_template(url):
     conversation = [{"role": "user", "content": "Weather?"},
                     {"role": "assistant", "content": None, "tool_calls": [
