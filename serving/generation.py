@@ -18,7 +18,7 @@ import numpy as np
 
 from serving.engine import Engine, SamplingParams, TokenLogprobs
 from serving.structured import Matcher
-from serving.tool_calls import MARKUP
+from serving.tool_calls import MARKUP, RESPONSE_START
 
 # Gemma 4's control tokens that shape the output (see the checkpoint's tokenizer.json).
 TURN_END = "<turn|>"                            # end of a dialogue turn: always a stop token
@@ -50,6 +50,7 @@ class TokenizerInfo:
     max_token_chars: int = 1            # the longest token's text: n characters are at least n / this tokens
     token_texts: dict = field(default_factory=dict)     # id -> its text alone (logprobs), filled as needed
     tool_markup: frozenset[int] = frozenset()   # Gemma 4's tool-call tags: shown when tool calls are read
+    tool_response: int | None = None            # RESPONSE_START's id: ends a reply that may call tools
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "TokenizerInfo":
@@ -81,7 +82,8 @@ class TokenizerInfo:
         return cls(tok, frozenset(stop), frozenset(hidden), vocab.get(THOUGHT_START), vocab.get(THOUGHT_END),
                    defaults, prompt_tokenizer=AutoTokenizer.from_pretrained(model_dir),
                    max_token_chars=max(map(len, vocab), default=1),
-                   tool_markup=frozenset(vocab[t] for t in MARKUP if t in vocab))
+                   tool_markup=frozenset(vocab[t] for t in MARKUP if t in vocab),
+                   tool_response=vocab.get(RESPONSE_START))
 
     @property
     def vocab_size(self) -> int:

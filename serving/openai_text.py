@@ -211,7 +211,11 @@ async def chat(request: Request):
     grammar = await asyncio.to_thread(output_grammar, ctx, req.response_format, tool_schema)
     params = sampling(ctx, req, len(ids), max_tokens, (req.top_logprobs or 0) if req.logprobs else None)  # n checked
     readers = [new_reader() for _ in range(req.n)]     # each choice's text -> content and tool_calls deltas
-    reveal = ctx.info.tool_markup if isinstance(readers[0], GemmaCalls) else frozenset()
+    reveal = frozenset()
+    if isinstance(readers[0], GemmaCalls):     # the model's own markup is read: show it, and let no reply go on
+        reveal = ctx.info.tool_markup          # into a tool's answer it would have to make up
+        if ctx.info.tool_response is not None:
+            params = replace(params, stop_token_ids=params.stop_token_ids + (ctx.info.tool_response,))
     jobs = submit(request, ids, params, req.n, grammar, reveal)
     rid, created, model = f"chatcmpl-{request.state.request_id}", int(time.time()), ctx.name
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}

@@ -22,6 +22,8 @@ from typing import Any
 
 CALL_START, CALL_END, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 MARKUP = (CALL_START, CALL_END, QUOTE)      # special tokens the detokeniser must show for "auto"
+# Where a tool's answer begins: written by whoever runs the tool, never by the model (an "auto" reply stops there).
+RESPONSE_START = "<|tool_response>"
 
 
 def call_id() -> str:

@@ -367,6 +367,20 @@ def test_each_of_n_choices_makes_its_own_forced_call_with_logprobs_streamed_and_
         assert json.loads(calls[0]["arguments"]) == json.loads(ch.message.tool_calls[0].function.arguments)
 
 
+def test_a_reply_that_may_call_tools_stops_where_a_tool_answer_would_begin(url):
+    """tool_choice auto: the model must not write the tool's answer itself. Forced (logit_bias) to open one, the
+    reply ends there, with stop; without tools the same token is just text the detokeniser hides."""
+    c = client(url)
+    start = requests.post(f"{url}/tokenize", json={"prompt": "<|tool_response>", "add_special_tokens": False},
+                          timeout=30).json()["tokens"]
+    assert len(start) == 1
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Weather?"}], max_tokens=5, temperature=0,
+              logit_bias={str(start[0]): 100})
+    r = c.chat.completions.create(**kw, tools=[WEATHER], tool_choice="auto")
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1
+    assert c.chat.completions.create(**kw).usage.completion_tokens == 5
+
+
 def test_a_conversation_with_tool_results_renders_through_the_template(url):
     conversation = [{"role": "user", "content": "Weather?"},
                     {"role": "assistant", "content": None, "tool_calls": [
