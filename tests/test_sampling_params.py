@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from serving.engine import SamplingParams
-from serving.generation import Batch, Delta, Finish, TokenizerInfo, generate
+from serving.generation import Delta, Finish, TokenizerInfo, generate
+from tests.fixtures.batching import Job, run_in_batch
 from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
 
 RUNTIMES = ["pytorch", "jax"]
@@ -195,12 +196,6 @@ def test_jax_and_pytorch_agree_on_greedy_and_logprobs(engines, ask):
 
 
 # ------------------------------------------------------------------------------------------------ JAX batch
-class _Job:
-    def __init__(self, prompt_ids, params):
-        import threading
-        self.prompt_ids, self.params, self.cancelled = prompt_ids, params, threading.Event()
-
-
 def _summary(events):
     deltas = [e for e in events if isinstance(e, Delta)]
     fin = next(e for e in events if isinstance(e, Finish))
@@ -215,24 +210,14 @@ def test_jax_batch_gives_each_request_with_these_parameters_what_it_gets_alone(e
     eng = engines["jax"]
     other = info.chat_prompt([{"role": "user", "content": "What is a stop string? " * 3}])
     stop_ids = tuple(info.stop_ids)
-    jobs = [_Job(ask, SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.4, logprobs=2)),
-            _Job(other, SamplingParams(temperature=1.0, seed=4, max_tokens=30, min_p=0.2, frequency_penalty=0.5)),
-            _Job(ask, SamplingParams(temperature=0.0, max_tokens=50, min_tokens=45, eos_token_ids=stop_ids)),
-            _Job(other, SamplingParams(temperature=0.8, seed=9, max_tokens=25, logit_bias=((30, 5.0),), logprobs=0,
+    jobs = [Job(ask, SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.4, logprobs=2)),
+            Job(other, SamplingParams(temperature=1.0, seed=4, max_tokens=30, min_p=0.2, frequency_penalty=0.5)),
+            Job(ask, SamplingParams(temperature=0.0, max_tokens=50, min_tokens=45, eos_token_ids=stop_ids)),
+            Job(other, SamplingParams(temperature=0.8, seed=9, max_tokens=25, logit_bias=((30, 5.0),), logprobs=0,
                                        presence_penalty=-0.5)),
-            _Job(ask, SamplingParams(temperature=0.0, max_tokens=30))]
+            Job(ask, SamplingParams(temperature=0.0, max_tokens=30))]
     alone = [_summary(list(generate(eng, info, j.prompt_ids, j.params))) for j in jobs]
-    batch, got, waiting = Batch(eng, info), {i: [] for i in range(len(jobs))}, list(range(len(jobs)))
-    index = {id(j): i for i, j in enumerate(jobs)}
-    for _ in range(1000):
-        while waiting and batch.free:
-            for job, ev in batch.join(jobs[waiting.pop(0)]):
-                got[index[id(job)]].append(ev)
-        if not batch.live and not waiting:
-            break
-        for job, ev in batch.step():
-            got[index[id(job)]].append(ev)
-    assert [_summary(got[i]) for i in range(len(jobs))] == alone
+    assert [_summary(events) for events in run_in_batch(eng, info, jobs)] == alone
     assert alone[2][2] >= 45 and alone[4][0] == ANSWER[:len(alone[4][0])]
 
 

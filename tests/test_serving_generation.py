@@ -8,6 +8,7 @@ import pytest
 
 from serving.generation import (Batch, Delta, Detokenizer, Finish, SamplingParams, StopStrings, TokenizerInfo,
                                 generate)
+from tests.fixtures.batching import Job, run_in_batch
 from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
 
 
@@ -187,12 +188,6 @@ def test_runtime_loads_text_weights_only(engine, tiny_gemma4):
 
 
 # --------------------------------------------------------------------------------------- continuous batching
-class _Job:
-    def __init__(self, prompt_ids, params):
-        import threading
-        self.prompt_ids, self.params, self.cancelled = prompt_ids, params, threading.Event()
-
-
 @pytest.fixture(scope="module")
 def jax_engine(tiny_gemma4):
     pytest.importorskip("jax")
@@ -208,35 +203,25 @@ def test_batch_gives_each_request_what_it_gets_alone(runtime, engine, jax_engine
     eng = engine if runtime == "pytorch" else jax_engine
     ask = info.chat_prompt([{"role": "user", "content": QUESTION}])
     other = info.chat_prompt([{"role": "user", "content": "What is a stop string? " * 3}])
-    jobs = [_Job(ask, SamplingParams(temperature=0.0, max_tokens=200)),
-            _Job(other, SamplingParams(temperature=1.0, seed=4, max_tokens=30)),
-            _Job(ask, SamplingParams(temperature=0.0, max_tokens=7)),
-            _Job(ask, SamplingParams(temperature=0.0, max_tokens=60, stop=("software",))),
-            _Job(other, SamplingParams(temperature=0.8, top_k=20, seed=9, max_tokens=40, ignore_eos=True))]
+    jobs = [Job(ask, SamplingParams(temperature=0.0, max_tokens=200)),
+            Job(other, SamplingParams(temperature=1.0, seed=4, max_tokens=30)),
+            Job(ask, SamplingParams(temperature=0.0, max_tokens=7)),
+            Job(ask, SamplingParams(temperature=0.0, max_tokens=60, stop=("software",))),
+            Job(other, SamplingParams(temperature=0.8, top_k=20, seed=9, max_tokens=40, ignore_eos=True))]
 
     def text(events):
         return "".join(e.text for e in events if isinstance(e, Delta)), [
             (e.reason, e.prompt_tokens, e.completion_tokens) for e in events if isinstance(e, Finish)]
 
     alone = [text(list(generate(eng, info, j.prompt_ids, j.params))) for j in jobs]
-    batch, got, waiting = Batch(eng, info), {i: [] for i in range(len(jobs))}, list(range(len(jobs)))
-    index = {id(j): i for i, j in enumerate(jobs)}
-    for _ in range(1000):
-        while waiting and batch.free:
-            for job, ev in batch.join(jobs[waiting.pop(0)]):
-                got[index[id(job)]].append(ev)
-        if not batch.live and not waiting:
-            break
-        for job, ev in batch.step():
-            got[index[id(job)]].append(ev)
-    assert [text(got[i]) for i in range(len(jobs))] == alone
+    assert [text(events) for events in run_in_batch(eng, info, jobs)] == alone
     assert alone[0][0] == ANSWER and alone[3][0] == ANSWER[:ANSWER.index("software")]
 
 
 def test_batch_ends_a_job_whose_client_left(jax_engine, info):
     ask = info.chat_prompt([{"role": "user", "content": QUESTION}])
     batch = Batch(jax_engine, info)
-    stay, leave = _Job(ask, SamplingParams(temperature=0.0, max_tokens=20)), _Job(ask, SamplingParams(max_tokens=20))
+    stay, leave = Job(ask, SamplingParams(temperature=0.0, max_tokens=20)), Job(ask, SamplingParams(max_tokens=20))
     batch.join(stay)
     batch.join(leave)
     batch.step()

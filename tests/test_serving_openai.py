@@ -208,13 +208,7 @@ def test_both_runtimes_answer_the_same_with_these_parameters(runtime_servers):
     ("completions", {"logprobs": 1, "echo": True}, "echo"),
 ])
 def test_out_of_range_sampling_parameters_are_a_400_naming_them(url, kind, kw, param):
-    c = client(url)
-    with pytest.raises(openai.BadRequestError) as e:
-        if kind == "chat":
-            c.chat.completions.create(model="tiny", messages=ASK, max_tokens=2, **kw)
-        else:
-            c.completions.create(model="tiny", prompt="hi", max_tokens=2, **kw)
-    assert e.value.body["param"] == param and param in e.value.body["message"], e.value.body
+    _assert_400_naming(url, kind, kw, param)
 
 
 # ------------------------------------------------------------------------------------------- refused
@@ -223,13 +217,18 @@ def test_out_of_range_sampling_parameters_are_a_400_naming_them(url, kind, kw, p
     ("completions", {"suffix": "!"}, "suffix"),
 ])
 def test_parameters_we_do_not_honour_are_a_400_naming_them(url, kind, kw, param):
+    _assert_400_naming(url, kind, kw, param)
+
+
+def _assert_400_naming(url: str, kind: str, kw: dict, param: str) -> None:
+    """A short chat or completions request with `kw` is a 400 whose error names `param`."""
     c = client(url)
     with pytest.raises(openai.BadRequestError) as e:
         if kind == "chat":
             c.chat.completions.create(model="tiny", messages=ASK, max_tokens=2, **kw)
         else:
             c.completions.create(model="tiny", prompt="hi", max_tokens=2, **kw)
-    assert e.value.body["param"] == param and param in e.value.body["message"]
+    assert e.value.body["param"] == param and param in e.value.body["message"], e.value.body
 
 
 @pytest.mark.parametrize("kw,param", [

@@ -8,9 +8,10 @@ import jsonschema
 import numpy as np
 import pytest
 
-from serving.generation import Batch, Delta, Detokenizer, Finish, SamplingParams, TokenizerInfo, generate
+from serving.generation import Delta, Detokenizer, Finish, SamplingParams, TokenizerInfo, generate
 from serving.structured import MASKED, Grammars, InvalidGrammar, integer_regex, mask_words, token_bytes
 from serving.tool_calls import GemmaCalls, NamedCall, RequiredCalls, merge, parse_call, required_schema
+from tests.fixtures.batching import Job, run_in_batch
 from tests.fixtures.tiny_gemma4 import QUESTION
 
 SCHEMA = {"type": "object",
@@ -143,12 +144,6 @@ def engines(tiny_gemma4):
     torch.set_num_threads(n)
 
 
-class _Job:
-    def __init__(self, prompt_ids, params, grammar=None):
-        import threading
-        self.prompt_ids, self.params, self.grammar, self.cancelled = prompt_ids, params, grammar, threading.Event()
-
-
 def _text(events) -> tuple[str, str]:
     assert isinstance(events[-1], Finish) and all(isinstance(e, Delta) for e in events[:-1])
     return "".join(e.text for e in events[:-1]), events[-1].reason
@@ -161,27 +156,17 @@ def test_output_follows_the_schema_whatever_the_weights(runtime, engines, info, 
     gets what it gets alone."""
     engine = engines[runtime]
     ask = info.chat_prompt([{"role": "user", "content": QUESTION}])
-    jobs = [_Job(ask, SamplingParams(temperature=0.0, max_tokens=150), grammars.json_schema(SCHEMA)),
-            _Job(ask, SamplingParams(temperature=1.0, seed=5, max_tokens=150), grammars.json_schema(SCHEMA)),
-            _Job(ask, SamplingParams(temperature=0.0, max_tokens=40))]
+    jobs = [Job(ask, SamplingParams(temperature=0.0, max_tokens=150), grammars.json_schema(SCHEMA)),
+            Job(ask, SamplingParams(temperature=1.0, seed=5, max_tokens=150), grammars.json_schema(SCHEMA)),
+            Job(ask, SamplingParams(temperature=0.0, max_tokens=40))]
     alone = [_text(list(generate(engine, info, j.prompt_ids, j.params, grammar=j.grammar))) for j in jobs]
     for text, reason in alone[:2]:
         assert reason == "stop"
         jsonschema.validate(json.loads(text), SCHEMA)
     assert not alone[2][0].startswith("{")              # the unconstrained one is the model's own text
 
-    jobs = [_Job(j.prompt_ids, j.params, j.grammar and grammars.json_schema(SCHEMA)) for j in jobs]
-    batch, got = Batch(engine, info), {id(j): [] for j in jobs}
-    waiting = list(jobs)
-    for _ in range(1000):
-        while waiting and batch.free:
-            for job, ev in batch.join(waiting.pop(0)):
-                got[id(job)].append(ev)
-        if not batch.live and not waiting:
-            break
-        for job, ev in batch.step():
-            got[id(job)].append(ev)
-    assert [_text(got[id(j)]) for j in jobs] == alone
+    jobs = [Job(j.prompt_ids, j.params, j.grammar and grammars.json_schema(SCHEMA)) for j in jobs]
+    assert [_text(events) for events in run_in_batch(engine, info, jobs)] == alone
 
 
 def test_max_tokens_cuts_the_json_with_length(engines, info, grammars):

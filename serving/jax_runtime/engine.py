@@ -171,6 +171,7 @@ class JaxEngine:
         self._top_p = np.ones(self.slots, np.float32)
         self._keys = np.zeros((self.slots, 2), np.uint32)
         self._rows = self._empty_rows(self.slots)  # the other per-request parameters (sampling.adjust's rows)
+        self._free_row = self._empty_rows(1)       # what a free slot's row holds in a decode step
         self._prompt_len = np.zeros(self.slots, np.int32)
         self._min_tokens = np.zeros(self.slots, np.int32)
         self._top_n = np.zeros(self.slots, np.int32)          # top logprobs each sequence asked for
@@ -303,7 +304,7 @@ class JaxEngine:
             ids[slot] = min(max(int(t), 0), self.cfg.vocab_size - 1)
         temp = np.where(live[:b], self._temp[:b], 0.0).astype(np.float32)
         rows = {k: np.where(live[:b].reshape(-1, *[1] * (v.ndim - 1)), v[:b], fill[0])
-                for (k, v), fill in zip(self._rows.items(), self._empty_rows(1).values())}
+                for (k, v), fill in zip(self._rows.items(), self._free_row.values())}
         # tokens out so far (the one being fed in included) < min_tokens: the stop ids stay held back
         rows["suppress"] = live[:b] & (self._pos[:b] - self._prompt_len[:b] + 1 < self._min_tokens[:b])
         out, logits, self._cache, self._state, lp = self._decode[b, c](
