@@ -5,6 +5,7 @@ container's last log lines); 2 for bad input (no engine, unknown image, no expec
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
@@ -32,7 +33,9 @@ def manifest_dir() -> Path | None:
     return found if found.is_dir() else None
 
 
+@functools.cache
 def _manifests() -> manifest.Manifests | None:
+    """Loaded and validated once per process: smoke and bench consult them several times."""
     root = manifest_dir()
     return manifest.load(root) if root is not None else None
 
@@ -45,10 +48,10 @@ def servable_runtimes() -> tuple[str, ...]:
 
 def manifest_defaults(runtime: str | None) -> dict:
     """From the runtime manifest: `smoke: {prompt, expect}` and `port` ({} when there is no manifest)."""
-    root = manifest_dir()
-    if not runtime or root is None:
+    m = _manifests()
+    if not runtime or m is None:
         return {}
-    rt = manifest.load(root).runtimes.get(runtime)
+    rt = m.runtimes.get(runtime)
     if rt is None:
         return {}
     out = {"port": rt.port}
