@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -79,37 +78,6 @@ def prompts(ckpt: Path) -> dict:
 
 
 # --------------------------------------------------------------------------------------------- servers
-def start_server(runtime: str, ckpt: Path, port: int, env: dict, log: Path) -> tuple[subprocess.Popen, float]:
-    """Start `python -m serving`; return it and the seconds until /health said 200."""
-    t0 = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "serving", "--runtime", runtime, "--model", str(ckpt), "--port", str(port),
-         "--max-model-len", "1024", "--served-model-name", "e2b", "--max-waiting", "64", "--log-level", "warning"],
-        cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    while time.monotonic() - t0 < 900:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{runtime} server exited {proc.returncode}: {log.read_text()[-3000:]}")
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, time.monotonic() - t0
-        except requests.RequestException:
-            pass
-        time.sleep(0.2)
-    stop(proc)
-    raise RuntimeError(f"{runtime} server not ready in 900 s: {log.read_text()[-3000:]}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
 def bench(url: str, out: Path, name: str, *, requests_n: int, concurrency: int, max_tokens: int,
           prompt: str | None = None) -> dict:
     """`build.py bench` on the wire; returns its result with per-request TPOTs and their spread."""
@@ -136,18 +104,18 @@ def bench(url: str, out: Path, name: str, *, requests_n: int, concurrency: int, 
 
 
 def measure_server(runtime: str, ckpt: Path, work: Path, runs: int, p: dict) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "G5G_JAX_CACHE_DIR": str(work / "jaxcache"), "G5G_JAX_BUCKETS": BUCKETS, "G5G_JAX_SLOTS": str(SLOTS),
-           "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
-    port = 18000 + (runtime == "pytorch")
-    url = f"http://127.0.0.1:{port}"
+    from tests.fixtures.server import serving, serving_env
+
+    env = serving_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"), G5G_JAX_CACHE_DIR=str(work / "jaxcache"),
+                      G5G_JAX_BUCKETS=BUCKETS, G5G_JAX_SLOTS=str(SLOTS), XLA_PYTHON_CLIENT_MEM_FRACTION="0.5")
+    flags = ("--max-model-len", "1024", "--served-model-name", "e2b", "--max-waiting", "64", "--log-level", "warning")
     res: dict = {}
-    proc, res["boot_s"] = start_server(runtime, ckpt, port, env, work / f"{runtime}-cold.log")
-    if runtime == "jax":          # the first boot compiled into an empty cache: boot again from it
-        res["boot_cold_s"] = res.pop("boot_s")
-        stop(proc)
-        proc, res["boot_warm_s"] = start_server(runtime, ckpt, port, env, work / f"{runtime}-warm.log")
-    try:
+    if runtime == "jax":          # the first boot compiles into an empty cache: time it, then boot from that cache
+        with serving(runtime, ckpt, *flags, env=env, timeout=900) as srv:
+            res["boot_cold_s"] = round(srv.ready_s, 1)
+    with serving(runtime, ckpt, *flags, env=env, timeout=900) as srv:
+        res["boot_warm_s" if runtime == "jax" else "boot_s"] = round(srv.ready_s, 1)
+        url = srv.url
         r = requests.post(f"{url}/v1/chat/completions", timeout=120, json={
             "messages": [{"role": "user", "content": p["short"]["text"]}], "max_tokens": 48, "temperature": 0,
             "ignore_eos": True})
@@ -158,10 +126,7 @@ def measure_server(runtime: str, ckpt: Path, work: Path, runs: int, p: dict) -> 
                                         concurrency=SLOTS, max_tokens=256)
         res["prefill_512"] = bench(url, work, f"{runtime}-prefill512", requests_n=runs, concurrency=1,
                                    max_tokens=1, prompt=p["long"]["text"])
-    finally:
-        stop(proc)
-        for log in work.glob(f"{runtime}-*.log"):
-            res.setdefault("log_tail", {})[log.name] = log.read_text()[-1500:]
+    res["log_tail"] = srv.output[-1500:]
     return res
 
 
@@ -235,8 +200,11 @@ def _trace_summary(path: Path, steps: int) -> dict:
 
 
 def profile_jax(ckpt: Path, work: Path, p: dict, buckets: str = BUCKETS) -> dict:
-    """Where decode time goes: the decode executable alone vs a whole engine.step (host gap), and a device trace
-    (kernels per step, GPU busy time per step vs wall time per step)."""
+    """Where decode time goes, in-process (settings from the environment: G5G_JAX_PIPELINE, XLA_FLAGS): a whole
+    engine.step with 1 and with SLOTS live sequences, the decode executable alone (inputs already on the device,
+    no host work between calls: what the step would cost with no host gap), and a device trace of 20 single-stream
+    steps (kernels per step, GPU busy time per step vs wall time per step)."""
+    import dataclasses
     import glob
 
     import jax
@@ -245,52 +213,52 @@ def profile_jax(ckpt: Path, work: Path, p: dict, buckets: str = BUCKETS) -> dict
     from serving.jax_runtime import Settings, load
     from serving.jax_runtime.engine import parse_buckets
 
-    eng = load(ckpt, Settings(buckets=parse_buckets(buckets), cache_dir=str(work / "jaxcache"), slots=SLOTS,
-                              batches=(1,)))
-    res: dict = {"boot": eng.boot}
+    settings = dataclasses.replace(Settings.from_env(), buckets=parse_buckets(buckets),
+                                   cache_dir=str(work / "jaxcache"), slots=SLOTS)
+    eng = load(ckpt, settings)
+    res: dict = {"boot": eng.boot, "pipeline": eng.pipeline, "xla_flags": os.environ.get("XLA_FLAGS")}
     greedy = SamplingParams(temperature=0.0)
-    n = 100
-    for b in eng.batches:
-        toks = {s: eng.start(s, p["short"]["ids"], greedy) for s in range(b)}
+    n = 200
+    for live in (1, SLOTS):
+        toks = {s: eng.start(s, p["short"]["ids"], greedy) for s in range(live)}
         for _ in range(5):
             toks = eng.step(toks)
         t0 = time.perf_counter()
         for _ in range(n):
             toks = eng.step(toks)
-        step_ms = (time.perf_counter() - t0) / n * 1000
-        tdir = work / f"trace_b{b}"
-        with jax.profiler.trace(str(tdir)):
-            for _ in range(20):
-                toks = eng.step(toks)
-        # the executable alone, inputs already on the device, no host work between calls
-        c = next(x for x in eng.buckets if x > int(eng._pos[:b].max()))
-        exe = eng._decode[b, c]
-        zeros = np.zeros(b, np.int32)
-        args = [jax.device_put(a) for a in (zeros, eng._pos[:b].copy(), eng._ple_rows(zeros), np.zeros(b, np.float32),
-                                            zeros, np.ones(b, np.float32), np.zeros((b, 2), np.uint32))]
-        out = exe(eng.params, eng._cache, *args)
-        eng._cache = out[2]
-        jax.block_until_ready(out)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            out = exe(eng.params, eng._cache, *args)
-            eng._cache = out[2]
-        jax.block_until_ready(out)
-        exe_ms = (time.perf_counter() - t0) / n * 1000
-        hlo = exe.as_text()
-        res[f"batch{b}"] = {"capacity": c, "engine_step_ms": round(step_ms, 3), "executable_ms": round(exe_ms, 3),
-                            "host_gap_ms": round(step_ms - exe_ms, 3),
-                            "hlo_fusions": hlo.count(" fusion("), "hlo_custom_calls": hlo.count("custom-call("),
-                            "hlo_conditionals": hlo.count(" conditional("), "hlo_while_loops": hlo.count(" while(")}
-        try:
-            res[f"batch{b}"]["trace"] = _trace_summary(Path(glob.glob(f"{tdir}/**/*.xplane.pb", recursive=True)[0]),
-                                                       20)
-        except Exception as e:              # the trace is a diagnostic: its failure must not lose the timings
-            res[f"batch{b}"]["trace"] = f"{type(e).__name__}: {e}"
-        for s in range(b):
-            eng._pos[s] = 0
+        res[f"live{live}_engine_step_ms"] = round((time.perf_counter() - t0) / n * 1000, 3)
+        if live == 1:
+            tdir = work / f"trace_{os.getpid()}"
+            with jax.profiler.trace(str(tdir)):
+                for _ in range(20):
+                    toks = eng.step(toks)
+            try:
+                res["trace_live1"] = _trace_summary(
+                    Path(glob.glob(f"{tdir}/**/*.xplane.pb", recursive=True)[0]), 20)
+            except Exception as e:          # the trace is a diagnostic: its failure must not lose the timings
+                res["trace_live1"] = f"{type(e).__name__}: {e}"
+    b = SLOTS
+    c = next(x for x in eng.buckets if x > int(eng._pos[:b].max()))
+    exe = eng._decode[b, c]
+    put = jax.device_put
+    args = [put(np.zeros(b, np.int32)), put(eng._pos[:b].copy()), eng._no_undo[b], put(np.zeros(b, np.float32)),
+            put(np.zeros(b, np.int32)), put(np.ones(b, np.float32)), put(np.zeros((b, 2), np.uint32)),
+            put(eng._empty_rows(b)), eng._all_allowed[b]]
+    jax.block_until_ready(eng._spec.out if eng._spec else args)
+    eng._spec = None
+    for i in range(n + 5):
+        if i == 5:
+            jax.block_until_ready(out)
+            t0 = time.perf_counter()
+        out = exe(eng.params, eng._cache, eng._state, *args)
+        eng._cache, eng._state = out[2], out[3]
+    jax.block_until_ready(out)
+    hlo = exe.as_text()
+    res[f"batch{b}_executable_ms"] = round((time.perf_counter() - t0) / n * 1000, 3)
+    res.update(capacity=c, hlo_fusions=hlo.count(" fusion("), hlo_custom_calls=hlo.count("custom-call("),
+               hlo_conditionals=hlo.count(" conditional("), hlo_while_loops=hlo.count(" while("),
+               speculation=dict(eng.speculation))
     res["device_weight_bytes"] = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(eng.params))
-    res["xla_flags"] = os.environ.get("XLA_FLAGS")
     return res
 
 
@@ -303,13 +271,15 @@ def main() -> int:
     ap.add_argument("--only", default="peer,jax,profile,pytorch", help="phases, in this order")
     ap.add_argument("--profile-buckets", default=BUCKETS, help="JAX length ladder of the profile (default: the "
                     "server's, whose executables the jax phase left in the persistent cache)")
+    ap.add_argument("--ckpt", type=Path, help="reuse (or build here) the checkpoint in this directory")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="serving-speed-"))
-    ckpt = work / "ckpt"
+    ckpt = args.ckpt or work / "ckpt"
     t0 = time.perf_counter()
-    make_checkpoint(ckpt, args.layers, args.tiny)
+    if not (ckpt / "config.json").exists():
+        make_checkpoint(ckpt, args.layers, args.tiny)
     p = prompts(ckpt)
     import torch
     note(out, device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", layers=args.layers,

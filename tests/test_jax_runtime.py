@@ -257,6 +257,12 @@ def test_unusable_cache_dir_only_costs_the_cache(e2b_ckpt, tmp_path, caplog):
     assert "unusable" in caplog.text
 
 
+def test_pipeline_setting_reads_0_or_1_and_refuses_anything_else():
+    assert Settings.from_env({}).pipeline and not Settings.from_env({"G5G_JAX_PIPELINE": "0"}).pipeline
+    with pytest.raises(ValueError, match="G5G_JAX_PIPELINE: 'yes' is not 0 or 1"):
+        Settings.from_env({"G5G_JAX_PIPELINE": "yes"})
+
+
 # ------------------------------------------------------------------------------------- continuous batching
 def _run_schedule(engine, jobs, joins):
     """Drive the engine as the API layer does: job j = (prompt, params, tokens) joins a free slot before decode
@@ -290,6 +296,42 @@ def test_batched_greedy_equals_single_stream_greedy(pair):
     alone = [_run_schedule(engine, [job], [0])[0] for job in jobs]
     together = _run_schedule(engine, jobs, [0, 0, 4, 9, 23])   # at most 4 live at once (the slot count)
     assert together == alone, name
+
+
+def test_pipelined_decode_gives_the_tokens_of_plain_decode(pair):
+    """The speculative next step is taken when the call asks for exactly it and run again otherwise (a slot joins
+    or leaves, a forced token): penalised, seeded and greedy sequences get the same tokens either way."""
+    name, _, engine, _ = pair
+    v = engine.cfg.vocab_size
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.4, frequency_penalty=0.7, presence_penalty=0.3),
+              SamplingParams(temperature=1.2, seed=7, top_p=0.8, frequency_penalty=1.5),
+              GREEDY, SamplingParams(temperature=0.9, seed=3, presence_penalty=2.0, min_tokens=12)]
+    jobs = [(_sequence(v, 4 + 5 * i, seed=30 + i), p, 18 + 4 * i) for i, p in enumerate(params)]
+    joins = [0, 3, 3, 11]
+    try:
+        engine.pipeline = False
+        plain = _run_schedule(engine, jobs, joins)
+        forced = forced_logits(engine, jobs[0][0], list(range(1, 9)))
+    finally:
+        engine.pipeline = True
+    before = dict(engine.speculation)
+    assert _run_schedule(engine, jobs, joins) == plain, name
+    np.testing.assert_allclose(forced_logits(engine, jobs[0][0], list(range(1, 9))), forced, rtol=1e-5, atol=1e-5)
+    used, replaced = (engine.speculation[k] - before[k] for k in ("used", "replaced"))
+    assert used > 3 * replaced > 0, (name, used, replaced)
+
+    # the penalties' history counts each token fed once, also the one a replaced speculative step had counted
+    toks, other = [engine.start(0, jobs[0][0], params[0])], None
+    for i in range(8):
+        if i == 4:
+            other = engine.start(1, jobs[1][0], GREEDY)        # a join: the step in flight is run again
+        engine.pipeline = i < 7                                   # the last step leaves nothing in flight
+        out = engine.step({0: toks[-1], **({} if other is None else {1: other})})
+        toks.append(out[0])
+        other = out.get(1, other)
+    engine.pipeline = True
+    counts = np.asarray(engine._state["counts"])[0]
+    np.testing.assert_array_equal(counts, np.bincount(toks[:-1], minlength=counts.size))
 
 
 def test_seeded_sampling_is_reproducible_in_any_batch(pair):

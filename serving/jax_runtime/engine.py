@@ -7,6 +7,13 @@ executable is compiled ahead of time (through JAX's persistent cache, so a secon
 each length bucket, decode for each (batch, length) pair; each one samples its tokens on the device, among those
 its rows' allowed-token masks allow (serving/engine.py). After boot
 only those executables run; calling one with another shape raises instead of compiling.
+
+Decode is pipelined: right after dispatching a step, the engine dispatches the next one speculatively, fed with
+this step's tokens while they are still on the device, and only then reads them. The GPU runs step t+1 while the
+host hands out token t, so the host's share of a step (argument uploads, the API layer's detokenising and stop
+rules) no longer leaves the GPU idle. The next call uses the speculative step when it asks for exactly that
+(the same tokens, for those slots or fewer, no grammar mask, no slot restarted); otherwise it runs a real step
+over the same positions, which rewrites what the speculative one wrote and takes back the token it counted.
 """
 from __future__ import annotations
 
@@ -106,6 +113,7 @@ class Settings:
     cache_dir: str | None = field(default_factory=lambda: str(Path.home() / ".cache" / "g5g-jax"))
     slots: int = DEFAULT_SLOTS         # sequences decoded together
     batches: tuple[int, ...] = ()      # decode batch ladder; () = (slots,): see batch_ladder
+    pipeline: bool = True              # dispatch decode step t+1 before reading step t's tokens (module doc)
 
     @classmethod
     def from_env(cls, env=os.environ) -> "Settings":
@@ -119,8 +127,11 @@ class Settings:
         if slots < 1:
             raise ValueError(f"G5G_JAX_SLOTS: {slots} must be at least 1")
         cache_dir = env.get("G5G_JAX_CACHE_DIR", s.cache_dir)
+        pipeline = env.get("G5G_JAX_PIPELINE", "1")
+        if pipeline not in ("0", "1"):
+            raise ValueError(f"G5G_JAX_PIPELINE: {pipeline!r} is not 0 or 1")
         return cls(buckets=buckets, dtype=env.get("G5G_JAX_DTYPE", s.dtype), cache_dir=cache_dir or None,
-                   slots=slots, batches=batches)
+                   slots=slots, batches=batches, pipeline=pipeline == "1")
 
     def batch_ladder(self) -> tuple[int, ...]:
         """Decode batch sizes, the largest being the slot count. By default only that one: decode streams the
@@ -138,6 +149,29 @@ class Settings:
 
 
 # -- the engine ---------------------------------------------------------------------------------------------------
+@dataclass
+class _Step:
+    """A dispatched decode step: its device outputs and, for a speculative one, what it assumed."""
+    out: jax.Array              # int32 [b]: the tokens it chose
+    logits: jax.Array
+    logprobs: tuple
+    slots: frozenset = frozenset()   # the slots it stepped (a speculative step: those of the step before)
+    fed: np.ndarray | None = None    # the tokens it fed in (a speculative step: read once the step before is)
+    stale: set = field(default_factory=set)   # slots restarted since it was dispatched
+
+    def serves(self, tokens: Mapping[int, int], masks) -> bool:
+        return (self.fed is not None and not masks and set(tokens) <= self.slots and not self.stale & set(tokens)
+                and all(self.fed[s] == t for s, t in tokens.items()))
+
+    def undo(self, b: int, vocab: int) -> np.ndarray:
+        """Per row of a b-row step replacing this one: the token this one counted, or vocab (none)."""
+        out = np.full(b, vocab, np.int32)
+        for s in self.slots - self.stale:
+            if s < b:
+                out[s] = self.fed[s]
+        return out
+
+
 class JaxEngine:
     """`slots` sequences decoded together (serving.engine.Engine). Not thread-safe by itself: one thread (the API
     layer's engine thread) drives it."""
@@ -150,10 +184,9 @@ class JaxEngine:
         self.max_context = self.buckets[-1]
         self.slots = settings.slots
         self.batches = settings.batch_ladder()
+        self.pipeline = settings.pipeline
         self.vocab_size = cfg.vocab_size
         t0 = time.perf_counter()
-        params = dict(params)
-        self.ple_table = params.pop("ple_embed", None)  # host-side: see model._embed
         self.params = jax.device_put(params)
         self._cache = model.empty_cache(cfg, self.slots, self.max_context, self.dtype)
         self._state = sampling.empty_state(self.slots, cfg.vocab_size)   # what the penalties read, per slot
@@ -180,6 +213,9 @@ class JaxEngine:
         # Allowed-token masks of rows without a grammar stay on the device: only grammar rows are uploaded.
         self._all_allowed = {n: jax.device_put(np.full((n, mask_words(self.vocab_size)), -1, np.int32))
                              for n in {1, *self.batches}}
+        self._no_undo = {n: jax.device_put(np.full(n, self.vocab_size, np.int32)) for n in self.batches}
+        self._spec: _Step | None = None           # the speculative decode step in flight, if any
+        self.speculation = {"used": 0, "replaced": 0}   # speculative steps a call took, and those it ran again
 
     def _empty_rows(self, n: int) -> dict:
         return sampling.empty_rows(n, self.cfg.vocab_size)
@@ -193,11 +229,6 @@ class JaxEngine:
         def vec(n, dtype=jnp.int32, *tail):
             return jax.ShapeDtypeStruct((n, *tail), dtype)
 
-        def rows_spec(n):
-            if self.ple_table is None:
-                return None
-            return jax.ShapeDtypeStruct((n, self.ple_table.shape[1]), self.ple_table.dtype)
-
         state_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self._state)
 
         def sampling_spec(n):
@@ -210,18 +241,18 @@ class JaxEngine:
             chosen = sampling.sample(x, temp, top_k, top_p, keys, positions)
             return chosen, sampling.logprobs(logits, chosen, rows["logprobs"], TOP_LOGPROBS)
 
-        def prefill_fn(params, cache, state, slot, tokens, length, ple_rows, temp, top_k, top_p, keys, rows, mask):
-            logits, cache = model.prefill(cfg, params, cache, slot, tokens, length, ple_rows)
+        def prefill_fn(params, cache, state, slot, tokens, length, temp, top_k, top_p, keys, rows, mask):
+            logits, cache = model.prefill(cfg, params, cache, slot, tokens, length)
             logits = logits[None]
             state = sampling.start_row(state, slot, tokens, length)
             history = [jax.lax.dynamic_slice_in_dim(state[k], slot, 1) for k in ("counts", "seen")]
             chosen, lp = choose(logits, history, temp, top_k, top_p, keys, length[None], rows, mask)
             return chosen, logits, cache, state, lp
 
-        def decode_fn(capacity, params, cache, state, tokens, positions, ple_rows, temp, top_k, top_p, keys, rows,
+        def decode_fn(capacity, params, cache, state, tokens, positions, undo, temp, top_k, top_p, keys, rows,
                       mask):
-            logits, cache = model.decode(cfg, capacity, params, cache, tokens, positions, ple_rows)
-            state = sampling.count(state, tokens)
+            logits, cache = model.decode(cfg, capacity, params, cache, tokens, positions)
+            state = sampling.count(state, tokens, undo)
             b = tokens.shape[0]
             history = [state["counts"][:b], state["seen"][:b]]
             chosen, lp = choose(logits, history, temp, top_k, top_p, keys, positions + 1, rows, mask)
@@ -230,16 +261,11 @@ class JaxEngine:
         prefill, decode = {}, {}
         for c in self.buckets:
             prefill[c] = jax.jit(prefill_fn, donate_argnums=(1, 2)).lower(
-                params_spec, cache_spec, state_spec, i32, vec(c), i32, rows_spec(c), *sampling_spec(1)).compile()
+                params_spec, cache_spec, state_spec, i32, vec(c), i32, *sampling_spec(1)).compile()
             for b in self.batches:
                 decode[b, c] = jax.jit(functools.partial(decode_fn, c), donate_argnums=(1, 2)).lower(
-                    params_spec, cache_spec, state_spec, vec(b), vec(b), rows_spec(b), *sampling_spec(b)).compile()
+                    params_spec, cache_spec, state_spec, vec(b), vec(b), vec(b), *sampling_spec(b)).compile()
         return prefill, decode
-
-    def _ple_rows(self, tokens: np.ndarray):
-        if self.ple_table is None:
-            return None
-        return self.ple_table[np.minimum(tokens, self.ple_table.shape[0] - 1)]
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.slots:
@@ -276,14 +302,15 @@ class JaxEngine:
         s = slice(slot, slot + 1)
         rows = {k: v[s].copy() for k, v in self._rows.items()}
         rows["suppress"] = self._min_tokens[s] > 0
+        if self._spec is not None:
+            self._spec.stale.add(slot)
         out, logits, self._cache, self._state, lp = self._prefill[bucket](
-            self.params, self._cache, self._state, np.int32(slot), tokens, np.int32(n), self._ple_rows(tokens),
-            self._temp[s], self._top_k[s], self._top_p[s], self._keys[s], rows,
+            self.params, self._cache, self._state, np.int32(slot), tokens, np.int32(n), self._temp[s], self._top_k[s], self._top_p[s], self._keys[s], rows,
             self._masks(1, None if mask is None else {0: mask}))
         self._pos[slot] = n
         self._logits[slot] = (logits, 0)
         self._logprobs[slot] = ([lp], 0)
-        return int(out[0])
+        return int(np.asarray(out)[0])
 
     def step(self, tokens: Mapping[int, int], masks: Mapping[int, np.ndarray] | None = None) -> dict[int, int]:
         if not tokens:
@@ -297,25 +324,43 @@ class JaxEngine:
         live = np.zeros(self.slots, bool)
         live[list(tokens)] = True
         self._pos[~live] = 0                      # a slot left out is free from now on
-        b = next(n for n in self.batches if n > max(tokens))
-        c = next(n for n in self.buckets if n > int(self._pos[:b].max()))
-        ids = np.zeros(b, np.int32)
-        for slot, t in tokens.items():
-            ids[slot] = min(max(int(t), 0), self.cfg.vocab_size - 1)
-        temp = np.where(live[:b], self._temp[:b], 0.0).astype(np.float32)
-        rows = {k: np.where(live[:b].reshape(-1, *[1] * (v.ndim - 1)), v[:b], fill[0])
-                for (k, v), fill in zip(self._rows.items(), self._free_row.values())}
-        # tokens out so far (the one being fed in included) < min_tokens: the stop ids stay held back
-        rows["suppress"] = live[:b] & (self._pos[:b] - self._prompt_len[:b] + 1 < self._min_tokens[:b])
-        out, logits, self._cache, self._state, lp = self._decode[b, c](
-            self.params, self._cache, self._state, ids, self._pos[:b].copy(), self._ple_rows(ids),
-            temp, self._top_k[:b].copy(), self._top_p[:b].copy(), self._keys[:b].copy(), rows, self._masks(b, masks))
-        out = np.asarray(out)
+        spec, self._spec = self._spec, None
+        if spec is not None and spec.serves(tokens, masks):
+            run = spec
+            self.speculation["used"] += 1
+        else:
+            self.speculation["replaced"] += spec is not None
+            b = next(n for n in self.batches if n > max(tokens))
+            ids = np.zeros(b, np.int32)
+            for slot, t in tokens.items():
+                ids[slot] = min(max(int(t), 0), self.cfg.vocab_size - 1)
+            undo = self._no_undo[b] if spec is None else spec.undo(b, self.vocab_size)
+            run = self._dispatch(ids, live, undo, masks)
         self._pos[live] += 1
-        self._logits = {slot: (logits, slot) for slot in tokens}
-        shared = [lp]                             # copied to the host once, by the first logprobs() that asks
+        if self.pipeline and not masks and self._pos[live].max() < self.max_context:
+            self._spec = self._dispatch(run.out, live, self._no_undo[run.out.shape[0]], None)
+        out = np.asarray(run.out)                 # waits for this step only: the next one is already queued
+        if self._spec is not None:
+            self._spec.fed = out
+        self._logits = {slot: (run.logits, slot) for slot in tokens}
+        shared = [run.logprobs]                   # copied to the host once, by the first logprobs() that asks
         self._logprobs = {slot: (shared, slot) for slot in tokens}
         return {slot: int(out[slot]) for slot in tokens}
+
+    def _dispatch(self, ids, live: np.ndarray, undo, masks) -> _Step:
+        """Queue a decode step feeding ids [b] (host or device) to rows 0..b-1 at their current positions."""
+        b = ids.shape[0]
+        c = next(n for n in self.buckets if n > int(self._pos[:b].max()))
+        on = live[:b]
+        temp = np.where(on, self._temp[:b], 0.0).astype(np.float32)
+        rows = {k: np.where(on.reshape(-1, *[1] * (v.ndim - 1)), v[:b], fill[0])
+                for (k, v), fill in zip(self._rows.items(), self._free_row.values())}
+        # tokens out so far (the one being fed in included) < min_tokens: the stop ids stay held back
+        rows["suppress"] = on & (self._pos[:b] - self._prompt_len[:b] + 1 < self._min_tokens[:b])
+        out, logits, self._cache, self._state, lp = self._decode[b, c](
+            self.params, self._cache, self._state, ids, self._pos[:b].copy(), undo,
+            temp, self._top_k[:b].copy(), self._top_p[:b].copy(), self._keys[:b].copy(), rows, self._masks(b, masks))
+        return _Step(out, logits, lp, frozenset(np.flatnonzero(live).tolist()))
 
     def logits(self, slot: int) -> np.ndarray:
         arr, row = self._logits[slot]

@@ -60,18 +60,18 @@ def _rope_tables(cfg: TextConfig, positions, dtype) -> dict:
     return {(k, hd): _cos_sin(cfg, k, hd, positions, dtype) for k, hd in kinds}
 
 
-def _embed(cfg: TextConfig, params, tokens, ple_rows):
+def _embed(cfg: TextConfig, params, tokens):
     """Scaled token embeddings [T, D] and per-layer inputs [T, L, P] (None without PLE).
 
-    ple_rows [T, L*P] are the tokens' rows of the per-layer embedding table, gathered on the host: the table is
-    half of E2B's weights (4.7 GB in fp16) and only ever read one row per token, so it stays off the GPU.
-    """
+    The per-layer embedding table lives on the device with the other weights (4.7 GB for E2B in fp16, read one row
+    per token): gathering it in the graph lets a decode step take its tokens straight from the previous step's
+    output, with nothing from the host (JaxEngine's pipelined decode)."""
     dtype = params["embed"].dtype
     x = jnp.take(params["embed"], tokens, axis=0) * jnp.asarray(cfg.hidden_size ** 0.5, dtype)
     if not cfg.ple_dim:
         return x, None
     t, n, p = tokens.shape[0], cfg.num_layers, cfg.ple_dim
-    tok = ple_rows * jnp.asarray(p ** 0.5, dtype)
+    tok = jnp.take(params["ple_embed"], tokens, axis=0, mode="clip") * jnp.asarray(p ** 0.5, dtype)
     proj = (x @ params["ple_proj"]) * jnp.asarray(cfg.hidden_size ** -0.5, dtype)
     proj = rms_norm(proj.reshape(t, n, p), params["ple_norm"], cfg.rms_norm_eps)
     return x, (proj + tok.reshape(t, n, p)) * jnp.asarray(2.0 ** -0.5, dtype)
@@ -145,17 +145,16 @@ def empty_cache(cfg: TextConfig, slots: int, capacity: int, dtype) -> list:
     return [(jnp.zeros(s, dtype), jnp.zeros(s, dtype)) for s in cache_shapes(cfg, slots, capacity)]
 
 
-def prefill(cfg: TextConfig, params, cache, slot, tokens, length, ple_rows=None):
+def prefill(cfg: TextConfig, params, cache, slot, tokens, length):
     """Run a prompt padded to a bucket into cache row `slot` (any previous sequence there is dropped).
-    tokens [P] int32 (valid up to `length`), slot and length int32 scalars, ple_rows [P, L*P'] the per-layer
-    embedding rows of the tokens (None without PLE). P must not exceed the cache's capacity.
+    tokens [P] int32 (valid up to `length`), slot and length int32 scalars. P must not exceed the cache's capacity.
 
     Returns (float32 logits [V] for the token after position length-1, updated cache).
     """
     p_len = tokens.shape[0]
     window = cfg.sliding_window
     dtype = params["embed"].dtype
-    h, ple = _embed(cfg, params, tokens, ple_rows)
+    h, ple = _embed(cfg, params, tokens)
     pos = jnp.arange(p_len, dtype=jnp.int32)
     causal = pos[None, :] <= pos[:, None]
     masks = {"full": causal, "sliding": causal & (pos[:, None] - pos[None, :] < window)}
@@ -196,15 +195,15 @@ def _attend_rows(q, k, v, mask):
     return jnp.einsum("bkgs,bskd->bkgd", probs, v).reshape(b, h * hd)
 
 
-def decode(cfg: TextConfig, capacity: int, params, cache, tokens, positions, ple_rows=None):
+def decode(cfg: TextConfig, capacity: int, params, cache, tokens, positions):
     """One token for each of the first B cache rows: tokens, positions [B] int32 (row r's token goes to position
-    positions[r]), ple_rows [B, L*P'] their per-layer embedding rows. Full-attention layers read only the first
+    positions[r]). Full-attention layers read only the first
     `capacity` positions (every position must be below it). Returns (float32 logits [B, V], updated cache)."""
     window = cfg.sliding_window
     dtype = params["embed"].dtype
     b = tokens.shape[0]
     rows = jnp.arange(b, dtype=jnp.int32)
-    h, ple = _embed(cfg, params, tokens, ple_rows)
+    h, ple = _embed(cfg, params, tokens)
     trig = _rope_tables(cfg, positions, dtype)
 
     ring = jnp.arange(window, dtype=jnp.int32)

@@ -117,9 +117,12 @@ def start_row(state, slot, tokens, length):
     return {"counts": state["counts"].at[slot].set(0), "seen": state["seen"].at[slot].set(seen)}
 
 
-def count(state, tokens):
-    """The generated tokens just fed to rows 0..B-1 (a free row's count is junk until its slot starts again)."""
-    return {**state, "counts": state["counts"].at[jnp.arange(tokens.shape[0]), tokens].add(1)}
+def count(state, tokens, undo):
+    """The generated tokens just fed to rows 0..B-1 (a free row's count is junk until its slot starts again).
+    undo [B]: a token counted by a step this one replaces (a speculative step the engine threw away), or the
+    vocabulary size for none."""
+    rows = jnp.arange(tokens.shape[0])
+    return {**state, "counts": state["counts"].at[rows, undo].add(-1, mode="drop").at[rows, tokens].add(1)}
 
 
 def _bias(x, rows):
