@@ -22,7 +22,8 @@ VARIANTS = {
     "plain": {"G5G_JAX_PIPELINE": "0"},
     "pipelined": {"G5G_JAX_PIPELINE": "1"},
     "pipelined, graphs over conditionals and loops": {
-        "G5G_JAX_PIPELINE": "1", "XLA_FLAGS": f"--xla_gpu_enable_command_buffer={GRAPHS} --xla_gpu_graph_min_graph_size=1"},
+        "G5G_JAX_PIPELINE": "1",
+        "XLA_FLAGS": f"--xla_gpu_enable_command_buffer={GRAPHS} --xla_gpu_graph_min_graph_size=1"},
     "pipelined, no graphs": {"G5G_JAX_PIPELINE": "1", "XLA_FLAGS": "--xla_gpu_enable_command_buffer="},
 }
 

@@ -122,8 +122,8 @@ def measure_server(runtime: str, ckpt: Path, work: Path, runs: int, p: dict) -> 
         res["greedy_48_text"] = r.json()["choices"][0]["message"]["content"]   # runtimes agree? (a sanity check)
         res["single_64"] = bench(url, work, f"{runtime}-single64", requests_n=runs, concurrency=1, max_tokens=64)
         res["single_256"] = bench(url, work, f"{runtime}-single256", requests_n=runs, concurrency=1, max_tokens=256)
-        res["concurrent_8x256"] = bench(url, work, f"{runtime}-conc8", requests_n=SLOTS * (2 if runtime == "jax" else 1),
-                                        concurrency=SLOTS, max_tokens=256)
+        res["concurrent_8x256"] = bench(url, work, f"{runtime}-conc8", concurrency=SLOTS, max_tokens=256,
+                                        requests_n=SLOTS * (2 if runtime == "jax" else 1))
         res["prefill_512"] = bench(url, work, f"{runtime}-prefill512", requests_n=runs, concurrency=1,
                                    max_tokens=1, prompt=p["long"]["text"])
     res["log_tail"] = srv.output[-1500:]

@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -156,11 +157,11 @@ class _Step:
     logits: jax.Array
     logprobs: tuple
     slots: frozenset = frozenset()   # the slots it stepped (a speculative step: those of the step before)
-    fed: np.ndarray | None = None    # the tokens it fed in (a speculative step: read once the step before is)
+    fed: np.ndarray | None = None    # the tokens it fed in (read once the step before is)
     stale: set = field(default_factory=set)   # slots restarted since it was dispatched
 
     def serves(self, tokens: Mapping[int, int], masks) -> bool:
-        return (self.fed is not None and not masks and set(tokens) <= self.slots and not self.stale & set(tokens)
+        return (not masks and set(tokens) <= self.slots and not self.stale & set(tokens)
                 and all(self.fed[s] == t for s, t in tokens.items()))
 
     def undo(self, b: int, vocab: int) -> np.ndarray:
@@ -258,14 +259,18 @@ class JaxEngine:
             chosen, lp = choose(logits, history, temp, top_k, top_p, keys, positions + 1, rows, mask)
             return chosen, logits, cache, state, lp
 
-        prefill, decode = {}, {}
+        lowered = {}
         for c in self.buckets:
-            prefill[c] = jax.jit(prefill_fn, donate_argnums=(1, 2)).lower(
-                params_spec, cache_spec, state_spec, i32, vec(c), i32, *sampling_spec(1)).compile()
+            lowered["prefill", c] = jax.jit(prefill_fn, donate_argnums=(1, 2)).lower(
+                params_spec, cache_spec, state_spec, i32, vec(c), i32, *sampling_spec(1))
             for b in self.batches:
-                decode[b, c] = jax.jit(functools.partial(decode_fn, c), donate_argnums=(1, 2)).lower(
-                    params_spec, cache_spec, state_spec, vec(b), vec(b), vec(b), *sampling_spec(b)).compile()
-        return prefill, decode
+                lowered["decode", b, c] = jax.jit(functools.partial(decode_fn, c), donate_argnums=(1, 2)).lower(
+                    params_spec, cache_spec, state_spec, vec(b), vec(b), vec(b), *sampling_spec(b))
+        # Tracing holds the GIL; XLA's compile (or persistent-cache load) does not: compile the ladder side by side.
+        with ThreadPoolExecutor(max(1, min(len(lowered), os.cpu_count() or 1))) as pool:
+            compiled = dict(zip(lowered, pool.map(lambda lo: lo.compile(), lowered.values())))
+        return ({k[1]: v for k, v in compiled.items() if k[0] == "prefill"},
+                {k[1:]: v for k, v in compiled.items() if k[0] == "decode"})
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.slots:
@@ -305,8 +310,8 @@ class JaxEngine:
         if self._spec is not None:
             self._spec.stale.add(slot)
         out, logits, self._cache, self._state, lp = self._prefill[bucket](
-            self.params, self._cache, self._state, np.int32(slot), tokens, np.int32(n), self._temp[s], self._top_k[s], self._top_p[s], self._keys[s], rows,
-            self._masks(1, None if mask is None else {0: mask}))
+            self.params, self._cache, self._state, np.int32(slot), tokens, np.int32(n), self._temp[s],
+            self._top_k[s], self._top_p[s], self._keys[s], rows, self._masks(1, None if mask is None else {0: mask}))
         self._pos[slot] = n
         self._logits[slot] = (logits, 0)
         self._logprobs[slot] = ([lp], 0)
@@ -337,11 +342,12 @@ class JaxEngine:
             undo = self._no_undo[b] if spec is None else spec.undo(b, self.vocab_size)
             run = self._dispatch(ids, live, undo, masks)
         self._pos[live] += 1
+        ahead = None
         if self.pipeline and not masks and self._pos[live].max() < self.max_context:
-            self._spec = self._dispatch(run.out, live, self._no_undo[run.out.shape[0]], None)
+            ahead = self._dispatch(run.out, live, self._no_undo[run.out.shape[0]], None)
         out = np.asarray(run.out)                 # waits for this step only: the next one is already queued
-        if self._spec is not None:
-            self._spec.fed = out
+        if ahead is not None:
+            ahead.fed, self._spec = out, ahead
         self._logits = {slot: (run.logits, slot) for slot in tokens}
         shared = [run.logprobs]                   # copied to the host once, by the first logprobs() that asks
         self._logprobs = {slot: (shared, slot) for slot in tokens}
