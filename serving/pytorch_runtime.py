@@ -26,33 +26,103 @@ DEFAULT_MAX_CONTEXT = 4096
 _TEXT_PREFIX = {r"^model\.language_model\.": "model."}
 
 
-class TorchEngine:
-    """serving.engine.Engine over a transformers causal LM with a StaticCache: one slot (sequences run one after
-    another), fixed cache tensors sized for max_context, next token chosen on the device."""
+class _StaticKV:
+    """One sequence in transformers' StaticCache (what `generate(cache_implementation="static")` uses): sliding
+    layers keep rings of the window, full layers max_context positions."""
 
-    slots = 1
-
-    def __init__(self, model, text_config, device: torch.device, max_context: int):
+    def __init__(self, text_config, max_context: int, device: torch.device):
         from transformers.cache_utils import StaticCache
 
+        self.cache = StaticCache(config=text_config, max_cache_len=max_context)
+        self.device = device
+
+    def prefill(self, slot: int, n: int) -> dict:
+        self.cache.reset()
+        positions = torch.arange(n, device=self.device)
+        return dict(position_ids=positions[None], cache_position=positions, past_key_values=self.cache)
+
+    def decode(self, positions: list[int]) -> dict:
+        p = torch.tensor(positions, device=self.device)
+        return dict(position_ids=p[:, None], cache_position=p, past_key_values=self.cache)
+
+
+class SlotKV:
+    """Continuous batching's KV cache: every layer that computes KV keeps [slots, kv_heads, max_context, head_dim],
+    each row one sequence at its own position. transformers' caches share one cache_position across the batch, so
+    rows at different positions need a cache of our own: the model reaches it through the Cache `update` call, and
+    the sliding windows are per-row masks (the model takes a {layer type: mask} mapping as attention_mask).
+    A decode step runs every row (free ones too: static shapes) and attends over a power-of-two prefix of the
+    positions that covers every row."""
+
+    def __init__(self, model, slots: int, max_context: int, device: torch.device, dtype):
+        self.k, self.v = {}, {}
+        for i, layer in enumerate(model.model.layers):
+            a = layer.self_attn
+            if not a.is_kv_shared_layer:
+                shape = (slots, a.k_proj.out_features // a.head_dim, max_context, a.head_dim)
+                self.k[i] = torch.zeros(shape, dtype=dtype, device=device)
+                self.v[i] = torch.zeros(shape, dtype=dtype, device=device)
+        if device.type == "cuda":                # CUDA graphs replay over these very buffers
+            for t in (*self.k.values(), *self.v.values()):
+                torch._dynamo.mark_static_address(t)
+        self.window = model.config.sliding_window
+        self.max_context, self.device = max_context, device
+        self._slot, self._pos, self._span = 0, None, 0
+
+    def _masks(self, q: torch.Tensor, k: torch.Tensor) -> dict:
+        """{layer type: bool mask [rows, 1, queries, keys]} for query positions q [rows, Q], key positions k [K]."""
+        full = k[None, None, :] <= q[:, :, None]
+        sliding = full & (k[None, None, :] > q[:, :, None] - self.window)
+        return {"full_attention": full[:, None], "sliding_attention": sliding[:, None]}
+
+    def prefill(self, slot: int, n: int) -> dict:
+        self._slot, self._pos = slot, None
+        q = torch.arange(n, device=self.device)
+        return dict(position_ids=q[None], attention_mask=self._masks(q[None], q), past_key_values=self)
+
+    def decode(self, positions: list[int]) -> dict:
+        self._pos = torch.tensor(positions, device=self.device)
+        self._span = min(self.max_context, max(64, 1 << max(positions).bit_length()))
+        p = self._pos[:, None]
+        return dict(position_ids=p, attention_mask=self._masks(p, torch.arange(self._span, device=self.device)),
+                    past_key_values=self)
+
+    def update(self, key, value, layer_idx, cache_kwargs=None):
+        """Write the new entries (key/value [rows, kv_heads, T, head_dim]) and return what the layer attends over."""
+        k, v = self.k[layer_idx], self.v[layer_idx]
+        if self._pos is None:                   # a prompt, into one slot from position 0
+            n, s = key.shape[2], self._slot
+            k[s, :, :n], v[s, :, :n] = key[0], value[0]
+            return k[s:s + 1, :, :n], v[s:s + 1, :, :n]
+        rows = torch.arange(key.shape[0], device=key.device)
+        k[rows, :, self._pos], v[rows, :, self._pos] = key[:, :, 0], value[:, :, 0]
+        return k[:, :, :self._span], v[:, :, :self._span]
+
+
+class TorchEngine:
+    """serving.engine.Engine over a transformers causal LM, next tokens chosen on the device. One slot: transformers'
+    StaticCache (sequences run one after another). More (G5G_TORCH_SLOTS): continuous batching over SlotKV, every
+    live sequence decoded in one forward."""
+
+    def __init__(self, model, text_config, device: torch.device, max_context: int, slots: int = 1):
         self.model = model
         self.text_config = text_config
         self.device = device
         self.max_context = max_context
-        self.vocab_size = text_config.vocab_size
-        # Sliding-window layers get rings of the window, full layers max_context positions (transformers' layout).
-        self._cache = StaticCache(config=text_config, max_cache_len=max_context)
-        self._pos = 0
-        self._params = SamplingParams(temperature=0.0)
-        self._gen = torch.Generator(device=device)
-        self._logits: torch.Tensor | None = None
-        # what the penalties read: generated-token counts and the prompt's tokens, over the vocabulary
-        vocab = text_config.vocab_size
-        self._counts = torch.zeros(vocab, dtype=torch.int32, device=device)
-        self._seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-        self._out = 0                          # tokens generated so far
-        self._logprobs: TokenLogprobs | None = None
-        # Decode steps (one token, static shapes) go through transformers' own compiled call, as its
+        self.slots = slots
+        self.vocab_size = vocab = text_config.vocab_size
+        self._kv = (_StaticKV(text_config, max_context, device) if slots == 1
+                    else SlotKV(model, slots, max_context, device, model.dtype))
+        self._pos = [0] * slots                 # next position per slot (0: not started)
+        self._params = [SamplingParams(temperature=0.0)] * slots
+        self._gens = [torch.Generator(device=device) for _ in range(slots)]
+        self._logits: dict[int, torch.Tensor] = {}
+        self._logprobs: dict[int, TokenLogprobs] = {}
+        # what the penalties read, per slot: generated-token counts and the prompt's tokens, over the vocabulary
+        self._counts = torch.zeros((slots, vocab), dtype=torch.int32, device=device)
+        self._seen = torch.zeros((slots, vocab), dtype=torch.bool, device=device)
+        self._out = [0] * slots                 # tokens generated so far
+        # Decode steps (one token per row, static shapes) go through transformers' own compiled call, as its
         # generate(cache_implementation="static") does on CUDA: inductor with CUDA graphs ("reduce-overhead").
         # Prompts of any length run eagerly. G5G_TORCH_COMPILE=0 keeps decode eager too.
         compile_ok = (device.type == "cuda" and os.environ.get("G5G_TORCH_COMPILE", "1") != "0"
@@ -60,72 +130,90 @@ class TorchEngine:
         self._decode = model.get_compiled_call(None) if compile_ok else model.__call__
         self._decode_checked = not compile_ok
 
-    @torch.inference_mode()
-    def _forward(self, ids: Sequence[int], mask: np.ndarray | None) -> int:
-        n = len(ids)
-        if self._pos + n > self.max_context:
-            raise ValueError(f"sequence of {self._pos + n} tokens exceeds the PyTorch runtime's max_context "
-                             f"{self.max_context}")
-        input_ids = torch.tensor([list(ids)], device=self.device)
-        positions = torch.arange(self._pos, self._pos + n, device=self.device)
-        kw = dict(input_ids=input_ids, position_ids=positions[None], cache_position=positions,
-                  past_key_values=self._cache, use_cache=True, logits_to_keep=1)
-        if n > 1:
-            out = self.model(**kw)
-        elif self._decode_checked:
-            out = self._decode(**kw)
-        else:                                  # first compiled step: fall back to eager if compiling fails
-            try:
-                out = self._decode(**kw)
-            except Exception as e:
-                log.warning("compiled decode failed (%s: %s); decoding eagerly", type(e).__name__, e)
-                self._decode = self.model.__call__
-                out = self._decode(**kw)
-            self._decode_checked = True
-        self._pos += n
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot {slot} is not one of the PyTorch runtime's {self.slots} slots")
+
+    def _forward(self, call, input_ids: list[list[int]], kw: dict) -> torch.Tensor:
+        out = call(input_ids=torch.tensor(input_ids, device=self.device), use_cache=True, logits_to_keep=1, **kw)
         # a copy (float32, off the CUDA graph's output buffer, which the next replay overwrites)
-        self._logits = out.logits[0, -1].float().clone()
-        p = self._params
-        x = self._logits if mask is None else apply_mask(self._logits, mask)
-        x = adjust(x, p, self._counts, self._seen, held=self._out < p.min_tokens)
-        token = int(sample(x, p, self._gen))
+        return out.logits[:, -1].float().clone()
+
+    def _decode_call(self, input_ids: list[list[int]], kw: dict) -> torch.Tensor:
+        if self._decode_checked:
+            return self._forward(self._decode, input_ids, kw)
+        try:                                   # first compiled step: fall back to eager if compiling fails
+            out = self._forward(self._decode, input_ids, kw)
+        except Exception as e:
+            log.warning("compiled decode failed (%s: %s); decoding eagerly", type(e).__name__, e)
+            self._decode = self.model.__call__
+            out = self._forward(self._decode, input_ids, kw)
+        self._decode_checked = True
+        return out
+
+    def _choose(self, slot: int, logits: torch.Tensor, mask: np.ndarray | None) -> torch.Tensor:
+        """The slot's next token (a 0-d tensor) from its float32 logits [V]."""
+        p = self._params[slot]
+        self._logits[slot] = logits
+        x = logits if mask is None else apply_mask(logits, mask)
+        x = adjust(x, p, self._counts[slot], self._seen[slot], held=self._out[slot] < p.min_tokens)
+        return sample(x, p, self._gens[slot])
+
+    def _took(self, slot: int, token: int) -> int:
+        p = self._params[slot]
         if p.logprobs is not None:
-            self._logprobs = raw_logprobs(self._logits, token, p.logprobs)
+            self._logprobs[slot] = raw_logprobs(self._logits[slot], token, p.logprobs)
         return token
 
     @torch.inference_mode()
     def start(self, slot: int, prompt_ids: Sequence[int], params: SamplingParams,
               mask: np.ndarray | None = None) -> int:
-        if slot != 0:
-            raise ValueError(f"slot {slot} is not one of the PyTorch runtime's {self.slots} slots")
-        if not prompt_ids:
+        self._check_slot(slot)
+        n = len(prompt_ids)
+        if not n:
             raise ValueError("empty prompt")
-        self._cache.reset()
-        self._pos = 0
-        self._params = params
-        self._gen.manual_seed(params.seed64())
-        self._counts.zero_()
-        self._seen.zero_()
-        self._seen[torch.tensor(list(prompt_ids), device=self.device).clamp(0, self._seen.numel() - 1)] = True
-        self._out = 0
-        return self._forward(prompt_ids, mask)
+        if n > self.max_context:
+            raise ValueError(f"sequence of {n} tokens exceeds the PyTorch runtime's max_context {self.max_context}")
+        self._params[slot] = params
+        self._gens[slot].manual_seed(params.seed64())
+        self._counts[slot].zero_()
+        self._seen[slot].zero_()
+        self._seen[slot, torch.tensor(list(prompt_ids), device=self.device).clamp(0, self.vocab_size - 1)] = True
+        self._out[slot] = 0
+        self._pos[slot] = n
+        logits = self._forward(self.model.__call__, [list(prompt_ids)], self._kv.prefill(slot, n))
+        return self._took(slot, int(self._choose(slot, logits[0], mask)))
 
+    @torch.inference_mode()
     def step(self, tokens: Mapping[int, int], masks: Mapping[int, np.ndarray] | None = None) -> dict[int, int]:
         if not tokens:
             return {}
-        if set(tokens) != {0} or self._pos == 0:
-            raise RuntimeError("step() on a slot that was not started")
-        token = tokens[0]
-        if 0 <= token < self._counts.numel():
-            self._counts[token] += 1
-        self._out += 1
-        return {0: self._forward([token], (masks or {}).get(0))}
+        for slot in tokens:
+            self._check_slot(slot)
+            if self._pos[slot] == 0:
+                raise RuntimeError(f"step() on slot {slot} before start()")
+            if self._pos[slot] >= self.max_context:
+                raise ValueError(f"sequence of {self._pos[slot] + 1} tokens exceeds the PyTorch runtime's "
+                                 f"max_context {self.max_context}")
+        ids, positions = [[0] for _ in range(self.slots)], [0] * self.slots
+        for slot, token in tokens.items():
+            if 0 <= token < self.vocab_size:
+                self._counts[slot, token] += 1
+            self._out[slot] += 1
+            ids[slot], positions[slot] = [token], self._pos[slot]
+            self._pos[slot] += 1
+        for slot in set(range(self.slots)) - set(tokens):
+            self._pos[slot] = 0                  # a slot left out is free from now on
+        logits = self._decode_call(ids, self._kv.decode(positions))
+        masks = masks or {}
+        chosen = torch.stack([self._choose(s, logits[s], masks.get(s)) for s in tokens]).tolist()
+        return {s: self._took(s, t) for s, t in zip(tokens, chosen)}
 
     def logits(self, slot: int) -> np.ndarray:
-        return self._logits.cpu().numpy()
+        return self._logits[slot].cpu().numpy()
 
     def logprobs(self, slot: int) -> TokenLogprobs:
-        return self._logprobs
+        return self._logprobs[slot]
 
 
 FLOOR = -80.0   # as serving/jax_runtime/sampling.py: tempered, max-shifted logits are clamped here
@@ -189,7 +277,16 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -
     return (x - q.log()).argmax()                    # Gumbel-max: a draw from softmax(x)
 
 
-def load(model_dir: str | Path, device: str | None = None, max_context: int | None = None) -> TorchEngine:
+def slots_from_env(env=os.environ) -> int:
+    """G5G_TORCH_SLOTS: sequences decoded together (default 1: transformers' StaticCache, one after another)."""
+    text = env.get("G5G_TORCH_SLOTS") or "1"
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"G5G_TORCH_SLOTS: {text!r} is not a positive integer")
+    return int(text)
+
+
+def load(model_dir: str | Path, device: str | None = None, max_context: int | None = None,
+         slots: int | None = None) -> TorchEngine:
     from transformers import AutoConfig, Gemma4ForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -211,6 +308,9 @@ def load(model_dir: str | Path, device: str | None = None, max_context: int | No
                          f"(expected Gemma 4 weights under model.language_model.*)")
     model.to(dev).eval()
     context = min(text_config.max_position_embeddings, max_context or DEFAULT_MAX_CONTEXT)
-    log.info("loaded %s on %s as %s (%d layers, context %d)", model_dir, dev, dtype,
-             text_config.num_hidden_layers, context)
-    return TorchEngine(model, text_config, dev, context)
+    slots = slots or slots_from_env()
+    if slots > 1 and model.config._attn_implementation != "sdpa":
+        model.set_attn_implementation("sdpa")    # SlotKV's masks are boolean (True: attend), as sdpa takes them
+    log.info("loaded %s on %s as %s (%d layers, context %d, %d slot%s)", model_dir, dev, dtype,
+             text_config.num_hidden_layers, context, slots, "s" * (slots > 1))
+    return TorchEngine(model, text_config, dev, context, slots)

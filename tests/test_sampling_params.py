@@ -27,7 +27,7 @@ def engines(tiny_gemma4):
     from serving import pytorch_runtime
     n = torch.get_num_threads()
     torch.set_num_threads(1)
-    out = {"pytorch": pytorch_runtime.load(tiny_gemma4)}
+    out = {"pytorch": pytorch_runtime.load(tiny_gemma4), "pytorch_batched": pytorch_runtime.load(tiny_gemma4, slots=3)}
     if _has_jax():
         from serving.jax_runtime import Settings, load
         out["jax"] = load(tiny_gemma4, Settings(buckets=(32, 64, 256), dtype="float32", cache_dir=None, slots=3,
@@ -195,7 +195,7 @@ def test_jax_and_pytorch_agree_on_greedy_and_logprobs(engines, ask):
         np.testing.assert_allclose([v for _, v in x.top], [v for _, v in y.top], atol=CROSS_ATOL)
 
 
-# ------------------------------------------------------------------------------------------------ JAX batch
+# ------------------------------------------------------------------------------------------------ batches
 def _summary(events):
     deltas = [e for e in events if isinstance(e, Delta)]
     fin = next(e for e in events if isinstance(e, Finish))
@@ -204,10 +204,12 @@ def _summary(events):
     return "".join(d.text for d in deltas), fin.reason, fin.completion_tokens, lps
 
 
-def test_jax_batch_gives_each_request_with_these_parameters_what_it_gets_alone(engines, info, ask):
-    if "jax" not in engines:
+@pytest.mark.parametrize("batched", ["jax", "pytorch_batched"])
+def test_batch_gives_each_request_with_these_parameters_what_it_gets_alone(engines, info, ask, batched):
+    """Five requests over three slots (two join as others leave), alone and in the batch."""
+    if batched not in engines:
         pytest.skip("jax not installed")
-    eng = engines["jax"]
+    eng = engines[batched]
     other = info.chat_prompt([{"role": "user", "content": "What is a stop string? " * 3}])
     stop_ids = tuple(info.stop_ids)
     jobs = [Job(ask, SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.4, logprobs=2)),

@@ -1,0 +1,79 @@
+"""The PyTorch runtime's continuous batching (G5G_TORCH_SLOTS > 1): SlotKV, our cache with a row per sequence,
+against transformers' StaticCache that the one-slot engine uses. (Batched requests against each run alone, with
+every sampling parameter: tests/test_sampling_params.py.)"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import requests
+
+from serving.engine import SamplingParams
+from tests.fixtures.server import serving, serving_env
+from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
+
+GREEDY = SamplingParams(temperature=0.0)
+SLOTS = 4
+CONTEXT = 128
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_gemma4):
+    """(one-slot StaticCache engine, SLOTS-slot SlotKV engine) over the fixture."""
+    import torch
+    from serving.pytorch_runtime import load
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load(tiny_gemma4, max_context=CONTEXT), load(tiny_gemma4, max_context=CONTEXT, slots=SLOTS)
+    torch.set_num_threads(n)
+
+
+def _prompt(engine, n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, engine.vocab_size, n).tolist()
+
+
+def _alone(engine, prompt, params, n, slot=0):
+    """n tokens of one sequence in `slot`, and the logits behind each."""
+    toks = [engine.start(slot, prompt, params)]
+    logits = [engine.logits(slot)]
+    while len(toks) < n:
+        toks.append(engine.step({slot: toks[-1]})[slot])
+        logits.append(engine.logits(slot))
+    return toks, np.stack(logits)
+
+
+def test_slot_cache_gives_the_static_cache_logits(engines):
+    """Past the sliding window (16 in the fixture) and in a slot other than 0: the same logits as StaticCache."""
+    one, many = engines
+    for n, slot in [(3, 0), (20, 3), (40, 1)]:
+        prompt = _prompt(one, n, seed=n)
+        ref, ref_logits = _alone(one, prompt, GREEDY, 30)
+        got, got_logits = _alone(many, prompt, GREEDY, 30, slot=slot)
+        assert got == ref
+        np.testing.assert_allclose(got_logits, ref_logits, atol=1e-4)
+
+
+def test_slots_setting_is_a_positive_integer():
+    from serving.pytorch_runtime import slots_from_env
+    assert slots_from_env({}) == 1 and slots_from_env({"G5G_TORCH_SLOTS": "8"}) == 8
+    for bad in ("0", "-2", "four"):
+        with pytest.raises(ValueError, match=f"G5G_TORCH_SLOTS: '{bad}' is not a positive integer"):
+            slots_from_env({"G5G_TORCH_SLOTS": bad})
+
+
+def test_server_with_slots_answers_concurrent_clients(tiny_gemma4):
+    """`python -m serving --runtime pytorch` with G5G_TORCH_SLOTS=4: eight clients at once, each its answer."""
+    lengths = [200, 5, 200, 9, 200, 30, 200, 12]
+    with serving("pytorch", tiny_gemma4, "--served-model-name", "tiny",
+                 env=serving_env(G5G_TORCH_SLOTS=str(SLOTS))) as srv:
+        def chat(n):
+            body = {"model": "tiny", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": n}
+            return requests.post(f"{srv.url}/v1/chat/completions", json=body, timeout=120)
+
+        with ThreadPoolExecutor(len(lengths)) as pool:
+            replies = list(pool.map(chat, lengths))
+    for n, r in zip(lengths, replies):
+        assert r.status_code == 200, r.text
+        text = r.json()["choices"][0]["message"]["content"]
+        assert text == ANSWER if n == 200 else (ANSWER.startswith(text) and r.json()["usage"]["completion_tokens"] == n)
