@@ -9,9 +9,10 @@ Each server runs as `python -m serving` and is measured by `build.py bench` (the
 - prefill of a ~512-token prompt: TTFT of 1-token requests.
 The peer, in-process, on the same checkpoint, prompts and lengths: decode tok/s of `generate(...,
 cache_implementation="static")` (greedy) as (N - 1) / (t(N tokens) - t(1 token)), batch 1 and 8, and prefill.
-Then an in-process profile of JAX decode: executable time vs engine.step time (host gap), a device trace.
+Then an in-process profile of JAX decode: executable time vs engine.step time (host gap), a device trace; and the
+PyTorch server again with G5G_TORCH_SLOTS=8 (continuous batching, phase pytorch_batched).
 
-    python benchmarks/serving_speed.py OUTDIR [--runs 5] [--layers 35] [--tiny]
+    python benchmarks/serving_speed.py OUTDIR [--runs 5] [--layers 35] [--tiny] [--ckpt DIR] [--only PHASES]
 Writes OUTDIR/serving_speed.json (every figure, with spread) and prints a summary.
 """
 from __future__ import annotations
@@ -103,11 +104,12 @@ def bench(url: str, out: Path, name: str, *, requests_n: int, concurrency: int, 
     return res
 
 
-def measure_server(runtime: str, ckpt: Path, work: Path, runs: int, p: dict) -> dict:
+def measure_server(runtime: str, ckpt: Path, work: Path, runs: int, p: dict, torch_slots: int = 1) -> dict:
     from tests.fixtures.server import serving, serving_env
 
     env = serving_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"), G5G_JAX_CACHE_DIR=str(work / "jaxcache"),
-                      G5G_JAX_BUCKETS=BUCKETS, G5G_JAX_SLOTS=str(SLOTS), XLA_PYTHON_CLIENT_MEM_FRACTION="0.5")
+                      G5G_JAX_BUCKETS=BUCKETS, G5G_JAX_SLOTS=str(SLOTS), XLA_PYTHON_CLIENT_MEM_FRACTION="0.5",
+                      G5G_TORCH_SLOTS=str(torch_slots))
     flags = ("--max-model-len", "1024", "--served-model-name", "e2b", "--max-waiting", "64", "--log-level", "warning")
     res: dict = {}
     if runtime == "jax":          # the first boot compiles into an empty cache: time it, then boot from that cache
@@ -123,7 +125,7 @@ def measure_server(runtime: str, ckpt: Path, work: Path, runs: int, p: dict) -> 
         res["single_64"] = bench(url, work, f"{runtime}-single64", requests_n=runs, concurrency=1, max_tokens=64)
         res["single_256"] = bench(url, work, f"{runtime}-single256", requests_n=runs, concurrency=1, max_tokens=256)
         res["concurrent_8x256"] = bench(url, work, f"{runtime}-conc8", concurrency=SLOTS, max_tokens=256,
-                                        requests_n=SLOTS * (2 if runtime == "jax" else 1))
+                                        requests_n=SLOTS * (2 if runtime == "jax" or torch_slots > 1 else 1))
         res["prefill_512"] = bench(url, work, f"{runtime}-prefill512", requests_n=runs, concurrency=1,
                                    max_tokens=1, prompt=p["long"]["text"])
     res["log_tail"] = srv.output[-1500:]
@@ -268,7 +270,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--layers", type=int, default=35)
     ap.add_argument("--tiny", action="store_true", help="shrink the widths (smoke-run the script on CPU)")
-    ap.add_argument("--only", default="peer,jax,profile,pytorch", help="phases, in this order")
+    ap.add_argument("--only", default="peer,jax,profile,pytorch,pytorch_batched", help="phases, in this order")
     ap.add_argument("--profile-buckets", default=BUCKETS, help="JAX length ladder of the profile (default: the "
                     "server's, whose executables the jax phase left in the persistent cache)")
     ap.add_argument("--ckpt", type=Path, help="reuse (or build here) the checkpoint in this directory")
@@ -288,7 +290,9 @@ def main() -> int:
     phases = {"peer": ("peer_transformers_static", lambda: measure_peer(ckpt, args.runs, p)),
               "jax": ("jax", lambda: measure_server("jax", ckpt, work, args.runs, p)),
               "profile": ("jax_profile", lambda: profile_jax(ckpt, work, p, args.profile_buckets)),
-              "pytorch": ("pytorch", lambda: measure_server("pytorch", ckpt, work, args.runs, p))}
+              "pytorch": ("pytorch", lambda: measure_server("pytorch", ckpt, work, args.runs, p)),
+              "pytorch_batched": ("pytorch_batched",
+                                  lambda: measure_server("pytorch", ckpt, work, args.runs, p, torch_slots=SLOTS))}
     for phase in args.only.split(","):
         key, run = phases[phase]
         try:
