@@ -257,6 +257,29 @@ def test_unusable_cache_dir_only_costs_the_cache(e2b_ckpt, tmp_path, caplog):
     assert "unusable" in caplog.text
 
 
+def test_weights_convert_in_row_blocks_across_threads(monkeypatch):
+    """load_params' conversion (transpose and cast, in blocks on a thread pool) gives numpy's own result; a tensor
+    that needs neither stays the memory-mapped array itself."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import ml_dtypes
+    from serving.jax_runtime import checkpoint
+
+    monkeypatch.setattr(checkpoint, "CHUNK_BYTES", 1000)          # many blocks, a ragged last one
+    src = np.random.default_rng(0).standard_normal((301, 77)).astype(ml_dtypes.bfloat16)
+    pending = []
+    with ThreadPoolExecutor(3) as pool:
+        flat = checkpoint._converted(pool, pending, src, np.dtype(np.float16), transpose=False)
+        turned = checkpoint._converted(pool, pending, src, np.dtype(np.float16), transpose=True)
+        same = checkpoint._converted(pool, pending, src, src.dtype, transpose=False)
+        for task in pending:
+            task.result()
+    assert len(pending) > 20 and same is src
+    np.testing.assert_array_equal(flat, src.astype(np.float16))
+    np.testing.assert_array_equal(turned, np.ascontiguousarray(src.T).astype(np.float16))
+    assert turned.flags.c_contiguous
+
+
 def test_pipeline_setting_reads_0_or_1_and_refuses_anything_else():
     assert Settings.from_env({}).pipeline and not Settings.from_env({"G5G_JAX_PIPELINE": "0"}).pipeline
     with pytest.raises(ValueError, match="G5G_JAX_PIPELINE: 'yes' is not 0 or 1"):

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import ml_dtypes
@@ -89,11 +91,43 @@ def _prefix(names: set[str], where: Path) -> str:
     raise CheckpointError(f"{where}: no 'model.language_model.embed_tokens.weight' (nor 'model.embed_tokens.weight')")
 
 
+CHUNK_BYTES = 64 << 20    # one task of a conversion: a row block of the output this large
+
+
+def _converted(pool: ThreadPoolExecutor, pending: list[Future], src: np.ndarray, dtype, transpose: bool):
+    """src (a memory-mapped tensor) as a C-contiguous array of dtype, transposed if asked: the tensor itself when
+    nothing changes; else a new array that tasks appended to `pending` fill in row blocks. Transposing and casting
+    gigabytes is most of a load, and numpy releases the GIL while it copies: every core takes a share."""
+    if not transpose and src.dtype == dtype:
+        return src
+    view = src.T if transpose else src
+    out = np.empty(view.shape, dtype)
+    step = max(1, CHUNK_BYTES // max(1, out[:1].nbytes))
+
+    def block(r0: int) -> None:
+        out[r0:r0 + step] = view[r0:r0 + step]
+
+    pending += [pool.submit(block, r0) for r0 in range(0, len(out), step)]
+    return out
+
+
 def load_params(model_dir: Path, cfg: TextConfig, dtype) -> dict:
     """The parameter tree the model functions take, as numpy arrays of `dtype`, shapes checked against cfg.
 
-    Linear weights are stored transposed ([in, out]) so the model computes x @ W.
+    Linear weights are stored transposed ([in, out]) so the model computes x @ W. Tensors already in that form
+    stay memory-mapped; the others are converted on every core.
     """
+    pending: list[Future] = []
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        params = _read_params(Path(model_dir), cfg, lambda src, transpose=False: _converted(
+            pool, pending, src, np.dtype(dtype), transpose))
+        for task in pending:
+            task.result()
+    return params
+
+
+def _read_params(model_dir: Path, cfg: TextConfig, convert) -> dict:
+    """load_params' tree; convert(tensor, transpose=False) gives each tensor's array of the parameter dtype."""
     st = SafetensorsDir(model_dir)
     names = st.names()
     prefix = _prefix(names, Path(model_dir))
@@ -102,19 +136,25 @@ def load_params(model_dir: Path, cfg: TextConfig, dtype) -> dict:
         full = prefix + key
         if full not in names:
             if optional_default is not None:
-                return np.asarray(optional_default, dtype)
+                return convert(np.asarray(optional_default, np.float32))
             raise CheckpointError(f"{model_dir}: tensor {full!r} missing from the checkpoint")
+        return convert(_raw(full, shape))
+
+    def _raw(full: str, shape: tuple | None = None) -> np.ndarray:
         arr = st.get(full)
         if shape is not None and tuple(arr.shape) != tuple(shape):
             raise CheckpointError(f"{model_dir}: tensor {full!r} has shape {tuple(arr.shape)}, config says {shape}")
-        return np.asarray(arr, dtype=dtype)
+        return arr
 
     def linear(key: str, n_in: int, n_out: int | None = None) -> np.ndarray:
-        w = get(key)
+        full = prefix + key
+        if full not in names:
+            raise CheckpointError(f"{model_dir}: tensor {full!r} missing from the checkpoint")
+        w = _raw(full)
         if w.ndim != 2 or w.shape[1] != n_in or (n_out is not None and w.shape[0] != n_out):
-            raise CheckpointError(f"{model_dir}: tensor {prefix + key!r} has shape {w.shape}, expected "
+            raise CheckpointError(f"{model_dir}: tensor {full!r} has shape {w.shape}, expected "
                                   f"[{n_out if n_out is not None else 'N'}, {n_in}]")
-        return np.ascontiguousarray(w.T)
+        return convert(w, transpose=True)
 
     d, h, v = cfg.hidden_size, cfg.num_heads, cfg.vocab_size
     embed = get("embed_tokens.weight", (v, d))
@@ -125,7 +165,7 @@ def load_params(model_dir: Path, cfg: TextConfig, dtype) -> dict:
         lm = st.get("lm_head.weight")
         if tuple(lm.shape) != (v, d):
             raise CheckpointError(f"{model_dir}: tensor 'lm_head.weight' has shape {lm.shape}, expected {(v, d)}")
-        params["lm_head"] = np.ascontiguousarray(np.asarray(lm, dtype).T)
+        params["lm_head"] = convert(lm, transpose=True)
     if cfg.ple_dim:
         n, p = cfg.num_layers, cfg.ple_dim
         params["ple_embed"] = get("embed_tokens_per_layer.weight", (cfg.ple_vocab_size, n * p))
