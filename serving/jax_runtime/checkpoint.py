@@ -111,14 +111,14 @@ def _converted(pool: ThreadPoolExecutor, pending: list[Future], src: np.ndarray,
     return out
 
 
-def load_params(model_dir: Path, cfg: TextConfig, dtype) -> dict:
+def load_params(model_dir: Path, cfg: TextConfig, dtype, workers: int | None = None) -> dict:
     """The parameter tree the model functions take, as numpy arrays of `dtype`, shapes checked against cfg.
 
     Linear weights are stored transposed ([in, out]) so the model computes x @ W. Tensors already in that form
-    stay memory-mapped; the others are converted on every core.
+    stay memory-mapped; the others are converted on `workers` threads (default: every core).
     """
     pending: list[Future] = []
-    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+    with ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
         params = _read_params(Path(model_dir), cfg, lambda src, transpose=False: _converted(
             pool, pending, src, np.dtype(dtype), transpose))
         for task in pending:
