@@ -43,11 +43,13 @@ def main() -> int:
     results = {}
     for name, env in VARIANTS.items():
         out = args.out / name.replace(" ", "").replace(",", "_")
-        run = subprocess.run([sys.executable, "benchmarks/serving_speed.py", str(out), "--only", "profile", "--ckpt",
-                              str(args.ckpt), "--profile-buckets", args.buckets], cwd=ROOT, timeout=400,
-                             env={**os.environ, **env}, capture_output=True, text=True)
         try:
+            run = subprocess.run([sys.executable, "benchmarks/serving_speed.py", str(out), "--only", "profile",
+                                  "--ckpt", str(args.ckpt), "--profile-buckets", args.buckets], cwd=ROOT,
+                                 timeout=400, env={**os.environ, **env}, capture_output=True, text=True)
             results[name] = {"env": env, **json.loads((out / "serving_speed.json").read_text())["jax_profile"]}
+        except subprocess.TimeoutExpired as e:          # one variant failing must not lose the others
+            results[name] = {"env": env, "error": f"no result in {e.timeout:.0f} s"}
         except (OSError, KeyError, ValueError):
             results[name] = {"env": env, "error": (run.stdout + run.stderr)[-3000:]}
         print(name, {k: v for k, v in results[name].items() if k.endswith("_ms") or k == "error"}, flush=True)

@@ -111,10 +111,11 @@ def measure_server(runtime: str, ckpt: Path, work: Path, runs: int, p: dict, tor
                       G5G_JAX_BUCKETS=BUCKETS, G5G_JAX_SLOTS=str(SLOTS), XLA_PYTHON_CLIENT_MEM_FRACTION="0.5",
                       G5G_TORCH_SLOTS=str(torch_slots))
     flags = ("--max-model-len", "1024", "--served-model-name", "e2b", "--max-waiting", "64", "--log-level", "warning")
-    res: dict = {}
+    res: dict = {"log_tail": {}}
     if runtime == "jax":          # the first boot compiles into an empty cache: time it, then boot from that cache
         with serving(runtime, ckpt, *flags, env=env, timeout=900) as srv:
             res["boot_cold_s"] = round(srv.ready_s, 1)
+        res["log_tail"]["cold"] = srv.output[-1500:]
     with serving(runtime, ckpt, *flags, env=env, timeout=900) as srv:
         res["boot_warm_s" if runtime == "jax" else "boot_s"] = round(srv.ready_s, 1)
         url = srv.url
@@ -128,7 +129,7 @@ def measure_server(runtime: str, ckpt: Path, work: Path, runs: int, p: dict, tor
                                         requests_n=SLOTS * (2 if runtime == "jax" or torch_slots > 1 else 1))
         res["prefill_512"] = bench(url, work, f"{runtime}-prefill512", requests_n=runs, concurrency=1,
                                    max_tokens=1, prompt=p["long"]["text"])
-    res["log_tail"] = srv.output[-1500:]
+    res["log_tail"]["measured"] = srv.output[-1500:]
     return res
 
 
@@ -255,8 +256,8 @@ def profile_jax(ckpt: Path, work: Path, p: dict, buckets: str = BUCKETS) -> dict
         out = exe(eng.params, eng._cache, eng._state, *args)
         eng._cache, eng._state = out[2], out[3]
     jax.block_until_ready(out)
-    hlo = exe.as_text()
     res[f"batch{b}_executable_ms"] = round((time.perf_counter() - t0) / n * 1000, 3)
+    hlo = exe.as_text()
     res.update(capacity=c, hlo_fusions=hlo.count(" fusion("), hlo_custom_calls=hlo.count("custom-call("),
                hlo_conditionals=hlo.count(" conditional("), hlo_while_loops=hlo.count(" while("),
                speculation=dict(eng.speculation))

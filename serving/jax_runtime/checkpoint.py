@@ -132,27 +132,24 @@ def _read_params(model_dir: Path, cfg: TextConfig, convert) -> dict:
     names = st.names()
     prefix = _prefix(names, Path(model_dir))
 
-    def get(key: str, shape: tuple | None = None, optional_default=None) -> np.ndarray:
+    def raw(key: str, shape: tuple | None = None) -> np.ndarray:
         full = prefix + key
         if full not in names:
-            if optional_default is not None:
-                return convert(np.asarray(optional_default, np.float32))
             raise CheckpointError(f"{model_dir}: tensor {full!r} missing from the checkpoint")
-        return convert(_raw(full, shape))
-
-    def _raw(full: str, shape: tuple | None = None) -> np.ndarray:
         arr = st.get(full)
         if shape is not None and tuple(arr.shape) != tuple(shape):
             raise CheckpointError(f"{model_dir}: tensor {full!r} has shape {tuple(arr.shape)}, config says {shape}")
         return arr
 
+    def get(key: str, shape: tuple | None = None, optional_default=None) -> np.ndarray:
+        if optional_default is not None and prefix + key not in names:
+            return convert(np.asarray(optional_default, np.float32))
+        return convert(raw(key, shape))
+
     def linear(key: str, n_in: int, n_out: int | None = None) -> np.ndarray:
-        full = prefix + key
-        if full not in names:
-            raise CheckpointError(f"{model_dir}: tensor {full!r} missing from the checkpoint")
-        w = _raw(full)
+        w = raw(key)
         if w.ndim != 2 or w.shape[1] != n_in or (n_out is not None and w.shape[0] != n_out):
-            raise CheckpointError(f"{model_dir}: tensor {full!r} has shape {w.shape}, expected "
+            raise CheckpointError(f"{model_dir}: tensor {prefix + key!r} has shape {w.shape}, expected "
                                   f"[{n_out if n_out is not None else 'N'}, {n_in}]")
         return convert(w, transpose=True)
 

@@ -197,8 +197,8 @@ def _attend_rows(q, k, v, mask):
 
 def decode(cfg: TextConfig, capacity: int, params, cache, tokens, positions):
     """One token for each of the first B cache rows: tokens, positions [B] int32 (row r's token goes to position
-    positions[r]). Full-attention layers read only the first
-    `capacity` positions (every position must be below it). Returns (float32 logits [B, V], updated cache)."""
+    positions[r]). Full-attention layers read only the first `capacity` positions (every position must be below
+    it). Returns (float32 logits [B, V], updated cache)."""
     window = cfg.sliding_window
     dtype = params["embed"].dtype
     b = tokens.shape[0]
