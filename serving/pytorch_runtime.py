@@ -197,7 +197,7 @@ class TorchEngine:
                                  f"max_context {self.max_context}")
         ids, positions = [[0] for _ in range(self.slots)], [0] * self.slots
         for slot, token in tokens.items():
-            if 0 <= token < self.vocab_size:
+            if self._params[slot].penalised and 0 <= token < self.vocab_size:   # only the penalties read it
                 self._counts[slot, token] += 1
             self._out[slot] += 1
             ids[slot], positions[slot] = [token], self._pos[slot]
