@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {   # the runtime's defaults (serving/jax_runtime/engine.py: DEFAULT_XLA_FLAGS) unless a variant says otherwise
     "default": {},
     "plain": {"G5G_JAX_PIPELINE": "0"},
-    "XLA's own command buffers": {"G5G_JAX_XLA_DEFAULTS": "0"},
-    "no command buffers": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="},
-    "cuBLAS for every dot": {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"},
+    "xla-own-command-buffers": {"G5G_JAX_XLA_DEFAULTS": "0"},
+    "no-command-buffers": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="},
+    "cublas-dots": {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"},     # no Triton GEMM fusions
 }
 
 
@@ -47,7 +47,7 @@ def main() -> int:
     base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "G5G_JAX_PIPELINE", "G5G_JAX_XLA_DEFAULTS")}
     for name in names:
         env = VARIANTS[name]
-        out = args.out / name.replace(" ", "").replace(",", "_")
+        out = args.out / name
         try:
             run = subprocess.run([sys.executable, "benchmarks/serving_speed.py", str(out), "--only", "profile",
                                   "--ckpt", str(args.ckpt), "--profile-buckets", args.buckets], cwd=ROOT,
