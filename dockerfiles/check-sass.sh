@@ -2,8 +2,8 @@
 # The SASS a library really carries, read with cuobjdump (no GPU at build time):
 #   check-sass.sh [--only] "ARCH..." FILE...        e.g. check-sass.sh --only "7.5" vllm/*.so
 # Every FILE with device code must hold SASS for every ARCH; with --only, for those archs only and no PTX (vLLM's
-# own libraries, built for them alone). A file without device code passes and says so; any other cuobjdump failure
-# (unreadable, not ELF, no such file) fails the check. CUOBJDUMP names the binary (default: cuobjdump on PATH).
+# own libraries, built for them alone). An ELF file without device code passes and says so; anything else cuobjdump
+# cannot read (not ELF, no such file, a broken fatbin) fails the check. CUOBJDUMP names the binary (default: cuobjdump on PATH).
 set -euo pipefail
 only=0
 if [ "${1:-}" = --only ]; then only=1; shift; fi
@@ -11,6 +11,8 @@ if [ "${1:-}" = --only ]; then only=1; shift; fi
 want=$(for a in $1; do printf 'sm_%s\n' "${a//./}"; done)
 shift
 for f in "$@"; do
+  # cuobjdump reports some non-ELF files as "no device code": only a readable ELF file may pass as host-only
+  [ "$(head -c 4 "$f" | od -An -c | tr -d ' ')" = '177ELF' ] || { echo "$f: not a readable ELF file" >&2; exit 1; }
   rc=0
   out=$("${CUOBJDUMP:-cuobjdump}" "$f" 2>&1) || rc=$?
   if [ "$rc" = 255 ] && grep -q 'does not contain device code' <<<"$out"; then
