@@ -150,7 +150,7 @@ def serving_requirements(repo_root: Path, extra: str = "serving") -> tuple[str, 
 
 
 def _tags(registry: str, runtime: str, version: str, profile: Profile) -> tuple[str, ...]:
-    """REG/g5g-images:vllm-0.33.0-cu132-sm75 + REG/g5g-images:vllm (g5g); other profiles add their tag suffix:
+    """REG/g5g-images:vllm-0.33.0-cu130-sm75 + REG/g5g-images:vllm (g5g); other profiles add their tag suffix:
     …:vllm-0.33.0-cu130-sm75-g4dn + …:vllm-g4dn, …:jax-0.10.2-cpu + …:jax-cpu."""
     repo = f"{registry}/{IMAGE_NAME}"
     v = version.split("+")[0]

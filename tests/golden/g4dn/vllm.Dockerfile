@@ -170,6 +170,7 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=cache,target=/root/.
     export MAX_JOBS NVCC_THREADS TORCH_CUDA_ARCH_LIST VLLM_TARGET_DEVICE=cuda CCACHE_DIR=/root/.cache/ccache \
       FETCHCONTENT_BASE_DIR=/root/.cache/vllm-deps; \
     . /vllm-sources/env.sh; \
+    mkdir -p /report && cp /vllm-sources/SOURCES.json /report/SOURCES.json; \
     echo "Rust frontend off (profile build.rust_frontend: false): this wheel has no vllm-rs"; \
     mkdir -p /report; \
     echo "building vLLM ${VLLM_VERSION} for ${TORCH_CUDA_ARCH_LIST} with MAX_JOBS=${MAX_JOBS} NVCC_THREADS=${NVCC_THREADS}"; \
@@ -193,7 +194,7 @@ RUN --mount=type=bind,source=check-sass.sh,target=/tmp/check/check-sass.sh \
     python3 -m zipfile -e /wheels/vllm-*.whl . \
  && find . -name '*.so' -print0 | sort -z | xargs -0 bash /tmp/check/check-sass.sh --only "${TORCH_CUDA_ARCH_LIST}" \
       | tee /report/cuobjdump.txt \
- && ls -l /wheels >> /report/times.txt \
+ && ls -l /wheels >> /report/times.txt && (cd /wheels && sha256sum -- *.whl) > /report/wheels.sha256 \
  && mkdir -p /driver-stub && cp -L /usr/local/cuda/lib64/stubs/libcuda.so /driver-stub/libcuda.so.1
 WORKDIR /src/vllm
 
