@@ -198,7 +198,7 @@ RUN --mount=type=bind,source=check-sass.sh,target=/tmp/check/check-sass.sh \
     python3 -m zipfile -e /wheels/vllm-*.whl . \
  && find . -name '*.so' -print0 | sort -z | xargs -0 bash /tmp/check/check-sass.sh --only "${TORCH_CUDA_ARCH_LIST}" \
       | tee /report/cuobjdump.txt \
- && ls -l /wheels >> /report/times.txt && (cd /wheels && sha256sum -- *.whl) > /report/wheels.sha256 \
+ && ls -l /wheels >> /report/times.txt && sha256sum /wheels/*.whl > /report/wheels.sha256 \
  && mkdir -p /driver-stub && cp -L /usr/local/cuda/lib64/stubs/libcuda.so /driver-stub/libcuda.so.1
 WORKDIR /src/vllm
 
