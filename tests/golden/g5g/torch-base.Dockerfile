@@ -66,8 +66,10 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,re
     pip install -r requirements.txt
 # The compile, alone in this step. MAX_JOBS=auto: one compile job per 4 GiB of the build host's memory, at most one
 # per core. USE_FLASH_ATTENTION=0: its kernels are sm_80+ (hours of build for nothing on 7.5); memory-efficient
-# attention stays. NCCL and cuDNN from their wheels (namespace packages: __path__, never __file__); CUPTI (kineto's
-# profiler, linked by default) from cuda-toolkit[cupti], on the loader path of the runtime stage.
+# attention stays. NCCL and cuDNN from their wheels (namespace packages: __path__, never __file__; FindNCCL and FindCUDNN
+# read NCCL_INCLUDE_DIR/NCCL_LIB_DIR and CUDNN_INCLUDE_DIR/CUDNN_LIBRARY from the environment); CUPTI (kineto's
+# profiler, linked by default) from cuda-toolkit[cupti], found under /usr/local/cuda and on the runtime stage's
+# loader path.
 RUN --mount=type=cache,target=/root/.cache/ccache \
     if [ "$MAX_JOBS" = auto ]; then \
       MAX_JOBS=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 4194304 )); \
@@ -77,7 +79,7 @@ RUN --mount=type=cache,target=/root/.cache/ccache \
     cudnn=$(python3 -c "import nvidia.cudnn; print(nvidia.cudnn.__path__[0])"); \
     requires=$(echo "$TORCH_CUDA_WHEELS" | tr ' ' '|'); \
     export MAX_JOBS TORCH_CUDA_ARCH_LIST USE_CUDA=1 USE_CUDNN=1 CUDNN_INCLUDE_DIR="$cudnn/include" \
-      CUDNN_LIB_DIR="$cudnn/lib" USE_SYSTEM_NCCL=1 NCCL_INCLUDE_DIR="$nccl/include" NCCL_LIB_DIR="$nccl/lib" \
+      CUDNN_LIBRARY="$cudnn/lib/libcudnn.so" USE_SYSTEM_NCCL=1 NCCL_INCLUDE_DIR="$nccl/include" NCCL_LIB_DIR="$nccl/lib" \
       USE_FLASH_ATTENTION=0 USE_CUSPARSELT=0 USE_CUDSS=0 USE_CUFILE=0 USE_NVSHMEM=0 BUILD_TEST=0 \
       CCACHE_DIR=/root/.cache/ccache PYTORCH_BUILD_VERSION="${TORCH_VERSION}" PYTORCH_BUILD_NUMBER=1 \
       PYTORCH_EXTRA_INSTALL_REQUIREMENTS="$requires" \
