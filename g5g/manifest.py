@@ -271,11 +271,13 @@ class Runtime(Source):
                                                                 profile.name, hint=src_name)
         ns["base"] = from_image
         args = {k: v for k, e in src.args.items() if (v := value(f"args.{k}", e)) is not None}
-        # A pin only unused args read (e.g. rust with the Rust frontend off) is not in the image: no label claims it.
+        # A pin that only unused args read (rust with the Rust frontend off; torch-base's CUDA wheels for a source
+        # other than `build`) is not in the image: no label claims it. Pins no arg reads (e.g. transformers) stay.
         def read(exprs) -> set[str]:
             return {p for e in exprs for p in self.pins if re.search(rf"pins(\.{p}\b|\[['\"]{p}['\"]\])", e)}
-        unused = read(e.value for k, e in src.args.items() if k not in args) - read(
-            [e.value for k, e in src.args.items() if k in args] + [e.value for e in src.contexts.values()])
+        every = [e.value for s in (self, *self.sources.values()) for e in (*s.args.values(), *s.contexts.values())]
+        unused = read(every) - read([e.value for k, e in src.args.items() if k in args]
+                                    + [e.value for e in src.contexts.values()] + list(src.upstream.values()))
         contexts = {k: v for k, e in src.contexts.items() if (v := value(f"contexts.{k}", e)) is not None}
         context = src.context and self._eval(f"{prefix}context", src.context, ns, profile.name)
         upstream = {k: self._eval(f"{prefix}upstream.{k}", e, ns, profile.name) for k, e in src.upstream.items()}

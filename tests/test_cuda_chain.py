@@ -407,3 +407,9 @@ def test_the_rust_pin_is_labelled_only_where_the_frontend_is_built():
         return next(i for i in plan.images if i.runtime == "vllm").upstream
     assert "rust" not in upstream("g4dn") and upstream("g5g")["rust"] == "1.95"
     assert upstream("g4dn", ["profile.build.rust_frontend=true"])["rust"] == "1.95"
+    # torch-base's CUDA wheel pins label the source-built torch only; a CPU torch claims no cuDNN
+    def base(profile):
+        plan = make_plan(manifest.load(REPO / "manifests", profile=profile), profile=profile, runtime="torch-base")
+        return plan.images[0].upstream
+    assert base("g5g")["nccl"] == "2.30.7" and base("g5g")["cudnn"] == "9.24.0.43"
+    assert "cudnn" not in base("cpu") and "nccl" not in base("cpu") and base("cpu")["torch"] == "2.13.0+cpu"
