@@ -123,7 +123,7 @@ class Cuda(_Model):
     version: Annotated[StrictStr, _check(re.compile(r"^\d+\.\d+$").match, "{v!r} must be MAJOR.MINOR, e.g. \"13.0\"")]
     archs: Annotated[tuple[StrictStr, ...], AfterValidator(_archs)]
     pip_toolkit: Annotated[StrictStr, _check(VERSION_RE.match, "{v!r} is not an exact version of cuda-toolkit")]
-    devel_image: Image | None = None  # e.g. nvidia/cuda:13.0.2-devel-ubuntu24.04: its /usr/local/cuda, not the wheels
+    devel_image: Image | None = None  # an nvidia/cuda …-devel image: its /usr/local/cuda, not the wheels' nvcc
     cuobjdump: Pin  # nvidia-cuda-cuobjdump==X: lists the SASS of torch's and vLLM's libraries at build time
 
 
@@ -398,11 +398,9 @@ def _profile(file: str, data: Any) -> Profile:
     p = _validate(Profile, file, data)
     if p.name != Path(file).stem:
         raise UserError(f"{file}: name: {p.name!r} does not match the file name {Path(file).stem!r}")
-    if p.cuda is None and p.base_image is None:
-        raise UserError(f"{file}: base_image: a profile without cuda needs a base_image")
-    if p.cuda is not None and p.base_image is None:
-        raise UserError(f"{file}: base_image: a CUDA profile installs NVIDIA's wheels on a base_image (Debian or "
-                        "Ubuntu with python3); none is set")
+    if p.base_image is None:
+        raise UserError(f"{file}: base_image: missing: every image starts from it (Debian or Ubuntu with python3; "
+                        "a CUDA profile installs NVIDIA's wheels on it)")
     # nvcc's --threads compiles a file's archs in parallel: with one arch it has nothing to split, and vLLM's setup.py
     # still divides MAX_JOBS by it (NVCC_THREADS=2 halved the jobs).
     if p.cuda is not None and len(p.cuda.archs) == 1 and p.build.nvcc_threads > 1:
