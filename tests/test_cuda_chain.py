@@ -413,3 +413,28 @@ def test_the_rust_pin_is_labelled_only_where_the_frontend_is_built():
         return plan.images[0].upstream
     assert base("g5g")["nccl"] == "2.30.7" and base("g5g")["cudnn"] == "9.24.0.43"
     assert "cudnn" not in base("cpu") and "nccl" not in base("cpu") and base("cpu")["torch"] == "2.13.0+cpu"
+
+
+def test_build_py_generate_for_g5g_writes_what_the_issue_asks(tmp_path):
+    """`build.py generate` as a user runs it: every RUN under bash -e, no namespace package's __file__, CUPTI on the
+    loader path and every DT_NEEDED checked, cuobjdump checks that fail on errors and need sm_75, NVCC_THREADS 1, the
+    bases and toolkit from reachable channels, and the check scripts in each build context."""
+    out = tmp_path / "gen"
+    r = subprocess.run([sys.executable, "build.py", "generate", "--runtime", "all", "--profile", "g5g", "--out",
+                        str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    files = {d.name: (d / "Dockerfile").read_text() for d in out.iterdir() if d.is_dir()}
+    assert set(files) == {"torch-base", "vllm", "jax", "pytorch"}
+    for name, text in files.items():
+        shells = [c.value for c in dockerfile.parse_string(text) if c.cmd == "SHELL"]
+        assert shells and all(s == ("/bin/bash", "-e", "-o", "pipefail", "-c") for s in shells), name
+        assert "__file__)" not in re.sub(r"(torch|vllm)\.__file__\)", "", text), name
+        assert "nvidia/cuda" not in text, name
+        assert name == "pytorch" or "ARG BASE_IMAGE=g5g-local/trixie:arm64" in text, name  # pytorch: FROM torch-base
+    assert "cupti" in files["torch-base"] and "check-needed.sh \"$torch/lib\"" in files["torch-base"]
+    assert 'check-sass.sh "${TORCH_CUDA_ARCH_LIST}" "$torch/lib/libtorch_cuda.so"' in files["torch-base"]
+    assert "check-sass.sh --only" in files["vllm"] and "ARG NVCC_THREADS=1" in files["vllm"]
+    assert "ARG NVCC_THREADS=1" in files["torch-base"] and "ARG CUDA_TOOLKIT_VERSION=13.0.3" in files["vllm"]
+    for ctx in ("torch-base", "vllm"):
+        for script in ("check-sass.sh", "check-needed.sh"):
+            assert (out / ctx / script).read_text() == (REPO / "dockerfiles" / script).read_text()
