@@ -20,7 +20,7 @@ RUN --mount=type=bind,target=/tmp/wheels --mount=type=cache,target=/root/.cache/
 # pins it, and images built FROM this one compare torch with /opt/g5g/torch.txt after installing.
 RUN mkdir -p /opt/g5g \
  && python3 -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" > /opt/g5g/constraints.txt \
- && python3 -c "import hashlib, importlib.metadata as m; d = m.distribution('torch'); print('torch', d.version, hashlib.sha256(d.read_text('RECORD').encode()).hexdigest())" > /opt/g5g/torch.txt \
+ && python3 -c "import hashlib, importlib.metadata as m; d = m.distribution('torch'); print('torch', d.version, hashlib.sha256((d.read_text('RECORD') or '').encode()).hexdigest())" > /opt/g5g/torch.txt \
  && cat /opt/g5g/constraints.txt /opt/g5g/torch.txt
 ENV PIP_CONSTRAINT=/opt/g5g/constraints.txt
 RUN python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"

@@ -15,7 +15,7 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,re
 COPY serving/ /opt/g5g/serving/
 ENV PYTHONPATH=/opt/g5g PYTHONUNBUFFERED=1
 # The serving requirements ran under torch-base's PIP_CONSTRAINT; torch must be the one torch-base checked.
-RUN if ! python3 -c "import hashlib, importlib.metadata as m; d = m.distribution('torch'); print('torch', d.version, hashlib.sha256(d.read_text('RECORD').encode()).hexdigest())" | diff /opt/g5g/torch.txt -; then \
+RUN if ! python3 -c "import hashlib, importlib.metadata as m; d = m.distribution('torch'); print('torch', d.version, hashlib.sha256((d.read_text('RECORD') or '').encode()).hexdigest())" | diff /opt/g5g/torch.txt -; then \
       echo "installing the serving requirements replaced torch (<: torch-base's, >: now), despite PIP_CONSTRAINT=$PIP_CONSTRAINT" >&2; exit 1; fi
 # Non-root at run time; uid 1000 with a writable home for caches (Hugging Face, Triton, JAX).
 # Images FROM torch-base already have it; Ubuntu's images ship user `ubuntu` on uid 1000.

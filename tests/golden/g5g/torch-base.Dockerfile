@@ -134,7 +134,7 @@ RUN --mount=type=bind,source=check-needed.sh,target=/tmp/check/check-needed.sh \
 # pins it, and images built FROM this one compare torch with /opt/g5g/torch.txt after installing.
 RUN mkdir -p /opt/g5g \
  && python3 -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" > /opt/g5g/constraints.txt \
- && python3 -c "import hashlib, importlib.metadata as m; d = m.distribution('torch'); print('torch', d.version, hashlib.sha256(d.read_text('RECORD').encode()).hexdigest())" > /opt/g5g/torch.txt \
+ && python3 -c "import hashlib, importlib.metadata as m; d = m.distribution('torch'); print('torch', d.version, hashlib.sha256((d.read_text('RECORD') or '').encode()).hexdigest())" > /opt/g5g/torch.txt \
  && cat /opt/g5g/constraints.txt /opt/g5g/torch.txt
 ENV PIP_CONSTRAINT=/opt/g5g/constraints.txt
 ENV TORCH_CUDA_ARCH_LIST="7.5"

@@ -155,7 +155,7 @@ RUN python3 tools/use_existing_torch.py --prefix \
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
     pip install -r requirements/build/cuda.txt \
- && if ! python3 -c "import hashlib, importlib.metadata as m; d = m.distribution('torch'); print('torch', d.version, hashlib.sha256(d.read_text('RECORD').encode()).hexdigest())" | diff /opt/g5g/torch.txt -; then \
+ && if ! python3 -c "import hashlib, importlib.metadata as m; d = m.distribution('torch'); print('torch', d.version, hashlib.sha256((d.read_text('RECORD') or '').encode()).hexdigest())" | diff /opt/g5g/torch.txt -; then \
       echo "pip install -r requirements/build/cuda.txt replaced torch (<: torch-base's, >: now), despite PIP_CONSTRAINT=$PIP_CONSTRAINT" >&2; exit 1; fi
 # TORCH_CUDA_ARCH_LIST=7.5 (never +PTX) narrows every arch-intersected kernel set to nothing above Turing: vLLM's
 # own sm_90/sm_100/sm_120 kernels and DeepGEMM, DeepSelect, FlashMLA, FlashKDA and QuTLASS compile nothing
@@ -229,7 +229,7 @@ RUN --mount=type=bind,from=vllm-build,source=/wheels,target=/tmp/wheels --mount=
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
     pip install "/tmp/wheels/vllm-${VLLM_VERSION}"*.whl "transformers==${TRANSFORMERS_VERSION}" "triton==${TRITON_VERSION}" \
  && pip install --no-deps "torchvision==${TORCHVISION_VERSION}" \
- && if ! python3 -c "import hashlib, importlib.metadata as m; d = m.distribution('torch'); print('torch', d.version, hashlib.sha256(d.read_text('RECORD').encode()).hexdigest())" | diff /opt/g5g/torch.txt -; then \
+ && if ! python3 -c "import hashlib, importlib.metadata as m; d = m.distribution('torch'); print('torch', d.version, hashlib.sha256((d.read_text('RECORD') or '').encode()).hexdigest())" | diff /opt/g5g/torch.txt -; then \
       echo "installing vLLM's wheel and its requirements replaced torch (<: torch-base's, >: now), despite PIP_CONSTRAINT=$PIP_CONSTRAINT" >&2; exit 1; fi \
  && python3 -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 # No GPU at build time, and `import vllm` loads no compiled extension until it sees one: every DT_NEEDED of vLLM's
