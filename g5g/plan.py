@@ -36,6 +36,7 @@ class ImagePlan:
     context: str | None = None  # the build context when it is not the image's own directory (cpu: the wheels)
     context_origin: str = ""  # "FILE: KEY" the context comes from, for errors
     copy: tuple[str, ...] = ()  # repository paths copied into the build context
+    cache_mode: str = "max"  # registry cache export (the runtime's cache_mode)
 
     def contract(self, commands: list[list[str]]) -> dict:
         """The `--dry-run --json` entry (docs/CONTRACTS.md)."""
@@ -111,14 +112,16 @@ class Plan:
 
     def cache_sets(self) -> list[str]:
         """Every target (the bases too) reads its own registry cache; a pushing build also writes it, from its
-        first bake on, so hours of torch-base survive a later image failing. Builds that do not push (pull
-        requests: no registry credentials) only read."""
+        first bake on, so hours of torch-base survive a later image failing (its cache_mode is min: the image, which
+        holds the wheel, not the multi-GB build tree; a build whose inputs match skips the compile). Builds that do
+        not push (pull requests: no registry credentials) only read."""
         argv: list[str] = []
-        for t in (i.target for i in self.all_images) if self.cache else ():
+        for img in self.all_images if self.cache else ():
+            t = img.target
             ref = f"type=registry,ref={self.cache}:{t}"
             argv += ["--set", f"{t}.cache-from={ref}"]
             if self.push:
-                argv += ["--set", f"{t}.cache-to={ref},mode=max"]
+                argv += ["--set", f"{t}.cache-to={ref},mode={img.cache_mode}"]
         return argv
 
     def image_commands(self, image: ImagePlan) -> list[list[str]]:
@@ -147,7 +150,7 @@ def serving_requirements(repo_root: Path, extra: str = "serving") -> tuple[str, 
 
 
 def _tags(registry: str, runtime: str, version: str, profile: Profile) -> tuple[str, ...]:
-    """REG/g5g-images:vllm-0.33.0-cu132-sm75 + REG/g5g-images:vllm (g5g); other profiles add their tag suffix:
+    """REG/g5g-images:vllm-0.33.0-cu130-sm75 + REG/g5g-images:vllm (g5g); other profiles add their tag suffix:
     …:vllm-0.33.0-cu130-sm75-g4dn + …:vllm-g4dn, …:jax-0.10.2-cpu + …:jax-cpu."""
     repo = f"{registry}/{IMAGE_NAME}"
     v = version.split("+")[0]
@@ -160,7 +163,7 @@ def _tags(registry: str, runtime: str, version: str, profile: Profile) -> tuple[
 
 
 def _upstream(rt: Runtime, profile: Profile, build: Resolved) -> dict[str, str]:
-    up = dict(rt.pins_for(profile.name))
+    up = {k: v for k, v in rt.pins_for(profile.name).items() if k not in build.unused_pins}
     if profile.cuda:
         up["cuda"] = profile.cuda.version
     up["python"] = profile.python
@@ -223,7 +226,7 @@ def _image(manifests: Manifests, profile: Profile, name: str, tags: dict[str, tu
                      build_args=dict(sorted(args.items())), labels=labels, patches=patches, upstream=upstream,
                      dockerfile=str(PurePosixPath(out) / name / "Dockerfile"), template=f"{name}.Dockerfile.j2",
                      contexts=contexts, depends_on=depends, context_vars=ctx_vars, context=build.context,
-                     context_origin=origin, copy=build.copy)
+                     context_origin=origin, copy=build.copy, cache_mode=rt.cache_mode)
 
 
 def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", platforms: str | None = None,

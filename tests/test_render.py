@@ -296,7 +296,7 @@ def test_a_new_runtime_is_a_manifest_and_a_template(profile, tmp_path):
     plan = make_plan(manifest.load(root / "manifests", profile=profile), profile=profile)
     assert [i.runtime for i in plan.images][-1] == "llama-cpp"
     img = plan.images[-1]
-    suffix = {"g5g": "-cu132-sm75", "g4dn": "-cu130-sm75-g4dn", "cpu": "-cpu"}[profile]
+    suffix = {"g5g": "-cu130-sm75", "g4dn": "-cu130-sm75-g4dn", "cpu": "-cpu"}[profile]
     assert img.tags[0] == f"{plan.profile.registry}/g5g-images:llama-cpp-7100{suffix}"
     assert img.build_args.get("CUDA_ARCHS") == (None if profile == "cpu" else "75")
     files = render.render(plan)
