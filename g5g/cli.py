@@ -15,7 +15,7 @@ from rich.markup import escape
 from g5g import REPO_ROOT
 from g5g.errors import UserError
 
-SUBCOMMANDS = ("build", "generate", "doctor", "inspect", "smoke", "bench", "serve", "patches")
+SUBCOMMANDS = ("build", "generate", "chart", "doctor", "inspect", "smoke", "bench", "serve", "patches")
 # The runtimes are the manifests (runtimes/*.yaml): the planner checks --runtime against those of --manifests.
 RUNTIMES = sorted(p.stem for p in (REPO_ROOT / "manifests" / "runtimes").glob("*.yaml"))
 PROFILES = sorted(p.stem for p in (REPO_ROOT / "manifests" / "profiles").glob("*.yaml"))
@@ -64,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_options(g)
     g.add_argument("--out", default="build", help="output directory (default: build)")
     g.add_argument("--sequential", action="store_true", help="bake file without named contexts (see build --help)")
+
+    c = sub.add_parser("chart", help="write the serving Helm chart's values (every runtime x profile) from the "
+                       "manifests and deploy/fleet.yaml")
+    c.add_argument("--out", default=str(REPO_ROOT / "deploy" / "chart"),
+                   help="chart directory; the templates are copied there too (default: deploy/chart)")
+    c.add_argument("--registry", help="registry/namespace of the images (default: the profiles')")
+    c.add_argument("--manifests", default=None, help="manifest directory (default: ./manifests)")
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a manifest value (repeatable)")
 
     d = sub.add_parser("doctor", help="check docker, buildx, binfmt and the registry, list the builders' nodes and "
                        "platforms; say how to fix what is missing")
