@@ -23,7 +23,7 @@ RESULTS = REPO / "benchmarks" / "results" / "serving_speed_h200"
 CRD_SCHEMAS = {"PodMonitor": "podmonitor.json", "ScaledObject": "scaledobject.json"}
 COMBOS = [(r, p) for p in ("g5g", "g4dn") for r in ("vllm", "jax", "pytorch")]
 FLEET = yaml.safe_load((REPO / "deploy" / "fleet.yaml").read_text())
-VLLM_ENGINE_INIT_S = 76.4  # FACTS.md, field results: "engine init 76.4 s" (vLLM on a G5g; not measurable here)
+VLLM_ENGINE_INIT_S = 76.4  # docs/FACTS.md, fleet section: "engine init 76.4 s" (vLLM on a G5g; not measurable here)
 
 
 def render(helm_bin: str, values: str, *sets: str, namespace: str = "llm") -> list[dict]:
