@@ -173,3 +173,43 @@ def test_the_validation_can_fail(helm, bad, error):  # noqa: F811
         for doc in docs:
             validate(doc)
     assert error in str(e.value)
+
+
+@pytest.mark.slow
+def test_the_real_server_answers_health_while_busy_and_exits_within_the_grace(tiny_gemma4):
+    """What the probes and the grace period assume, on the real server: /health does not wait for a busy engine
+    (each decode step here blocks 1.5 s, standing in for a long prefill), and after SIGTERM the process ends within
+    --shutdown-timeout + the chart's exit backstop, a request still running."""
+    import threading
+    import time
+
+    import requests
+
+    from tests.fixtures.server import serving
+
+    v = yaml.safe_load((CHART / "values-pytorch-g5g.yaml").read_text())
+    live_timeout = v["probes"]["liveness"]["timeoutSeconds"]
+    drain = 2
+    with serving("pytorch", tiny_gemma4, "--shutdown-timeout", str(drain), pace=1.5, timeout=240) as srv:
+        body = {"model": requests.get(f"{srv.url}/v1/models", timeout=10).json()["data"][0]["id"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64,
+                "ignore_eos": True}
+        answer: dict = {}
+        t = threading.Thread(target=lambda: answer.update(
+            r=requests.post(f"{srv.url}/v1/chat/completions", json=body, timeout=240)))
+        t.start()
+        time.sleep(2.0)  # the engine is inside its paced steps now
+        lat = []
+        for _ in range(5):
+            t0 = time.monotonic()
+            assert requests.get(f"{srv.url}/health", timeout=live_timeout).status_code == 200
+            lat.append(time.monotonic() - t0)
+            time.sleep(0.3)
+        assert max(lat) < 1.0, lat  # under one engine step (1.5 s), far under the probe's timeout
+        t0 = time.monotonic()
+        srv.terminate()
+        rc = srv.exited(drain + v["lifecycle"]["exitBackstopSeconds"])
+        took = time.monotonic() - t0
+        t.join(30)
+    assert rc == 0 and took <= drain + v["lifecycle"]["exitBackstopSeconds"], (rc, took)
+    assert answer["r"].status_code in (200, 503)
+
