@@ -59,6 +59,21 @@ def test_committed_chart_is_what_build_py_chart_writes(tmp_path):
     assert not stale, f"deploy/chart is stale: run `python build.py chart` ({stale})"
 
 
+def test_chart_registry_and_a_new_directory(tmp_path):
+    out = tmp_path / "elsewhere"
+    r = subprocess.run([sys.executable, str(REPO / "build.py"), "chart", "--out", str(out), "--registry",
+                        "123456789012.dkr.ecr.us-west-2.amazonaws.com/llm"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert (out / "templates" / "deployment.yaml").read_text() == (CHART / "templates" / "deployment.yaml").read_text()
+    v = yaml.safe_load((out / "values-jax-g4dn.yaml").read_text())
+    assert v["image"] == {"repository": "123456789012.dkr.ecr.us-west-2.amazonaws.com/llm/g5g-images",
+                          "tag": "jax-0.12.0.1-cu130-sm75-g4dn", "pullPolicy": "IfNotPresent"}
+    r = subprocess.run([sys.executable, str(REPO / "build.py"), "chart", "--out", str(out), "--registry", "a b"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "error: --registry a b: expected host[:port][/namespace]" in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("runtime,profile", COMBOS)
 def test_every_runtime_and_profile_renders_and_validates(helm, runtime, profile):  # noqa: F811
     values = f"values-{runtime}-{profile}.yaml"
