@@ -16,6 +16,8 @@ from g5g.manifest import IMAGE_RE, Manifests, Profile, Resolved, Runtime
 IMAGE_NAME = "g5g-images"
 # A secret never travels as a build argument.
 SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "CREDENTIAL")
+# buildx builder names (`docker buildx create --name`): what buildx accepts, and never an option ("-…").
+BUILDER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 @dataclass(frozen=True)
@@ -64,13 +66,15 @@ class Plan:
     bases: tuple[str, ...] = ()  # the runtimes other runtimes are built FROM (sequential builds load them first)
     templates: str = ""  # the template directory searched first (the manifests' repository), before ours
     cache: str | None = None  # registry repository of layer caches, one tag per bake target (REPO:<target>)
+    builder: str | None = None  # buildx builder that runs the bakes (`docker buildx ls`); None: the current one
 
     @property
     def bake_file(self) -> str:
         return str(PurePosixPath(self.out) / "docker-bake.json")
 
     def bake_argv(self, targets: list[str], push: bool, load: bool = False, metadata: str | None = None) -> list[str]:
-        argv = ["docker", "buildx", "bake", "--file", self.bake_file]
+        argv = ["docker", "buildx", "bake", *(["--builder", self.builder] if self.builder else []),
+                "--file", self.bake_file]
         for s in self.secrets:
             argv += ["--set", f"*.secrets={s}"]
         if metadata:
@@ -231,7 +235,8 @@ def _image(manifests: Manifests, profile: Profile, name: str, tags: dict[str, tu
 
 def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", platforms: str | None = None,
               registry: str | None = None, out: str = "build", push: bool = False, sequential: bool = False,
-              secrets: tuple[str, ...] = (), repo_root: Path | None = None, cache: str | None = None) -> Plan:
+              secrets: tuple[str, ...] = (), repo_root: Path | None = None, cache: str | None = None,
+              builder: str | None = None) -> Plan:
     """Every input explicit; the result depends on nothing else.
 
     repo_root: where pyproject.toml (the serving extra) lives; default: the manifest directory's parent."""
@@ -258,6 +263,9 @@ def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", 
     if cache is not None and not (IMAGE_RE.match(cache) and not re.search(r"[:@]", cache.rsplit("/", 1)[-1])):
         raise UserError(f"--cache {cache}: expected a registry repository without a tag, e.g. ghcr.io/me/g5g-cache "
                         "(each image's cache is tagged with its name)")
+    if builder is not None and not BUILDER_RE.match(builder):
+        raise UserError(f"--builder {builder!r}: not a builder name (letters, digits, '.', '_', '-'; see "
+                        "`docker buildx ls`)")
     root = manifests.root.parent if repo_root is None else Path(repo_root)
     # Generated files go anywhere: inside the checkout the paths stay relative to it (bake runs there), else absolute.
     where = (root / out).resolve()
@@ -278,4 +286,4 @@ def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", 
                 secrets=tuple(secrets),
                 all_images=tuple(i for i in every if i in selected or any(i.target in s.depends_on for s in selected)),
                 bases=tuple(n for n in names if any(i.depends_on and i.depends_on[-1] == n for i in every)),
-                templates=str(root / "dockerfiles"), cache=cache)
+                templates=str(root / "dockerfiles"), cache=cache, builder=builder)
