@@ -127,9 +127,10 @@ def measured_boots() -> dict[str, float]:
     boots: dict[str, float] = {}
     for path in sorted(RESULTS.glob("*.json")):
         data = json.loads(path.read_text())
-        for runtime, key in (("jax", "boot_cold_s"), ("pytorch", "boot_s")):
-            if key in data.get(runtime, {}):
-                boots[runtime] = max(boots.get(runtime, 0.0), data[runtime][key])
+        for runtime, phase, key in (("jax", "jax", "boot_cold_s"), ("pytorch", "pytorch", "boot_s"),
+                                    ("pytorch", "pytorch_batched", "boot_s")):
+            if key in data.get(phase, {}):
+                boots[runtime] = max(boots.get(runtime, 0.0), data[phase][key])
         if "load_s" in data.get("jax_profile", {}).get("boot", {}):
             boots["vllm"] = max(boots.get("vllm", 0.0), VLLM_ENGINE_INIT_S + data["jax_profile"]["boot"]["load_s"])
     return boots
