@@ -64,17 +64,21 @@ def sampling(ctx, req, prompt_len: int, max_tokens: int | None, top_logprobs: in
     if bad is not None:
         raise APIError(400, f"stop_token_ids: token id {bad} is out of range (vocabulary size {vocab})",
                        param="stop_token_ids")
-    if max_tokens is not None and req.min_tokens > max_tokens:
-        raise APIError(400, f"min_tokens ({req.min_tokens}) must be less than or equal to max_tokens "
-                            f"({max_tokens})", param="min_tokens")
+    # Integers reach the runtimes only bounded (int32 on the JAX device), as vLLM bounds them: min_tokens past the
+    # tokens to generate is a 400 (max_tokens unset: what the context leaves); top_k of the vocabulary or more is no cut.
+    limit = ctx.max_context - prompt_len if max_tokens is None else max_tokens
+    if req.min_tokens > limit:
+        raise APIError(400, f"min_tokens ({req.min_tokens}) must be less than or equal to max_tokens ({limit}"
+                            f"{'' if max_tokens is not None else ': what the context leaves'})", param="min_tokens")
+    top_k = req.top_k if req.top_k is not None else d.get("top_k", 0)
     if req.n > ctx.scheduler.capacity:
         raise APIError(400, f"n: at most {ctx.scheduler.capacity} choices on this server (its slots plus "
                             f"--max-waiting)", param="n")
     return SamplingParams(
         temperature=req.temperature if req.temperature is not None else d.get("temperature", 1.0),
         top_p=req.top_p if req.top_p is not None else d.get("top_p", 1.0),
-        top_k=max(0, req.top_k if req.top_k is not None else d.get("top_k", 0)),
-        max_tokens=ctx.max_context - prompt_len if max_tokens is None else max_tokens,
+        top_k=top_k if 0 < top_k < vocab else 0,
+        max_tokens=limit,
         stop=stop, seed=req.seed, ignore_eos=req.ignore_eos,
         presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,

@@ -22,6 +22,19 @@ ASK = [{"role": "user", "content": QUESTION}]
 CHAT, COMPLETIONS, TOKENIZE, DETOKENIZE = "/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"
 
 
+# Integers past int32 and int64, as vLLM takes them: a top_k of the vocabulary or more is no cut (clamped), a
+# min_tokens beyond what the context leaves is a 400, set max_tokens or not. (path, body, status) on both runtimes.
+BIG = (2**31, 2**63, 10**30)
+BIG_INTS = [
+    *((path, {"model": "tiny", **prompt, "max_tokens": 4, "top_k": k, "stream": stream}, 200)
+      for path, prompt in ((CHAT, {"messages": ASK}), (COMPLETIONS, {"prompt": QUESTION}))
+      for k in BIG for stream in (False, True)),
+    *((path, {"model": "tiny", **prompt, "min_tokens": k, "stream": stream, **extra}, 400)
+      for path, prompt, extra in ((CHAT, {"messages": ASK}, {}), (COMPLETIONS, {"prompt": QUESTION}, {"max_tokens": None}))
+      for k in BIG for stream in (False, True)),
+]
+
+
 def _cases() -> list[tuple[str, str, bytes | None, dict]]:
     """(method, path, body, headers): each one distinct."""
     out = []
@@ -65,6 +78,9 @@ def _cases() -> list[tuple[str, str, bytes | None, dict]]:
         for v in values:
             post(CHAT, chat(**{name: v}))
     post(CHAT, chat(top_logprobs=3))                                    # top_logprobs without logprobs
+    # Integers past int32 and int64, plain and streamed (test_integers_past_int32 checks each answer).
+    for path, body, _ in BIG_INTS:
+        post(path, body)
     # Parameters we do not honour, set: refused with a 400 naming them.
     unhonoured = {"echo": True, "best_of": 2, "functions": [{"name": "f"}], "use_beam_search": True,
                   "chat_template_kwargs": {"enable_thinking": True}, "skip_special_tokens": False,
@@ -237,6 +253,23 @@ def test_fuzz(runtime_servers, runtime):
     assert max(t for t, _ in watch.samples) <= HEALTH_BOUND, max(watch.samples)
     r = requests.post(f"{url}{CHAT}", json={"model": "tiny", "messages": ASK}, timeout=60)
     assert r.json()["choices"][0]["message"]["content"] == ANSWER
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runtime", ["pytorch", "jax"])
+def test_integers_past_int32(runtime_servers, runtime):
+    url = runtime_servers[runtime]
+    got = []
+    for path, body, _ in BIG_INTS:
+        r = requests.post(url + path, json=body, timeout=60)
+        if r.status_code != 200:
+            got.append((r.status_code, r.json()["error"]["param"]))
+        elif body["stream"]:        # a 200 then an error event is no answer
+            events = [line.removeprefix("data: ") for line in r.text.split("\n") if line]
+            got.append((200, events[-1] == "[DONE]" and all("choices" in json.loads(e) for e in events[:-1])))
+        else:
+            got.append((200, "choices" in r.json()))
+    assert got == [(status, "min_tokens" if status == 400 else True) for _, _, status in BIG_INTS]
 
 
 def _check(method: str, path: str, status: int, text: str, ctype: str) -> str | None:
