@@ -151,6 +151,7 @@ class Scheduler:
         self.queued: deque[Job] = deque()   # waiting for a slot, in arrival order
         self.wake = threading.Condition()   # guards queued
         self.pending = 0                    # taken from the queue by the engine thread, not in the batch yet
+        self.joining: list[Job] = []        # those jobs (abort_all ends them too)
         self.stopping = threading.Event()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.engine: Engine | None = None
@@ -192,7 +193,9 @@ class Scheduler:
         Returns how many requests were aborted."""
         with self.wake:
             dropped, self.queued = list(self.queued), deque()
-            live = [live.job for live in self.batch.live.values()] if self.batch else []
+            # taken from the queue but not started (a long prefill holds the engine thread), and running
+            running = list(self.batch.live.values()) if self.batch else []
+            started = [*self.joining, *(live.job for live in running)]
         n = 0
         for job in dropped:
             n += not job.cancelled.is_set()
@@ -201,7 +204,7 @@ class Scheduler:
             fin = Finish("abort", len(job.prompt_ids), 0, [])
             self.metrics.finished(job.arrival, fin, running=self._running())
             job.send(fin)
-        for job in live:
+        for job in {id(j): j for j in started}.values():
             if not job.cancelled.is_set():
                 job.shutdown = True
                 job.cancelled.set()
@@ -229,7 +232,7 @@ class Scheduler:
                 while not self.queued and not batch.live and not self.stopping.is_set():
                     self.wake.wait(timeout=1.0)
                 joining = [self.queued.popleft() for _ in range(min(batch.free, len(self.queued)))]
-                self.pending = len(joining)
+                self.pending, self.joining = len(joining), joining
                 self.metrics.set_queue(self._live(), running=len(batch.live) + len(joining))
             for i, job in enumerate(joining):
                 pending = len(joining) - i - 1          # admitted, not joined yet: they count as running
@@ -238,6 +241,8 @@ class Scheduler:
                 except Exception as e:    # a runtime bug must not kill the engine thread: report it to this request
                     self._fail([job], e, pending)
                 self.pending = pending
+            with self.wake:
+                self.joining = []
             try:
                 self._emit(batch.step())
             except Exception as e:
