@@ -37,7 +37,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from serving.engine import Engine
 from serving.generation import Batch, Finish, SamplingParams, TokenizerInfo
-from serving.middleware import Guard
+from serving.middleware import Guard, http_protocol
 from serving.protocol import APIError, unavailable
 from serving.structured import Grammars
 
@@ -462,5 +462,5 @@ class Server(uvicorn.Server):
 def server(app: FastAPI, host: str, port: int, shutdown_grace: float, log_level: str = "info") -> Server:
     # uvicorn's own deadline is a backstop only: our drain answers every request by `shutdown_grace` (plus the
     # time the running generation takes to reach its next token).
-    return Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+    return Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, http=http_protocol(),
                                  timeout_graceful_shutdown=shutdown_grace + 10))

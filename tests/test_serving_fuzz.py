@@ -8,6 +8,7 @@ The bounds are an order of magnitude above what the requests take on a loaded 2-
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
@@ -270,6 +271,28 @@ def test_integers_past_int32(runtime_servers, runtime):
         else:
             got.append((200, "choices" in r.json()))
     assert got == [(status, "min_tokens" if status == 400 else True) for _, _, status in BIG_INTS]
+
+
+# Requests the HTTP parser itself refuses (uvicorn answered these with a plain-text 400).
+MALFORMED_HTTP = [b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %s\r\n\r\n{}" % v
+                  for v in (b"abc", b"-1", b"1x", b"2, 3", b"99999999999999999999999999")] + \
+                 [b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\nbad header\r\n\r\n"]
+
+
+@pytest.mark.parametrize("runtime", ["pytorch", "jax"])
+def test_requests_the_http_parser_refuses_get_an_openai_error(runtime_servers, runtime):
+    host, port = runtime_servers[runtime].removeprefix("http://").split(":")
+    got = []
+    for raw in MALFORMED_HTTP:
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(raw)
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        status = int(head.split(b" ")[1])
+        got.append((status, _check("POST", "/", status, body.decode(), "")))
+    assert got == [(400, None)] * len(MALFORMED_HTTP)
 
 
 def _check(method: str, path: str, status: int, text: str, ctype: str) -> str | None:
