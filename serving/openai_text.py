@@ -65,7 +65,8 @@ def sampling(ctx, req, prompt_len: int, max_tokens: int | None, top_logprobs: in
         raise APIError(400, f"stop_token_ids: token id {bad} is out of range (vocabulary size {vocab})",
                        param="stop_token_ids")
     # Integers reach the runtimes only bounded (int32 on the JAX device), as vLLM bounds them: min_tokens past the
-    # tokens to generate is a 400 (max_tokens unset: what the context leaves); top_k of the vocabulary or more is no cut.
+    # tokens to generate is a 400 (max_tokens unset: what the context leaves); a top_k of the vocabulary or more
+    # is no cut.
     limit = ctx.max_context - prompt_len if max_tokens is None else max_tokens
     if req.min_tokens > limit:
         raise APIError(400, f"min_tokens ({req.min_tokens}) must be less than or equal to max_tokens ({limit}"

@@ -31,7 +31,8 @@ BIG_INTS = [
       for path, prompt in ((CHAT, {"messages": ASK}), (COMPLETIONS, {"prompt": QUESTION}))
       for k in BIG for stream in (False, True)),
     *((path, {"model": "tiny", **prompt, "min_tokens": k, "stream": stream, **extra}, 400)
-      for path, prompt, extra in ((CHAT, {"messages": ASK}, {}), (COMPLETIONS, {"prompt": QUESTION}, {"max_tokens": None}))
+      for path, prompt, extra in ((CHAT, {"messages": ASK}, {}),
+                                  (COMPLETIONS, {"prompt": QUESTION}, {"max_tokens": None}))
       for k in BIG for stream in (False, True)),
 ]
 
