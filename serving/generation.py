@@ -120,6 +120,11 @@ class TokenizerInfo:
             return self.prompt_tokenizer.decode(list(ids), skip_special_tokens=False,
                                                 clean_up_tokenization_spaces=False)
 
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it (/tokenize's return_token_strs, as vLLM)."""
+        with self.prompt_lock:
+            return self.prompt_tokenizer.convert_ids_to_tokens(list(ids))
+
     def chat_prompt(self, messages: list[dict], limit: int | None = None) -> list[int]:
         """Token ids of the conversation rendered with the checkpoint's own chat template."""
         return self.encode(self.render_chat(messages), limit=limit)

@@ -109,6 +109,7 @@ class ResponseFormat(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False        # refused when true (parse)
 
 
 Seed = Annotated[int, Field(ge=INT64[0], le=INT64[1])]
@@ -164,6 +165,8 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None
+    tools: list[Tool] | None = None             # shown by the chat template, as in a chat request
+    return_token_strs: bool = False
     add_special_tokens: bool | None = None      # default: True for a prompt, False for messages (as vLLM)
     add_generation_prompt: bool = True
 
@@ -187,6 +190,8 @@ _NOT_HONOURED = {
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "truncate_prompt_tokens": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
     "logits_processors": (None,), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
+    "return_tokens_as_token_ids": (None, False),
+    "priority": (None, 0),      # vLLM too refuses it unless started with --scheduling-policy priority
 }
 UNSUPPORTED = {
     ChatRequest: {**_NOT_HONOURED, "echo": (None, False), "functions": (None, []),
@@ -194,6 +199,8 @@ UNSUPPORTED = {
                   "chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
                   "continue_final_message": (None, False)},
     CompletionRequest: {**_NOT_HONOURED, "suffix": (None, "")},
+    TokenizeRequest: {"chat_template": (None,), "chat_template_kwargs": (None, {}),
+                      "continue_final_message": (None, False), "mm_processor_kwargs": (None, {})},
 }
 
 
@@ -237,8 +244,12 @@ def parse(model: type[_Strict], body: bytes) -> Any:
         first = e.errors(include_url=False)[0]
         param = _param(first["loc"])
         raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param or None) from None
-    if getattr(req, "stream_options", None) is not None and not req.stream:
+    options = getattr(req, "stream_options", None)
+    if options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if options is not None and options.continuous_usage_stats:
+        raise APIError(400, "stream_options.continuous_usage_stats is not supported by this server (unset it, or "
+                            "send false)", param="stream_options.continuous_usage_stats")
     return req
 
 

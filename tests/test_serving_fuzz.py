@@ -86,7 +86,9 @@ def _cases() -> list[tuple[str, str, bytes | None, dict]]:
     # Parameters we do not honour, set: refused with a 400 naming them.
     unhonoured = {"echo": True, "best_of": 2, "functions": [{"name": "f"}], "use_beam_search": True,
                   "chat_template_kwargs": {"enable_thinking": True}, "skip_special_tokens": False,
-                  "guided_json": {"type": "object"}, "include_stop_str_in_output": True}
+                  "guided_json": {"type": "object"}, "include_stop_str_in_output": True, "priority": 5,
+                  "return_tokens_as_token_ids": True,
+                  "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     for name, v in unhonoured.items():
         post(CHAT, chat(**{name: v}))
     # Structured output and tools: malformed, unusable, contradictory, and odd but valid.
@@ -178,7 +180,9 @@ def _cases() -> list[tuple[str, str, bytes | None, dict]]:
     # Tokenize / detokenize.
     for body in ({}, {"prompt": "a", "messages": ASK}, {"prompt": 5}, {"prompt": "a", "add_special_tokens": "no"},
                  {"messages": [{"role": "wizard", "content": "x"}]}, {"messages": ASK, "add_generation_prompt": False},
-                 {"prompt": "x" * 3_000_000}, {"prompt": "", "model": "other"}):
+                 {"prompt": "x" * 3_000_000}, {"prompt": "", "model": "other"}, {"prompt": "a", "tools": [{}]},
+                 {"prompt": "a", "tools": [{"type": "function", "function": {"name": "f"}}]},
+                 {"prompt": "a", "return_token_strs": True}, {"messages": ASK, "chat_template": "{{ 1 }}"}):
         post(TOKENIZE, body)
     for body in ({}, {"tokens": [-1]}, {"tokens": [10**9]}, {"tokens": "abc"}, {"tokens": [1.5]}, {"tokens": []},
                  {"tokens": [2, 105, 106, 1]}):

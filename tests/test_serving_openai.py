@@ -215,6 +215,15 @@ def test_out_of_range_sampling_parameters_are_a_400_naming_them(url, kind, kw, p
 @pytest.mark.parametrize("kind,kw,param", [
     ("completions", {"best_of": 2}, "best_of"),
     ("completions", {"suffix": "!"}, "suffix"),
+    # vLLM refuses a priority without --scheduling-policy priority; the others were ignored without a word
+    ("chat", {"extra_body": {"priority": 1}}, "priority"),
+    ("completions", {"extra_body": {"priority": -1}}, "priority"),
+    ("chat", {"extra_body": {"return_tokens_as_token_ids": True}}, "return_tokens_as_token_ids"),
+    ("completions", {"extra_body": {"return_tokens_as_token_ids": True}, "logprobs": 1}, "return_tokens_as_token_ids"),
+    ("chat", {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+    ("completions", {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
 ])
 def test_parameters_we_do_not_honour_are_a_400_naming_them(url, kind, kw, param):
     _assert_400_naming(url, kind, kw, param)
@@ -412,6 +421,18 @@ def test_tokenize_and_detokenize_round_trip(url, tiny_gemma4):
     assert plain.json()["tokens"] == tok.encode(QUESTION, add_special_tokens=False)
     back = requests.post(f"{url}/detokenize", json={"model": "tiny", "tokens": plain.json()["tokens"]}, timeout=30)
     assert back.json() == {"prompt": QUESTION}
+
+
+def test_tokenize_returns_token_strings_and_shows_tools_as_the_chat_template_does(url, tiny_gemma4):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_gemma4)
+    r = requests.post(f"{url}/tokenize", json={"prompt": QUESTION, "return_token_strs": True}, timeout=30).json()
+    assert r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    with_tools = requests.post(f"{url}/tokenize", json={"messages": ASK, "tools": tools}, timeout=30).json()
+    assert with_tools["tokens"] == tok.apply_chat_template(ASK, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False)
+    assert with_tools["count"] > len(chat_ids(url))
 
 
 def test_version_ping_and_head_health(url):
