@@ -16,6 +16,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import gc
 import logging
 import signal
 import threading
@@ -345,6 +346,11 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
             greedy = SamplingParams(temperature=0.0)
             await sched.call(lambda: sched.engine.step({0: sched.engine.start(0, warm, greedy)}))
             log.info("model %s ready in %.1fs (context %d)", name, time.monotonic() - t0, sched.engine.max_context)
+            # What boot made (torch, transformers, the tokenizers: millions of objects) lives as long as the server:
+            # out of the collector's sight, a full collection a request's allocations set off (one that holds every
+            # thread, the event loop's too) walks that request's objects only, not the whole process (as vLLM).
+            gc.collect()
+            gc.freeze()
             ctx.ready = True
         except asyncio.CancelledError:    # shut down while loading
             raise

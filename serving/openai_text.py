@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from serving.api import Job, QueueFull
 from serving.generation import Delta, Finish, Logprob, PromptTooLong, SamplingParams
-from serving.protocol import APIError, ChatRequest, CompletionRequest, ResponseFormat, messages, parse, unavailable
+from serving.protocol import APIError, ChatRequest, CompletionRequest, ResponseFormat, messages, read, unavailable
 from serving.structured import InvalidGrammar
 from serving.tool_calls import GemmaCalls, NamedCall, Reader, RequiredCalls, merge, required_schema
 
@@ -196,9 +196,9 @@ def completion_logprobs(lps: list[Logprob], offset: int) -> dict:
 @router.post("/v1/chat/completions")
 async def chat(request: Request):
     ctx = request.app.state.ctx
-    req: ChatRequest = parse(ChatRequest, await request.body())
+    req: ChatRequest = await read(request, ChatRequest)
     ctx.check_model(req.model)
-    msgs = messages(req.messages)
+    msgs = await asyncio.to_thread(messages, req.messages)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "when using top_logprobs, logprobs must be set to true", param="top_logprobs")
     tools, new_reader, tool_schema = tool_plan(req)
@@ -262,7 +262,7 @@ async def chat(request: Request):
 @router.post("/v1/completions")
 async def completions(request: Request):
     ctx = request.app.state.ctx
-    req: CompletionRequest = parse(CompletionRequest, await request.body())
+    req: CompletionRequest = await read(request, CompletionRequest)
     ctx.check_model(req.model)
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo with logprobs (the prompt's logprobs) is not supported by this server",

@@ -1,12 +1,17 @@
 """The OpenAI wire format: error bodies, request models, and the parameters we refuse rather than ignore.
 
 Every error a client can cause is an APIError, rendered as {"error": {"message", "type", "param", "code"}}.
-A request is parsed in one place (`parse`): JSON that Python cannot represent (nesting too deep, integers too
-long, lone surrogates) is a 400 like any other malformed body.
+A request is parsed in one place (`parse`, in a worker thread: `read`): JSON that Python cannot represent (nesting
+too deep, integers too long, lone surrogates) is a 400 like any other malformed body. The work one request costs is
+bounded before it is done, as the body limit bounds its bytes: at most MAX_JSON_OBJECTS objects are built, and the
+parse and the validation of the messages run in small steps, so the worker thread hands the GIL back to the event
+loop (and other clients) between them.
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import Response
@@ -17,6 +22,8 @@ INT64 = (-2**63, 2**63 - 1)     # vLLM's seed range (torch.long)
 MAX_LOGIT_BIAS = 300            # entries (a fixed width on the JAX runtime's device)
 MAX_STOP_TOKEN_IDS = 32
 MAX_LOGPROBS = 20               # vLLM's default --max-logprobs; OpenAI's top_logprobs bound
+MAX_JSON_OBJECTS = 65_536       # objects in one request body (messages, content parts, tools, schemas ...)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 # ------------------------------------------------------------------------------------------------ errors
@@ -220,12 +227,61 @@ def _is_default(value: Any, defaults: tuple) -> bool:
                (type(value) is not bool and value == d) for d in defaults)
 
 
+def _may_hold_lone_surrogate(body: bytes) -> bool:
+    """Whether a \uD800-\uDFFF escape stands outside a high-low pair, or the body is not plain UTF-8 (json.loads
+    decodes UTF-8 with surrogatepass, and UTF-16/32). A scan in small steps, like the parse."""
+    try:
+        body.decode()
+    except UnicodeDecodeError:
+        return True
+    low_at = -1                 # where the low half of a pair must start
+    for m in _SURROGATE_ESCAPE.finditer(body):
+        high = m.group()[3] in b"89abAB"
+        if low_at >= 0 and (high or m.start() != low_at):
+            return True
+        if low_at < 0 and not high:
+            return True
+        low_at = m.end() if high and low_at < 0 else -1
+    return low_at >= 0
+
+
+def _too_many() -> APIError:
+    return APIError(400, f"request body has more than {MAX_JSON_OBJECTS} JSON objects")
+
+
+def _load(body: bytes) -> Any:
+    """json.loads, stopped past MAX_JSON_OBJECTS objects. The hook, Python code run per object, also lets the
+    interpreter switch threads in the middle of a long parse."""
+    count = 0
+
+    def hook(obj: dict) -> dict:
+        nonlocal count
+        count += 1
+        if count > MAX_JSON_OBJECTS:
+            raise _too_many()
+        return obj
+
+    return json.loads(body, object_hook=hook)
+
+
+def _validation_error(e: ValidationError, prefix: tuple = ()) -> APIError:
+    first = e.errors(include_url=False)[0]
+    param = _param((*prefix, *first["loc"]))
+    return APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param or None)
+
+
+async def read(request, model: type[_Strict]) -> Any:
+    """parse(model, the request's body) in a worker thread, off the event loop."""
+    return await asyncio.to_thread(parse, model, await request.body())
+
+
 def parse(model: type[_Strict], body: bytes) -> Any:
     """The request body as `model`, or an APIError(400) naming what is wrong."""
     try:
-        data = json.loads(body)
+        data = _load(body)
         # Lone surrogates ("\ud800") parse, but no tokenizer or response can encode them.
-        json.dumps(data, ensure_ascii=False).encode()
+        if _may_hold_lone_surrogate(body):         # the full check (one long call) only when one may be there
+            json.dumps(data, ensure_ascii=False).encode()
     except RecursionError:
         raise APIError(400, "request body is nested too deeply") from None
     except UnicodeEncodeError:
@@ -238,12 +294,20 @@ def parse(model: type[_Strict], body: bytes) -> Any:
         if name in data and not _is_default(data[name], defaults):
             raise APIError(400, f"{name} is not supported by this server (unset it, or send "
                                 f"{' or '.join(json.dumps(d) for d in defaults)})", param=name)
+    msgs = data.get("messages")
+    if isinstance(msgs, list) and "messages" in model.model_fields:
+        # One message at a time: a validation of many thousands in one call would hold the GIL throughout.
+        valid = []
+        for i, m in enumerate(msgs):
+            try:
+                valid.append(Message.model_validate(m))
+            except ValidationError as e:
+                raise _validation_error(e, ("messages", i)) from None
+        data = {**data, "messages": valid}
     try:
         req = model.model_validate(data)
     except ValidationError as e:
-        first = e.errors(include_url=False)[0]
-        param = _param(first["loc"])
-        raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param or None) from None
+        raise _validation_error(e) from None
     options = getattr(req, "stream_options", None)
     if options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from serving.generation import PromptTooLong
-from serving.protocol import APIError, DetokenizeRequest, TokenizeRequest, messages, parse
+from serving.protocol import APIError, DetokenizeRequest, TokenizeRequest, messages, read
 
 router = APIRouter()
 
@@ -16,7 +16,7 @@ router = APIRouter()
 @router.post("/tokenize")
 async def tokenize(request: Request):
     ctx = request.app.state.ctx
-    req: TokenizeRequest = parse(TokenizeRequest, await request.body())
+    req: TokenizeRequest = await read(request, TokenizeRequest)
     ctx.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "send either prompt or messages", param="prompt")
@@ -24,7 +24,7 @@ async def tokenize(request: Request):
         raise APIError(400, "add_generation_prompt=false is not supported", param="add_generation_prompt")
     if req.tools and req.messages is None:
         raise APIError(400, "tools are shown by the chat template: send messages, not a prompt", param="tools")
-    msgs = messages(req.messages) if req.messages is not None else None
+    msgs = await asyncio.to_thread(messages, req.messages) if req.messages is not None else None
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     ctx.check_serving()
     info, where = ctx.info, "prompt" if msgs is None else "messages"
@@ -54,7 +54,7 @@ async def tokenize(request: Request):
 @router.post("/detokenize")
 async def detokenize(request: Request):
     ctx = request.app.state.ctx
-    req: DetokenizeRequest = parse(DetokenizeRequest, await request.body())
+    req: DetokenizeRequest = await read(request, DetokenizeRequest)
     ctx.check_model(req.model)
     ctx.check_serving()
     vocab = ctx.info.vocab_size

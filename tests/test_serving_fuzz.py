@@ -278,6 +278,46 @@ def test_integers_past_int32(runtime_servers, runtime):
     assert got == [(status, "min_tokens" if status == 400 else True) for _, _, status in BIG_INTS]
 
 
+@pytest.mark.parametrize("runtime", ["pytorch", "jax"])
+def test_huge_requests_do_not_hold_up_other_clients(runtime_servers, runtime):
+    """Three huge requests at once (15 MiB of 480 000 empty messages: refused by count; two of 60 000: refused as
+    too long for the context) while /health is polled and a small chat is asked. Before, their parsing and
+    validation ran on the event loop: /health waited for it. Relative bounds, so that a loaded machine slows both
+    sides: the slowest /health answer takes less than half the fastest huge request's time, and the small chat
+    is answered before the last huge request."""
+    url = runtime_servers[runtime]
+    bodies = [json.dumps({"model": "tiny", "messages": [{"role": "user", "content": ""}] * n, "max_tokens": 4})
+              for n in (480_000, 60_000, 60_000)]
+    answers: dict[int, tuple] = {}
+
+    def ask(i: int, body: str):
+        t0 = time.monotonic()
+        r = requests.post(url + CHAT, data=body, headers={"content-type": "application/json"}, timeout=120)
+        answers[i] = (r.status_code, r.json().get("error", {}).get("message", "")[:60], time.monotonic() - t0,
+                      time.monotonic())
+
+    huge = [threading.Thread(target=ask, args=(i, b), daemon=True) for i, b in enumerate(bodies)]
+    small = threading.Thread(target=ask, args=(3, json.dumps({"model": "tiny", "messages": ASK, "max_tokens": 4})),
+                             daemon=True)
+    for t in huge:
+        t.start()
+    time.sleep(0.05)
+    small.start()
+    health, deadline = [], time.monotonic() + 120
+    with requests.Session() as s:
+        while any(t.is_alive() for t in huge) and time.monotonic() < deadline:
+            t0 = time.monotonic()
+            health.append((s.get(f"{url}/health", timeout=60).status_code, time.monotonic() - t0))
+            time.sleep(0.01)
+    for t in (*huge, small):
+        t.join(60)
+    assert [answers[i][0] for i in range(4)] == [400, 400, 400, 200] and {code for code, _ in health} == {200}
+    slowest_health, fastest_huge = max(dt for _, dt in health), min(answers[i][2] for i in (1, 2))
+    assert slowest_health < fastest_huge / 2, (slowest_health, fastest_huge)
+    assert answers[3][3] < max(answers[i][3] for i in range(3))
+    assert answers[0][1] == "request body has more than 65536 JSON objects"
+
+
 # Requests the HTTP parser itself refuses (uvicorn answered these with a plain-text 400).
 MALFORMED_HTTP = [b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %s\r\n\r\n{}" % v
                   for v in (b"abc", b"-1", b"1x", b"2, 3", b"99999999999999999999999999")] + \
