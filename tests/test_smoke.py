@@ -44,6 +44,17 @@ def test_clean_strips_thoughts_special_tokens_and_padding():
     assert smoke.clean("<pad><pad><pad>") == ""
 
 
+@pytest.mark.parametrize("text,reasoning,ok", [
+    ("<think>Paris</think>Lyon.", "", False), ("<|channel>thought\nParis<channel|>Lyon.", "", False),
+    ("Lyon.", "Paris", False),                         # the thoughts in reasoning_content: not the answer either
+    ("<think>Lyon?</think>Paris.", "", True), ("Paris.", "Lyon", True)])
+def test_the_expected_answer_is_matched_in_the_answer_not_in_the_thoughts(text, reasoning, ok):
+    ans = wire.Answer(success=True, text=text, reasoning=reasoning, finish_reason="stop",
+                      usage={"prompt_tokens": 9, "completion_tokens": 6})
+    expected = next(c for c in smoke.check_answer(ans, "paris", 64) if c.name == "expected")
+    assert expected.ok is ok, expected.detail
+
+
 def test_token_counts_must_be_consistent_with_the_text():
     good = wire.Answer(success=True, text=ANSWER, finish_reason="stop", chunks=6,
                        usage={"prompt_tokens": 9, "completion_tokens": 7})
