@@ -63,6 +63,18 @@ def test_vllm_build_args(g5g):
     assert not any(w in k for k in a for w in ("TOKEN", "SECRET", "PASSWORD"))
 
 
+@pytest.mark.parametrize("name", ["HF_TOKEN", "AWS_SECRET_KEY", "PIP_PASSWORD", "GIT_CREDENTIALS"])
+def test_a_secret_named_build_arg_is_refused(tmp_path, name):
+    """A build arg ends up in the image's history: secrets travel as BuildKit secrets only."""
+    shutil.copytree(REPO / "manifests", tmp_path / "manifests")
+    runtime = tmp_path / "manifests" / "runtimes" / "pytorch.yaml"
+    text = runtime.read_text()
+    assert "args: {TORCH_BASE: base}" in text
+    runtime.write_text(text.replace("args: {TORCH_BASE: base}", f"args: {{TORCH_BASE: base, {name}: base}}"))
+    with pytest.raises(UserError, match=f"args.{name}: secrets travel only as BuildKit secrets"):
+        make_plan(manifest.load(tmp_path / "manifests", profile="g5g"), runtime="pytorch", repo_root=REPO)
+
+
 def test_vllm_refused_on_cpu(cpu):
     with pytest.raises(UserError, match="vllm needs CUDA"):
         make_plan(cpu, runtime="vllm", profile="cpu")
