@@ -306,3 +306,17 @@ def test_slow_compiles_do_not_starve_json_object(info):
         assert grammars.json_object().words == mask_words(len(info.prompt_tokenizer))
     finally:
         release.set()
+
+
+def test_a_mask_after_an_unmasked_step_is_never_served_by_the_speculative_step(engines):
+    """The JAX engine dispatches step t+1 ahead, unmasked; a call that brings a mask for those same slots and tokens
+    (the Engine API allows it, though Batch never makes one) must run a real step under the mask."""
+    engine = engines["jax"]
+    ask = [2, 105, 9, 40, 41]
+    first = engine.start(0, ask, SamplingParams(temperature=0.0))
+    free = engine.step({0: first})[0]                      # dispatches the next step ahead, unmasked
+    ahead = int(np.asarray(engine._spec.out)[0])          # what the speculative step chose
+    forced = 300 if ahead != 300 else 301
+    spec = dict(engine.speculation)
+    assert engine.step({0: free}, {0: only(engine.vocab_size, [forced])})[0] == forced
+    assert engine.speculation["replaced"] == spec["replaced"] + 1
