@@ -122,15 +122,13 @@ def test_write_fills_the_build_contexts(tmp_path):
         assert (root / "out/vllm/patches" / Path(p["path"]).name).read_bytes() == (root / p["path"]).read_bytes()
 
 
-def test_patch_step_applies_in_order_and_names_the_failing_patch(tmp_path):
+def test_patch_step_applies_in_order_and_names_the_failing_patch(tmp_path, vllm_sdist):
     """Run the rendered patch RUN step with bash on a small tree: applies once, then stops naming the patch."""
     _, files = rendered("g5g")
     text = files["build/vllm/Dockerfile"].replace("\\\n", "")
     step = next(ln for ln in text.splitlines() if ln.startswith("RUN { git apply --check"))[4:]
-    # The sdist g5g.patches caches (.cache/vllm-sdist/, `build.py patches verify` fills it), or G5G_VLLM_SDIST.
-    sdist = Path(os.environ.get("G5G_VLLM_SDIST", REPO / ".cache/vllm-sdist/vllm-0.33.0.tar.gz"))
-    if not sdist.is_file():
-        pytest.skip(f"vLLM 0.33.0 sdist not cached at {sdist} (run `build.py patches verify` or set G5G_VLLM_SDIST)")
+    # The pinned sdist, cached or fetched here (tests/fixtures/vllm_sdist.py), or G5G_VLLM_SDIST.
+    sdist = Path(os.environ.get("G5G_VLLM_SDIST", vllm_sdist.path))
     src = tmp_path / "patches"
     shutil.copytree(REPO / "patches/vllm/0.33.0", src)
     step = step.replace("/src/patches/", f"{src}/")

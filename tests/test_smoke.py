@@ -259,15 +259,13 @@ def test_bench_image_records_boot_then_measures(timed_images, tmp_path):
 
 
 def test_prompt_and_expect_default_to_the_runtime_manifest(timed_server, capsys):
-    pytest.importorskip("g5g.manifest", reason="the driver's manifest loader (issue 2) is not merged here yet")
     import re
 
     from g5g.commands.smoke import manifest_defaults
 
     defaults = manifest_defaults("pytorch")
     assert defaults["prompt"] and defaults["port"]
-    if not re.search(defaults["expect"], "Paris"):
-        pytest.skip(f"the pytorch manifest no longer expects Paris ({defaults['expect']})")
+    assert re.search(defaults["expect"], "Paris") and not re.search(defaults["expect"], "Lyon"), defaults["expect"]
     good = timed_server(answer="Paris", ttft=0.01, gap=0.002)
     wrong = timed_server(answer="Lyon", ttft=0.01, gap=0.002)
     assert main(["smoke", "--url", good.url, "--runtime", "pytorch"]) == 0
