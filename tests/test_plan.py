@@ -43,6 +43,18 @@ def test_tags_are_deterministic_and_documented(g5g, cpu):
     assert make_plan(g5g, registry="reg.example:5000/me").to_json() == p.to_json()
 
 
+def test_no_two_images_of_any_profiles_share_a_tag():
+    """g4dn's short alias (…:vllm-g4dn) must not be g5g's (…:vllm): a push of one would overwrite the other."""
+    owner: dict[str, tuple[str, str]] = {}
+    for profile in ("g5g", "g4dn", "cpu"):
+        for image in make_plan(manifest.load(REPO / "manifests", profile=profile), profile=profile).images:
+            assert len(image.tags) == 2, image.tags
+            for tag in image.tags:
+                assert tag not in owner, (tag, owner[tag], (profile, image.runtime))
+                owner[tag] = (profile, image.runtime)
+    assert {owner[t][0] for t in owner} == {"g5g", "g4dn", "cpu"}
+
+
 def test_labels_carry_arch_list_pins_and_patch_digests(g5g, cpu):
     vllm = make_plan(g5g, runtime="vllm").images[0]
     assert vllm.labels["io.g5g.runtime"] == "vllm" and vllm.labels["io.g5g.profile"] == "g5g"
