@@ -45,6 +45,7 @@ class SamplingParams:
     top_k: int = 0              # 0 = off
     max_tokens: int = 16
     stop: tuple[str, ...] = ()
+    include_stop_str: bool = False  # the text keeps the stop string that ended it (API layer only)
     seed: int | None = None
     ignore_eos: bool = False    # vLLM's extension: generate max_tokens regardless of stop tokens (benchmarks)
     presence_penalty: float = 0.0

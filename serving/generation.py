@@ -189,7 +189,8 @@ class StopStrings:
     complete. One KMP matcher per stop string: the work per delta is linear in the delta (times the number of
     stops), however long the stops and the output are."""
 
-    def __init__(self, stops: Sequence[str]):
+    def __init__(self, stops: Sequence[str], include: bool = False):
+        self.include = include                  # the text ends with the stop string (vLLM's include_stop_str_in_output)
         self.stops = [s for s in dict.fromkeys(stops) if s]
         self.fail = [_failure(s) for s in self.stops]
         self.matched = [0] * len(self.stops)    # per stop: how many of its first characters end the text
@@ -209,7 +210,7 @@ class StopStrings:
                 if s[q] == ch:
                     q += 1
                 if q == len(s):
-                    start = base + i + 1 - q
+                    start = base + i + 1 if self.include else base + i + 1 - q
                     cut = start if cut is None else min(cut, start)
                     q = f[q - 1]
                 self.matched[k] = q
@@ -265,7 +266,7 @@ class Generation:
         self.prompt_tokens = len(prompt_ids)
         self.budget = min(params.max_tokens, max_context - len(prompt_ids))
         self.detok = Detokenizer(info, reveal)
-        self.stops = StopStrings(params.stop)
+        self.stops = StopStrings(params.stop, params.include_stop_str)
         self.matcher = Matcher(grammar) if grammar is not None else None
         self.times: list[float] = []
 

@@ -80,7 +80,7 @@ def sampling(ctx, req, prompt_len: int, max_tokens: int | None, top_logprobs: in
         top_p=req.top_p if req.top_p is not None else d.get("top_p", 1.0),
         top_k=top_k if 0 < top_k < vocab else 0,
         max_tokens=limit,
-        stop=stop, seed=req.seed, ignore_eos=req.ignore_eos,
+        stop=stop, include_stop_str=req.include_stop_str_in_output, seed=req.seed, ignore_eos=req.ignore_eos,
         presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
         logit_bias=tuple(bias), min_p=req.min_p or 0.0, min_tokens=req.min_tokens,

@@ -132,6 +132,7 @@ class _Sampling(_Strict):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
     stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
     seed: Seed | None = None
     ignore_eos: bool = False
     n: Annotated[int, Field(ge=1)] = 1
@@ -193,7 +194,7 @@ _NOT_HONOURED = {
     "best_of": (None, 1),       # removed from vLLM (0.19); `n` and `logprobs` do what it did
     "prompt_logprobs": (None,), "structured_outputs": (None,),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "use_beam_search": (None, False), "length_penalty": (None, 1), "include_stop_str_in_output": (None, False),
+    "use_beam_search": (None, False), "length_penalty": (None, 1),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "truncate_prompt_tokens": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
     "logits_processors": (None,), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),

@@ -509,3 +509,20 @@ def test_body_limit_is_a_413_announced_or_chunked(guarded):
     r = requests.post(f"{guarded}/v1/chat/completions", data=(small[i:i + 7] for i in range(0, len(small), 7)),
                       headers=auth, timeout=30)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == ANSWER
+
+
+# ------------------------------------------------------------------------------------------ vLLM parity
+def test_include_stop_str_in_output(url):
+    """vLLM's include_stop_str_in_output: the text ends with the stop string that ended it (streamed too)."""
+    c = client(url)
+    cut = ANSWER.index("discipline")
+    for stream in (False, True):
+        kw = dict(model="tiny", messages=ASK, temperature=0, stop=["discipline"], stream=stream,
+                  extra_body={"include_stop_str_in_output": True})
+        r = c.chat.completions.create(**kw)
+        text = "".join(ch.choices[0].delta.content or "" for ch in r if ch.choices) if stream else \
+            r.choices[0].message.content
+        assert text == ANSWER[:cut + len("discipline")], (stream, text)
+    r = c.completions.create(model="tiny", prompt=chat_ids(url), temperature=0, max_tokens=60, stop="discipline",
+                             extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].text == ANSWER[:cut + len("discipline")] and r.choices[0].finish_reason == "stop"
