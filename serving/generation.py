@@ -97,10 +97,12 @@ class TokenizerInfo:
                 text = self.token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
         return text
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None, **options) -> str:
+        """The conversation as the checkpoint's chat template writes it; options: add_generation_prompt (default
+        true), continue_final_message, and variables the template reads (serving/protocol.py's template_options)."""
+        options.setdefault("add_generation_prompt", True)
         with self.prompt_lock:
-            return self.prompt_tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                             add_generation_prompt=True)
+            return self.prompt_tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **options)
 
     def encode(self, text: str, add_special_tokens: bool = False, limit: int | None = None) -> list[int]:
         """Token ids of `text`; PromptTooLong past `limit` tokens. Text that cannot fit is refused before the

@@ -18,7 +18,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from serving.api import Job, QueueFull
 from serving.generation import Delta, Finish, Logprob, PromptTooLong, SamplingParams
-from serving.protocol import APIError, ChatRequest, CompletionRequest, ResponseFormat, messages, read, unavailable
+from serving.protocol import (APIError, ChatRequest, CompletionRequest, ResponseFormat, messages, read,
+                              template_options, unavailable)
 from serving.structured import InvalidGrammar
 from serving.tool_calls import GemmaCalls, NamedCall, Reader, RequiredCalls, merge, required_schema
 
@@ -202,12 +203,13 @@ async def chat(request: Request):
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "when using top_logprobs, logprobs must be set to true", param="top_logprobs")
     tools, new_reader, tool_schema = tool_plan(req)
+    options = template_options(req)
     ctx.check_serving()
     max_tokens = req.max_completion_tokens or req.max_tokens
 
     def build(limit: int) -> list[int]:
         try:
-            text = ctx.info.render_chat(msgs, tools)
+            text = ctx.info.render_chat(msgs, tools, **options)
         except Exception as e:             # e.g. the template rejects the conversation
             raise APIError(400, f"chat template: {e}", param="messages") from None
         return ctx.info.encode(text, limit=limit)

@@ -155,6 +155,9 @@ class ChatRequest(_Sampling):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
@@ -177,6 +180,8 @@ class TokenizeRequest(_Strict):
     return_token_strs: bool = False
     add_special_tokens: bool | None = None      # default: True for a prompt, False for messages (as vLLM)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Strict):
@@ -203,12 +208,9 @@ _NOT_HONOURED = {
 }
 UNSUPPORTED = {
     ChatRequest: {**_NOT_HONOURED, "echo": (None, False), "functions": (None, []),
-                  "function_call": (None, "none", "auto"), "chat_template": (None,),
-                  "chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
-                  "continue_final_message": (None, False)},
+                  "function_call": (None, "none", "auto"), "chat_template": (None,)},
     CompletionRequest: {**_NOT_HONOURED, "suffix": (None, "")},
-    TokenizeRequest: {"chat_template": (None,), "chat_template_kwargs": (None, {}),
-                      "continue_final_message": (None, False), "mm_processor_kwargs": (None, {})},
+    TokenizeRequest: {"chat_template": (None,), "mm_processor_kwargs": (None, {})},
 }
 
 
@@ -316,6 +318,30 @@ def parse(model: type[_Strict], body: bytes) -> Any:
         raise APIError(400, "stream_options.continuous_usage_stats is not supported by this server (unset it, or "
                             "send false)", param="stream_options.continuous_usage_stats")
     return req
+
+
+# apply_chat_template's own arguments: set through the request's fields, never through chat_template_kwargs
+_TEMPLATE_ARGS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                  "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                  "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+
+
+def template_options(req: ChatRequest | TokenizeRequest) -> dict:
+    """What the chat template is rendered with besides messages and tools, as vLLM takes them: add_generation_prompt,
+    continue_final_message (the last message, an assistant's, is continued), chat_template_kwargs (variables the
+    template reads, e.g. enable_thinking)."""
+    if req.add_generation_prompt and req.continue_final_message:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true (send "
+                            "add_generation_prompt: false)", param="continue_final_message")
+    if req.continue_final_message and (not req.messages or req.messages[-1].role != "assistant"):
+        raise APIError(400, "continue_final_message needs an assistant message last", param="continue_final_message")
+    extra = req.chat_template_kwargs or {}
+    bad = sorted(set(extra) & _TEMPLATE_ARGS)
+    if bad:
+        raise APIError(400, f"chat_template_kwargs.{bad[0]}: set it as a request field, not a template variable",
+                       param=f"chat_template_kwargs.{bad[0]}")
+    return {**extra, "add_generation_prompt": req.add_generation_prompt,
+            "continue_final_message": req.continue_final_message}
 
 
 def messages(msgs: list[Message]) -> list[dict]:

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from serving.generation import PromptTooLong
-from serving.protocol import APIError, DetokenizeRequest, TokenizeRequest, messages, read
+from serving.protocol import APIError, DetokenizeRequest, TokenizeRequest, messages, read, template_options
 
 router = APIRouter()
 
@@ -20,8 +20,7 @@ async def tokenize(request: Request):
     ctx.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "send either prompt or messages", param="prompt")
-    if req.messages is not None and not req.add_generation_prompt:
-        raise APIError(400, "add_generation_prompt=false is not supported", param="add_generation_prompt")
+    options = template_options(req) if req.messages is not None else {}
     if req.tools and req.messages is None:
         raise APIError(400, "tools are shown by the chat template: send messages, not a prompt", param="tools")
     msgs = await asyncio.to_thread(messages, req.messages) if req.messages is not None else None
@@ -36,7 +35,7 @@ async def tokenize(request: Request):
             ids = info.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False, limit=max_len)
         else:
             try:
-                text = info.render_chat(msgs, tools)
+                text = info.render_chat(msgs, tools, **options)
             except Exception as e:
                 raise APIError(400, f"chat template: {e}", param="messages") from None
             ids = info.encode(text, add_special_tokens=bool(req.add_special_tokens), limit=max_len)

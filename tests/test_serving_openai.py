@@ -526,3 +526,38 @@ def test_include_stop_str_in_output(url):
     r = c.completions.create(model="tiny", prompt=chat_ids(url), temperature=0, max_tokens=60, stop="discipline",
                              extra_body={"include_stop_str_in_output": True})
     assert r.choices[0].text == ANSWER[:cut + len("discipline")] and r.choices[0].finish_reason == "stop"
+
+
+def test_chat_template_options_as_vllm_takes_them(url, tiny_gemma4):
+    """add_generation_prompt, continue_final_message and chat_template_kwargs reach the chat template, in a chat
+    request and in /tokenize; what would bypass the request's own fields is a 400 naming it."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_gemma4)
+    start = [*ASK, {"role": "assistant", "content": "Site Reliability"}]
+
+    def tokenize(**kw):
+        r = requests.post(f"{url}/tokenize", json={"model": "tiny", **kw}, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    def template(msgs, **kw):
+        return tok.apply_chat_template(msgs, tokenize=True, return_dict=False, **kw)
+
+    assert tokenize(messages=ASK, add_generation_prompt=False) == template(ASK, add_generation_prompt=False)
+    assert tokenize(messages=start, add_generation_prompt=False, continue_final_message=True) == \
+        template(start, add_generation_prompt=False, continue_final_message=True)
+    thinking = tokenize(messages=ASK, chat_template_kwargs={"enable_thinking": True})
+    assert thinking == template(ASK, add_generation_prompt=True, enable_thinking=True) != chat_ids(url)
+    c = client(url)
+    r = c.chat.completions.create(model="tiny", messages=start, temperature=0, extra_body={
+        "add_generation_prompt": False, "continue_final_message": True})
+    assert r.choices[0].message.content == ANSWER.removeprefix("Site Reliability")
+    assert r.usage.prompt_tokens == len(template(start, add_generation_prompt=False, continue_final_message=True))
+    for extra, param in (({"continue_final_message": True}, "continue_final_message"),
+                         ({"add_generation_prompt": False, "continue_final_message": True, "messages": ASK},
+                          "continue_final_message"),
+                         ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize")):
+        body = {"model": "tiny", "messages": start, "max_tokens": 2, **extra}
+        for path in ("/v1/chat/completions", "/tokenize"):
+            bad = requests.post(url + path, json=body, timeout=30)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (path, bad.text)
