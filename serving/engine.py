@@ -57,6 +57,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()        # end generation like eos
     eos_token_ids: tuple[int, ...] = ()         # the checkpoint's stop ids (what min_tokens holds back, with the above)
     logprobs: int | None = None                 # how many top alternatives per token (0: the chosen one's only)
+    allowed_token_ids: tuple[int, ...] = ()     # only these may be generated (API layer: a mask); () = any
 
     @property
     def penalised(self) -> bool:

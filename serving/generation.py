@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from serving.engine import Engine, SamplingParams, TokenLogprobs
-from serving.structured import Matcher
+from serving.structured import Matcher, mask_words
 from serving.tool_calls import MARKUP, RESPONSE_START
 
 # Gemma 4's control tokens that shape the output (see the checkpoint's tokenizer.json).
@@ -263,18 +263,26 @@ class Generation:
     """One request's state between tokens: its budget, detokeniser, stop strings and token times."""
 
     def __init__(self, info: TokenizerInfo, prompt_ids: Sequence[int], params: SamplingParams, max_context: int,
-                 grammar: Any = None, reveal: frozenset[int] = frozenset()):
+                 grammar: Any = None, reveal: frozenset[int] = frozenset(), vocab_size: int | None = None):
         self.info, self.params = info, params
         self.prompt_tokens = len(prompt_ids)
         self.budget = min(params.max_tokens, max_context - len(prompt_ids))
         self.detok = Detokenizer(info, reveal)
         self.stops = StopStrings(params.stop, params.include_stop_str)
         self.matcher = Matcher(grammar) if grammar is not None else None
+        self.allowed = None             # allowed_token_ids as a mask row (serving/engine.py's layout)
+        if params.allowed_token_ids:
+            bits = np.zeros(mask_words(vocab_size or info.vocab_size) * 32, np.uint8)
+            bits[list(params.allowed_token_ids)] = 1
+            self.allowed = np.packbits(bits, bitorder="little").view("<i4")
         self.times: list[float] = []
 
     def mask(self) -> np.ndarray | None:
-        """The tokens the request's grammar allows next (serving/engine.py's mask); None: any."""
-        return self.matcher.allowed() if self.matcher is not None else None
+        """The tokens the request's grammar and allowed_token_ids allow next (serving/engine.py's mask); None: any."""
+        grammar = self.matcher.allowed() if self.matcher is not None else None
+        if self.allowed is None or grammar is None:
+            return self.allowed if grammar is None else grammar
+        return grammar & self.allowed
 
     def push(self, token: int) -> tuple[str, str | None]:
         """Take a generated token: (text it releases, finish reason or None to go on)."""
@@ -311,7 +319,7 @@ def generate(engine: Engine, info: TokenizerInfo, prompt_ids: Sequence[int], par
              grammar: Any = None) -> Iterator[Delta | Finish]:
     """Run one request to the end in one slot (following `grammar`, a serving.structured compiled grammar, when
     given). Yields a Delta per generated token, then one Finish."""
-    gen = Generation(info, prompt_ids, params, engine.max_context, grammar)
+    gen = Generation(info, prompt_ids, params, engine.max_context, grammar, vocab_size=engine.vocab_size)
     if gen.budget <= 0 or cancelled():
         yield gen.finish("length" if gen.budget <= 0 else "abort")
         return
@@ -354,7 +362,7 @@ class Batch:
 
     def join(self, job) -> list[tuple[Any, Delta | Finish]]:
         gen = Generation(self.info, job.prompt_ids, job.params, self.engine.max_context,
-                         getattr(job, "grammar", None), getattr(job, "reveal", frozenset()))
+                         getattr(job, "grammar", None), getattr(job, "reveal", frozenset()), self.engine.vocab_size)
         if gen.budget <= 0 or job.cancelled.is_set():
             return [(job, gen.finish("length" if gen.budget <= 0 else "abort"))]
         slot = next(s for s in range(self.engine.slots) if s not in self.live)

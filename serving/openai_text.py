@@ -61,10 +61,10 @@ def sampling(ctx, req, prompt_len: int, max_tokens: int | None, top_logprobs: in
             raise APIError(400, f"logit_bias: token id {token} is out of range (vocabulary size {vocab})",
                            param="logit_bias")
         bias.append((token, min(100.0, max(-100.0, value))))     # OpenAI's range; vLLM clamps the same way
-    bad = next((t for t in req.stop_token_ids or () if t >= vocab), None)
-    if bad is not None:
-        raise APIError(400, f"stop_token_ids: token id {bad} is out of range (vocabulary size {vocab})",
-                       param="stop_token_ids")
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        bad = next((t for t in getattr(req, name) or () if t >= vocab), None)
+        if bad is not None:
+            raise APIError(400, f"{name}: token id {bad} is out of range (vocabulary size {vocab})", param=name)
     # Integers reach the runtimes only bounded (int32 on the JAX device), as vLLM bounds them: min_tokens past the
     # tokens to generate is a 400 (max_tokens unset: what the context leaves); a top_k of the vocabulary or more
     # is no cut.
@@ -86,6 +86,7 @@ def sampling(ctx, req, prompt_len: int, max_tokens: int | None, top_logprobs: in
         repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
         logit_bias=tuple(bias), min_p=req.min_p or 0.0, min_tokens=req.min_tokens,
         stop_token_ids=tuple(req.stop_token_ids or ()), eos_token_ids=tuple(sorted(ctx.info.stop_ids)),
+        allowed_token_ids=tuple(sorted(set(req.allowed_token_ids or ()))),
         logprobs=top_logprobs)
 
 

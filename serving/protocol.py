@@ -144,6 +144,7 @@ class _Sampling(_Strict):
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] = 0
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
     response_format: ResponseFormat | None = None
 
 
@@ -201,7 +202,7 @@ _NOT_HONOURED = {
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "use_beam_search": (None, False), "length_penalty": (None, 1),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
-    "truncate_prompt_tokens": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,), "bad_words": (None, []),
     "logits_processors": (None,), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
     "return_tokens_as_token_ids": (None, False),
     "priority": (None, 0),      # vLLM too refuses it unless started with --scheduling-policy priority

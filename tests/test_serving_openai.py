@@ -561,3 +561,20 @@ def test_chat_template_options_as_vllm_takes_them(url, tiny_gemma4):
         for path in ("/v1/chat/completions", "/tokenize"):
             bad = requests.post(url + path, json=body, timeout=30)
             assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (path, bad.text)
+
+
+def test_allowed_token_ids_are_the_only_tokens_generated(url, tiny_gemma4):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_gemma4)
+    allowed = tok.encode(" discipline that", add_special_tokens=False)
+    names = {tok.decode([i]) for i in allowed}
+    c = client(url)
+    for temperature in (0, 1.5):
+        r = c.chat.completions.create(model="tiny", messages=ASK, temperature=temperature, seed=3, max_tokens=6,
+                                      logprobs=True, extra_body={"allowed_token_ids": allowed})
+        got = [t.token for t in r.choices[0].logprobs.content]
+        assert len(got) == 6 and set(got) <= names and r.choices[0].finish_reason == "length", got
+    for bad in ([], [tok.vocab_size + 5], [-1]):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="tiny", messages=ASK, max_tokens=2, extra_body={"allowed_token_ids": bad})
+        assert e.value.body["param"].startswith("allowed_token_ids"), e.value.body
