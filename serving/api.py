@@ -73,6 +73,17 @@ class Metrics:
         self.running = Gauge("vllm:num_requests_running", "Requests generating now.", ln,
                              registry=r).labels(model_name)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests queued.", ln, registry=r).labels(model_name)
+        counts = tuple(float(m * 10 ** e) for e in range(7) for m in (1, 2, 5))      # vLLM's 1-2-5 series
+        self.request_prompt = Histogram("vllm:request_prompt_tokens", "Prompt tokens per finished request.", ln,
+                                        buckets=counts, registry=r).labels(model_name)
+        self.request_generation = Histogram("vllm:request_generation_tokens", "Generated tokens per finished "
+                                            "request.", ln, buckets=counts, registry=r).labels(model_name)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Arrival to prefill.", ln, buckets=lat,
+                                    registry=r).labels(model_name)
+        # Never incremented: a slot holds its request's whole context, so no request is ever preempted.
+        self.preemptions = Counter("vllm:num_preemptions", "Requests preempted.", ln, registry=r).labels(model_name)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of the KV cache (slots x context) the running "
+                              "requests' tokens fill, 0 to 1.", ln, registry=r).labels(model_name)
         self.model_name = model_name
         self.lock = threading.Lock()
 
@@ -92,6 +103,8 @@ class Metrics:
             prefilled = fin.completion_tokens > 0 or fin.reason != "abort"
             self.prompt_tokens.inc(fin.prompt_tokens if prefilled else 0)
             self.generation_tokens.inc(fin.completion_tokens)
+            self.request_prompt.observe(fin.prompt_tokens if prefilled else 0)
+            self.request_generation.observe(fin.completion_tokens)
             times = fin.token_times
             if fin.reason == "abort" or not times:
                 return
@@ -237,6 +250,7 @@ class Scheduler:
                 self.metrics.set_queue(self._live(), running=len(batch.live) + len(joining))
             for i, job in enumerate(joining):
                 pending = len(joining) - i - 1          # admitted, not joined yet: they count as running
+                self.metrics.queue_time.observe(time.monotonic() - job.arrival)
                 try:
                     self._emit(batch.join(job), pending)
                 except Exception as e:    # a runtime bug must not kill the engine thread: report it to this request
@@ -249,6 +263,8 @@ class Scheduler:
             except Exception as e:
                 self._fail(batch.drop_all(), e)
             self.metrics.set_queue(self._live(), running=len(batch.live))
+            filled = sum(live.gen.prompt_tokens + len(live.gen.times) for live in batch.live.values())
+            self.metrics.kv_usage.set(filled / (self.slots * self.engine.max_context))
         for job in batch.drop_all():
             job.cancelled.set()
 

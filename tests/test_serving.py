@@ -223,8 +223,26 @@ def test_metrics_count_the_requests_made(server):
     assert d("vllm:request_success_total{finished_reason=length}") == 3
     assert d("vllm:request_success_total{finished_reason=stop}") == 1
     assert after["vllm:num_requests_running"] == 0 and after["vllm:num_requests_waiting"] == 0
+    # what vLLM's dashboards read too: per-request token histograms, queue time, preemptions (none: a slot holds a
+    # whole context), the KV cache in use (none once idle)
+    assert d("vllm:request_prompt_tokens_sum") == sum(u.prompt_tokens for u in usages)
+    assert d("vllm:request_generation_tokens_sum") == sum(u.completion_tokens for u in usages)
+    assert d("vllm:request_prompt_tokens_count") == d("vllm:request_queue_time_seconds_count") == 4
+    assert after["vllm:num_preemptions_total"] == 0 and after["vllm:kv_cache_usage_perc"] == 0
     text = requests.get(f"{server}/metrics", timeout=5).text
     assert 'vllm:generation_tokens_total{model_name="tiny-gemma4"}' in text
+
+
+def test_kv_cache_usage_counts_the_running_requests_tokens(paced_server, tiny_gemma4):
+    """vllm:kv_cache_usage_perc: the share of the runtime's KV cache (slots × context) the running requests fill."""
+    long = threading.Thread(target=lambda: client(paced_server).chat.completions.create(
+        model="tiny-gemma4", messages=ASK, max_tokens=100, extra_body={"ignore_eos": True}), daemon=True)
+    long.start()
+    wait_until(lambda: metrics(paced_server)["vllm:kv_cache_usage_perc"] > 0, what="the KV cache to fill")
+    used = metrics(paced_server)["vllm:kv_cache_usage_perc"]
+    assert 0 < used <= 1
+    long.join(60)
+    assert metrics(paced_server)["vllm:kv_cache_usage_perc"] == 0
 
 
 # ------------------------------------------------------------------------------- queueing, with a paced engine
