@@ -58,6 +58,7 @@ class SamplingParams:
     eos_token_ids: tuple[int, ...] = ()         # the checkpoint's stop ids (what min_tokens holds back, with the above)
     logprobs: int | None = None                 # how many top alternatives per token (0: the chosen one's only)
     allowed_token_ids: tuple[int, ...] = ()     # only these may be generated (API layer: a mask); () = any
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()     # token sequences never generated (API layer: a mask)
 
     @property
     def penalised(self) -> bool:

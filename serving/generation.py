@@ -270,23 +270,37 @@ class Generation:
         self.detok = Detokenizer(info, reveal)
         self.stops = StopStrings(params.stop, params.include_stop_str)
         self.matcher = Matcher(grammar) if grammar is not None else None
+        words = mask_words(vocab_size or info.vocab_size)
         self.allowed = None             # allowed_token_ids as a mask row (serving/engine.py's layout)
         if params.allowed_token_ids:
-            bits = np.zeros(mask_words(vocab_size or info.vocab_size) * 32, np.uint8)
+            bits = np.zeros(words * 32, np.uint8)
             bits[list(params.allowed_token_ids)] = 1
             self.allowed = np.packbits(bits, bitorder="little").view("<i4")
+        elif params.bad_words_ids:
+            self.allowed = np.full(words, -1, np.int32)
+        self.ids: list[int] = []        # generated token ids (what bad_words look back at)
         self.times: list[float] = []
 
     def mask(self) -> np.ndarray | None:
-        """The tokens the request's grammar and allowed_token_ids allow next (serving/engine.py's mask); None: any."""
+        """The tokens the request's grammar, allowed_token_ids and bad_words allow next (serving/engine.py's mask);
+        None: any. A bad word's last token is banned where the output ends with the rest of it (as vLLM)."""
         grammar = self.matcher.allowed() if self.matcher is not None else None
-        if self.allowed is None or grammar is None:
-            return self.allowed if grammar is None else grammar
-        return grammar & self.allowed
+        mask = self.allowed if grammar is None or self.allowed is None else grammar & self.allowed
+        if mask is None:
+            return grammar
+        banned = [seq[-1] for seq in self.params.bad_words_ids
+                  if len(seq) == 1 or tuple(self.ids[len(self.ids) - len(seq) + 1:]) == seq[:-1]]
+        if banned:
+            mask = mask.copy().view(np.uint32)
+            for t in banned:
+                mask[t >> 5] &= ~np.uint32(1 << (t & 31))
+            mask = mask.view(np.int32)
+        return mask
 
     def push(self, token: int) -> tuple[str, str | None]:
         """Take a generated token: (text it releases, finish reason or None to go on)."""
         self.times.append(time.monotonic())
+        self.ids.append(token)
         if self.matcher is not None:
             self.matcher.accept(token)
         done = self.matcher is not None and self.matcher.done     # the grammar took its stop token

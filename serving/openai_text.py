@@ -87,7 +87,18 @@ def sampling(ctx, req, prompt_len: int, max_tokens: int | None, top_logprobs: in
         logit_bias=tuple(bias), min_p=req.min_p or 0.0, min_tokens=req.min_tokens,
         stop_token_ids=tuple(req.stop_token_ids or ()), eos_token_ids=tuple(sorted(ctx.info.stop_ids)),
         allowed_token_ids=tuple(sorted(set(req.allowed_token_ids or ()))),
+        bad_words_ids=bad_words_ids(ctx.info, req.bad_words or ()),
         logprobs=top_logprobs)
+
+
+def bad_words_ids(info, words) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token ids, alone and after a space (a word mid-sentence), as vLLM bans them."""
+    out = []
+    for word in words:
+        alone = tuple(info.encode(word.lstrip()))
+        spaced = tuple(info.encode(" " + word.lstrip()))
+        out += [alone] + ([spaced] if spaced and spaced[0] != alone[0] and len(spaced) == len(alone) else [])
+    return tuple(seq for seq in out if seq)
 
 
 def tool_plan(req: ChatRequest) -> tuple[list[dict] | None, Callable[[], Reader], Any]:

@@ -21,6 +21,7 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 INT64 = (-2**63, 2**63 - 1)     # vLLM's seed range (torch.long)
 MAX_LOGIT_BIAS = 300            # entries (a fixed width on the JAX runtime's device)
 MAX_STOP_TOKEN_IDS = 32
+MAX_BAD_WORDS = 128
 MAX_LOGPROBS = 20               # vLLM's default --max-logprobs; OpenAI's top_logprobs bound
 MAX_JSON_OBJECTS = 65_536       # objects in one request body (messages, content parts, tools, schemas ...)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -145,6 +146,8 @@ class _Sampling(_Strict):
     min_tokens: Annotated[int, Field(ge=0)] = 0
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
+    bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=1000)]],
+                         Field(max_length=MAX_BAD_WORDS)] | None = None
     response_format: ResponseFormat | None = None
 
 
@@ -202,7 +205,7 @@ _NOT_HONOURED = {
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "use_beam_search": (None, False), "length_penalty": (None, 1),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
-    "truncate_prompt_tokens": (None,), "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,),
     "logits_processors": (None,), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
     "return_tokens_as_token_ids": (None, False),
     "priority": (None, 0),      # vLLM too refuses it unless started with --scheduling-policy priority

@@ -578,3 +578,18 @@ def test_allowed_token_ids_are_the_only_tokens_generated(url, tiny_gemma4):
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(model="tiny", messages=ASK, max_tokens=2, extra_body={"allowed_token_ids": bad})
         assert e.value.body["param"].startswith("allowed_token_ids"), e.value.body
+
+
+def test_bad_words_are_never_generated(url):
+    """vLLM's bad_words: a word's last token is banned wherever the output ends with the rest of it."""
+    c = client(url)
+    before = ANSWER[:ANSWER.index(" discipline")]
+    for stream in (False, True):
+        r = c.chat.completions.create(model="tiny", messages=ASK, temperature=0, max_tokens=40, stream=stream,
+                                      extra_body={"bad_words": ["discipline", "nonexistentword"]})
+        text = "".join(ch.choices[0].delta.content or "" for ch in r if ch.choices) if stream else \
+            r.choices[0].message.content
+        assert text.startswith(before) and "discipline" not in text, text
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=ASK, max_tokens=2, extra_body={"bad_words": [""]})
+    assert e.value.body["param"].startswith("bad_words"), e.value.body
