@@ -22,6 +22,7 @@ INT64 = (-2**63, 2**63 - 1)     # vLLM's seed range (torch.long)
 MAX_LOGIT_BIAS = 300            # entries (a fixed width on the JAX runtime's device)
 MAX_STOP_TOKEN_IDS = 32
 MAX_BAD_WORDS = 128
+MAX_PROMPTS = 1024              # prompts in one completions request (also bounded by the server's slots + queue)
 MAX_LOGPROBS = 20               # vLLM's default --max-logprobs; OpenAI's top_logprobs bound
 MAX_JSON_OBJECTS = 65_536       # objects in one request body (messages, content parts, tools, schemas ...)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -168,9 +169,9 @@ TokenIds = list[Annotated[int, Field(ge=0)]]
 
 
 class CompletionRequest(_Sampling):
-    # One prompt: a string or token ids, also as a one-element list (how the openai client sends batches).
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | TokenIds | \
-        Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
+    # A string or token ids, or a list of either: several prompts (their n choices each; serving/openai_text.py).
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds | \
+        Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     max_tokens: Annotated[int, Field(ge=0)] | None = 16     # OpenAI's and vLLM's default for completions
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None

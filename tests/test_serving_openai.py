@@ -593,3 +593,27 @@ def test_bad_words_are_never_generated(url):
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="tiny", messages=ASK, max_tokens=2, extra_body={"bad_words": [""]})
     assert e.value.body["param"].startswith("bad_words"), e.value.body
+
+
+def test_several_prompts_in_one_completions_request(url):
+    """As vLLM: choice index = prompt index × n + choice; each prompt's choices are what it gets alone; usage counts
+    every prompt once and every choice's tokens."""
+    c = client(url)
+    ids = chat_ids(url)
+    kw = dict(model="tiny", max_tokens=5, temperature=1.0, seed=11, n=2)
+    alone = [c.completions.create(prompt=p, **kw) for p in ("Site Reliability", "Hello")]
+    both = c.completions.create(prompt=["Site Reliability", "Hello"], **kw)
+    assert [(ch.index, ch.text) for ch in both.choices] == \
+        [(i, ch.text) for i, ch in enumerate(alone[0].choices + alone[1].choices)]
+    assert both.usage.prompt_tokens == alone[0].usage.prompt_tokens + alone[1].usage.prompt_tokens
+    assert both.usage.completion_tokens == alone[0].usage.completion_tokens + alone[1].usage.completion_tokens
+    token_prompts = [ids, ids[:5]]
+    chunks = list(c.completions.create(prompt=token_prompts, stream=True, echo=True, **kw))
+    texts = ["", "", "", ""]
+    for ch in chunks:
+        texts[ch.choices[0].index] += ch.choices[0].text
+    single = [c.completions.create(prompt=p, echo=True, **kw) for p in token_prompts]
+    assert texts == [ch.text for r in single for ch in r.choices]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tiny", prompt=["a"] * 40, n=10, max_tokens=2)
+    assert e.value.body["param"] == "prompt", e.value.body
