@@ -263,19 +263,24 @@ class Scheduler:
             except Exception as e:
                 self._fail(batch.drop_all(), e)
             self.metrics.set_queue(self._live(), running=len(batch.live))
-            filled = sum(live.gen.prompt_tokens + len(live.gen.times) for live in batch.live.values())
-            self.metrics.kv_usage.set(filled / (self.slots * self.engine.max_context))
+            self._kv_usage()
         for job in batch.drop_all():
             job.cancelled.set()
+
+    def _kv_usage(self) -> None:
+        filled = sum(live.gen.prompt_tokens + len(live.gen.times) for live in self.batch.live.values())
+        self.metrics.kv_usage.set(filled / (self.slots * self.engine.max_context))
 
     def _emit(self, events, pending: int = 0) -> None:
         for job, ev in events:
             if isinstance(ev, Finish):           # before the client can see the end
                 self.metrics.finished(job.arrival, ev, running=len(self.batch.live) + pending)
+                self._kv_usage()
             job.send(ev)
 
     def _fail(self, jobs: list[Job], e: Exception, pending: int = 0) -> None:
         log.exception("generation failed")
+        self._kv_usage()
         for job in jobs:
             self.metrics.finished(job.arrival, Finish("abort", len(job.prompt_ids), 0, []),
                                   running=len(self.batch.live) + pending)
