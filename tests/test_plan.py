@@ -43,6 +43,18 @@ def test_tags_are_deterministic_and_documented(g5g, cpu):
     assert make_plan(g5g, registry="reg.example:5000/me").to_json() == p.to_json()
 
 
+def test_no_two_images_of_any_profiles_share_a_tag():
+    """g4dn's short alias (…:vllm-g4dn) must not be g5g's (…:vllm): a push of one would overwrite the other."""
+    owner: dict[str, tuple[str, str]] = {}
+    for profile in ("g5g", "g4dn", "cpu"):
+        for image in make_plan(manifest.load(REPO / "manifests", profile=profile), profile=profile).images:
+            assert len(image.tags) == 2, image.tags
+            for tag in image.tags:
+                assert tag not in owner, (tag, owner[tag], (profile, image.runtime))
+                owner[tag] = (profile, image.runtime)
+    assert {owner[t][0] for t in owner} == {"g5g", "g4dn", "cpu"}
+
+
 def test_labels_carry_arch_list_pins_and_patch_digests(g5g, cpu):
     vllm = make_plan(g5g, runtime="vllm").images[0]
     assert vllm.labels["io.g5g.runtime"] == "vllm" and vllm.labels["io.g5g.profile"] == "g5g"
@@ -61,6 +73,18 @@ def test_vllm_build_args(g5g):
     assert a["VLLM_VERSION"] == "0.33.0" and len(a["VLLM_SDIST_SHA256"]) == 64
     assert a["MAX_JOBS"] == "auto" and a["NVCC_THREADS"] == "1" and a["RUST_VERSION"] == "1.95"
     assert not any(w in k for k in a for w in ("TOKEN", "SECRET", "PASSWORD"))
+
+
+@pytest.mark.parametrize("name", ["HF_TOKEN", "AWS_SECRET_KEY", "PIP_PASSWORD", "GIT_CREDENTIALS"])
+def test_a_secret_named_build_arg_is_refused(tmp_path, name):
+    """A build arg ends up in the image's history: secrets travel as BuildKit secrets only."""
+    shutil.copytree(REPO / "manifests", tmp_path / "manifests")
+    runtime = tmp_path / "manifests" / "runtimes" / "pytorch.yaml"
+    text = runtime.read_text()
+    assert "args: {TORCH_BASE: base}" in text
+    runtime.write_text(text.replace("args: {TORCH_BASE: base}", f"args: {{TORCH_BASE: base, {name}: base}}"))
+    with pytest.raises(UserError, match=f"args.{name}: secrets travel only as BuildKit secrets"):
+        make_plan(manifest.load(tmp_path / "manifests", profile="g5g"), runtime="pytorch", repo_root=REPO)
 
 
 def test_vllm_refused_on_cpu(cpu):
