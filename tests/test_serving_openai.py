@@ -275,7 +275,8 @@ def test_defaults_of_unhonoured_parameters_are_accepted(url):
 
 # -------------------------------------------------------------------------------- structured output, tools
 PERSON = {"type": "object",
-          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0},
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150},   # bounded: see test_structured
                          "unit": {"enum": ["celsius", "fahrenheit"]}, "tags": {"type": "array", "maxItems": 2,
                                                                                 "items": {"type": "string",
                                                                                           "maxLength": 6}}},

@@ -15,8 +15,11 @@ from serving.tool_calls import GemmaCalls, NamedCall, RequiredCalls, merge, pars
 from tests.fixtures.batching import Job, run_in_batch
 from tests.fixtures.tiny_gemma4 import QUESTION
 
+# Every field bounded (an integer range too: an unbounded one lets a model write digits until max_tokens, which a
+# fixture trained on another CPU did), so whatever the weights the answer ends by itself within max_tokens.
 SCHEMA = {"type": "object",
-          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
+          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0,
+                                                                               "maximum": 150},
                          "unit": {"enum": ["celsius", "fahrenheit"]}, "ok": {"type": "boolean"},
                          "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2}},
           "required": ["name", "age", "unit", "ok"]}
