@@ -15,6 +15,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
+from serving import quantized
 from serving.engine import SamplingParams, TokenLogprobs
 from serving.structured import MASKED
 
@@ -292,6 +293,27 @@ def slots_from_env(env=os.environ, device_type: str = "cpu") -> int:
     return int(text)
 
 
+def _dequantised(model_dir: Path, num_bits: int) -> dict[str, torch.Tensor]:
+    """The text weights of a compressed-tensors checkpoint as float32 tensors, named as Gemma4ForCausalLM's."""
+    from safetensors import safe_open
+
+    sd: dict[str, torch.Tensor] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            names = set(st.keys())
+            for name in names:
+                if not name.startswith("model.language_model."):
+                    continue
+                key = "model." + name.removeprefix("model.language_model.")
+                if name.endswith("_packed"):
+                    get = lambda n: st.get_tensor(n).numpy()  # noqa: E731 (scales fp16, shapes int64)
+                    w = quantized.dequantise_named(get, name.removesuffix("_packed"), num_bits)
+                    sd[key.removesuffix("_packed")] = torch.from_numpy(w)
+                elif not name.endswith(quantized.SUFFIXES):
+                    sd[key] = st.get_tensor(name)
+    return sd
+
+
 def load(model_dir: str | Path, device: str | None = None, max_context: int | None = None,
          slots: int | None = None) -> TorchEngine:
     from transformers import AutoConfig, Gemma4ForCausalLM
@@ -304,9 +326,15 @@ def load(model_dir: str | Path, device: str | None = None, max_context: int | No
     text_config = getattr(config, "text_config", config)   # a text-only Gemma 4 checkpoint works too
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()     # the towers' tensors are "unexpected" for a text model, by design
+    qargs = quantized.weight_args({"quantization_config": getattr(config, "quantization_config", None)})
     try:
-        model, info = Gemma4ForCausalLM.from_pretrained(
-            model_dir, config=text_config, dtype=dtype, key_mapping=_TEXT_PREFIX, output_loading_info=True)
+        if qargs:    # compressed-tensors: dequantised here (transformers' integration keeps bf16/fp16 mixed on CPU)
+            model, info = Gemma4ForCausalLM.from_pretrained(
+                None, config=text_config, dtype=dtype, state_dict=_dequantised(model_dir, qargs["num_bits"]),
+                output_loading_info=True)
+        else:
+            model, info = Gemma4ForCausalLM.from_pretrained(
+                model_dir, config=text_config, dtype=dtype, key_mapping=_TEXT_PREFIX, output_loading_info=True)
     finally:
         hf_logging.set_verbosity(verbosity)
     missing = [k for k in info["missing_keys"] if k != "lm_head.weight"]
