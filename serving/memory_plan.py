@@ -158,7 +158,7 @@ class Plan:
     def lines(self) -> list[str]:
         m = lambda b: f"{b / MIB:9.1f} MiB"  # noqa: E731
         return [f"weights ({self.scheme}, text) {m(self.weights)}",
-                *([f"vision/audio towers     {m(self.towers)}"] if self.towers else []),
+                *([f"vision/audio towers     {m(self.towers)}  (vLLM loads them; our runtimes do not)"] if self.towers else []),
                 f"KV cache                {m(self.kv)}  ({self.kv_per_token} B/token; sliding layers at their "
                 f"window: {self.kv_per_token_sliding} B/token at this length)",
                 f"overhead (stated)       {m(self.overhead)}",
