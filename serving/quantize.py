@@ -47,7 +47,7 @@ def pack(weight: torch.Tensor, args: QuantizationArgs) -> dict[str, torch.Tensor
     w = weight.to(torch.float32)
     rows = w.reshape(w.shape[0], -1, args.group_size) if args.group_size else w[:, None, :]
     scale, zero = calculate_qparams(rows.amin(-1), rows.amax(-1), args)
-    scale = scale.to(torch.float16)
+    scale = scale.to(torch.float16)     # rounded first: the values are quantised against the scale stored
     if not args.group_size:
         scale, zero = scale.reshape(-1, 1), zero.reshape(-1, 1)
     scheme = QuantizationScheme(targets=["Linear"], weights=args)

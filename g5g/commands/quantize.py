@@ -19,6 +19,8 @@ console = Console(highlight=False, soft_wrap=True)
 def run(args) -> int:
     if args.command == "fits":
         return fits(args)
+    if not (Path(args.model) / "config.json").is_file():
+        raise UserError(f"{args.model}: no config.json (a Hugging Face Gemma 4 checkpoint directory)")
     argv = [sys.executable, "-m", "serving.quantize", "--model", args.model, "--scheme", args.scheme,
             "--out", args.out] + (["--group-size", str(args.group_size)] if args.group_size else [])
     r = subprocess.run(argv)

@@ -1,0 +1,180 @@
+"""Quantised checkpoints (serving/quantize.py): the format against compressed-tensors itself, and the logits of the
+quantised model against the 16-bit one on both runtimes (KL divergence, top-1 agreement, greedy equality).
+
+Tolerances, per scheme (mean over teacher-forced positions of KL(p_fp32 || p_quant) in nats; top-1 agreement):
+  w8a16  KL < 2e-3, top-1 >= 0.97      w4a16  KL < 5e-2, top-1 >= 0.85
+int8 per channel keeps ~8 bits of each weight, int4 per group of 32 ~4: the bounds leave room for the test's
+randomness (random-weight models have flat, near-tied logits), not for a wrong packing (tested exactly below),
+which gives KL of order 1 and top-1 near 1/vocab.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("compressed_tensors")
+
+from compressed_tensors.compressors import PackedQuantizationCompressor  # noqa: E402
+from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme  # noqa: E402
+
+from serving import memory_plan, quantize, quantized  # noqa: E402
+from tests.fixtures.tiny_gemma4 import _prompt_ids  # noqa: E402
+
+BOUNDS = {"w8a16": (2e-3, 0.97), "w4a16": (5e-2, 0.85)}
+
+
+@pytest.mark.parametrize("scheme", ["w8a16", "w4a16"])
+def test_numpy_reader_equals_compressed_tensors_decompress(scheme):
+    """The runtimes' reader (no torch) against the library's own decompress, bit for bit, with rows of varied scale."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 96, generator=gen) * torch.logspace(-3, 1, 48)[:, None]
+    args = quantize.scheme_args(scheme, None)
+    packed = quantize.pack(w, args)
+    ref = PackedQuantizationCompressor.decompress(
+        {**packed, "weight_scale": packed["weight_scale"].float()},
+        QuantizationScheme(targets=["Linear"], weights=args))["weight"]
+    got = quantized.dequantise(packed["weight_packed"].numpy(), packed["weight_scale"].numpy(),
+                               packed["weight_shape"].numpy(), args.num_bits)
+    np.testing.assert_array_equal(got, ref.numpy())
+    step = packed["weight_scale"].float().repeat_interleave(args.group_size or 96, 1).numpy()
+    # round to nearest: half a step, plus the row maximum's clip (the library's scale is max/127.5, resp. /7.5,
+    # the largest code 127, resp. 7) after the scale's rounding to float16 (2**-11 relative: 0.07 step at 127.5)
+    assert np.all(np.abs(got - w.numpy()) <= 0.6 * step)
+
+
+def _quantised(src: Path, tmp: Path, scheme: str) -> Path:
+    out = tmp / scheme
+    if not out.exists():
+        quantize.quantize(src, out, scheme, log=lambda *_: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_quantised(tiny_gemma4, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tiny-q")
+    return tiny_gemma4, {s: _quantised(tiny_gemma4, tmp, s) for s in BOUNDS}
+
+
+def test_written_config_is_what_compressed_tensors_and_our_plan_read(tiny_quantised):
+    src, outs = tiny_quantised
+    for scheme, out in outs.items():
+        raw = json.loads((out / "config.json").read_text())
+        qc = QuantizationConfig.model_validate(raw["quantization_config"])
+        w = qc.config_groups["group_0"].weights
+        assert (qc.quant_method, qc.format, w.symmetric, w.type) == ("compressed-tensors", "pack-quantized", True, "int")
+        assert (w.num_bits, w.strategy, w.group_size) == {"w8a16": (8, "channel", None),
+                                                          "w4a16": (4, "group", 32)}[scheme]
+        assert memory_plan.scheme_of(raw) == scheme and quantized.weight_args(raw)["num_bits"] == w.num_bits
+        headers = memory_plan.safetensors_headers(out)
+        assert "model.language_model.embed_tokens.weight" in headers                 # kept 16-bit (tied LM head)
+        assert headers["model.language_model.layers.0.mlp.up_proj.weight_packed"]["dtype"] == "I32"
+        # the tiny model's per_layer_projection has 16 inputs: no group of 32 divides them -> 16-bit, in ignore
+        left = "model.language_model.layers.0.per_layer_projection.weight"
+        assert (left in headers) == (scheme == "w4a16")
+        assert any("layers\\.0\\.per_layer_projection$" in i for i in qc.ignore) == (scheme == "w4a16")
+        # the plan's view of the checkpoint is the bytes actually written (text tensors + towers)
+        plan = memory_plan.plan_checkpoint(out, None, 64, 1)
+        written = sum(v["data_offsets"][1] - v["data_offsets"][0] for v in headers.values())
+        text_bf16 = sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in headers.items()
+                        if k.startswith("model.language_model.") and v["dtype"] == "BF16")
+        packed = written - text_bf16 - plan.towers          # int32 words + fp16 scales + int64 shapes
+        shapes = 8 * 2 * sum(k.endswith("_shape") for k in headers)
+        assert plan.weights == text_bf16 + packed - shapes
+
+
+def _runtime_logits(runtime: str, model_dir: Path, ids: list[int]) -> np.ndarray:
+    """float32 logits [len(ids), V] of each position, teacher-forced, from the runtime as it serves."""
+    if runtime == "pytorch":
+        from serving import pytorch_runtime
+        engine = pytorch_runtime.load(model_dir, device="cpu", slots=1)
+        with torch.no_grad():
+            return engine.model(torch.tensor([ids])).logits[0].float().numpy()
+    from serving.engine import SamplingParams
+    from serving.jax_runtime import Settings, load
+    engine = load(model_dir, Settings(buckets=(64, 128), dtype="float32", cache_dir=None, slots=1, batches=(1,)))
+    engine.start(0, ids[:1], SamplingParams(temperature=0.0))
+    out = [engine.logits(0)]
+    for t in ids[1:]:
+        engine.step({0: t})
+        out.append(engine.logits(0))
+    return np.stack(out)
+
+
+def _kl_top1(ref: np.ndarray, got: np.ndarray) -> tuple[float, float]:
+    def logp(x):
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+    p, q = logp(ref.astype(np.float64)), logp(got.astype(np.float64))
+    return float((np.exp(p) * (p - q)).sum(-1).mean()), float((ref.argmax(-1) == got.argmax(-1)).mean())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runtime", ["pytorch", "jax"])
+def test_tiny_quantised_logits_and_greedy_answer(tiny_quantised, runtime):
+    """The trained tiny checkpoint: its chat answer (teacher-forced) under each scheme, against the bf16 original."""
+    from transformers import AutoTokenizer
+
+    from tests.fixtures.tiny_gemma4 import ANSWER
+    src, outs = tiny_quantised
+    tok = AutoTokenizer.from_pretrained(src)
+    prompt = _prompt_ids(tok)
+    ids = prompt + tok.encode(ANSWER, add_special_tokens=False)
+    ref = _runtime_logits(runtime, src, ids)
+    for scheme, out in outs.items():
+        got = _runtime_logits(runtime, out, ids)
+        kl, top1 = _kl_top1(ref, got)
+        print(f"{runtime} tiny {scheme}: KL {kl:.2e} top-1 {top1:.3f}")
+        assert kl < BOUNDS[scheme][0] and top1 >= BOUNDS[scheme][1], (scheme, kl, top1)
+        # greedy equality over the answer, where the fp margin (top1 - top2 logit) exceeds the largest
+        # logit change the scheme made at that position
+        ans = slice(len(prompt) - 1, len(ids) - 1)
+        srt = np.sort(ref[ans], -1)
+        margin, moved = srt[:, -1] - srt[:, -2], np.abs(got[ans] - ref[ans]).max(-1)
+        safe = margin > 2 * moved
+        assert safe.mean() > 0.5, (scheme, safe.mean())
+        assert np.all(got[ans].argmax(-1)[safe] == np.array(ids[len(prompt):])[safe])
+
+
+@pytest.fixture(scope="module")
+def e2b_shaped(tmp_path_factory):
+    """E2B's widths (hidden 1536, MLP 6144/12288, heads 8x256 / 8x512, 1 KV head, PLE 256, KV sharing), 5 layers
+    (4 sliding + 1 full, the last 2 KV-shared) and a 4096-token vocabulary: CPU-sized, random weights as
+    benchmarks/jax_gpu_e2b_shape.py draws them (small q/k norms: otherwise attention is one-hot and chaotic)."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    text = dict(memory_plan._gemma4_e2b_text(5), vocab_size=4096, vocab_size_per_layer_input=4096,
+                final_logit_softcapping=30.0, max_position_embeddings=4096)
+    model = Gemma4ForConditionalGeneration(Gemma4Config(text_config=text, vision_config=None, audio_config=None))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if not t.is_floating_point() or "inv_freq" in name or "embed_scale" in name:
+                continue
+            if name.endswith("layer_scalar"):
+                t.copy_(torch.rand(t.shape, generator=gen) * 0.5 + 0.5)
+            elif "q_norm" in name or "k_norm" in name:
+                t.copy_(0.25 * (1 + 0.2 * torch.randn(t.shape, generator=gen)))
+            elif "norm" in name:
+                t.copy_(1 + 0.2 * torch.randn(t.shape, generator=gen))
+            else:
+                t.copy_(torch.randn(t.shape, generator=gen) / t.shape[-1] ** 0.5)
+    tmp = tmp_path_factory.mktemp("e2b-shaped")
+    model.half().save_pretrained(tmp / "fp16")
+    del model
+    return tmp / "fp16", {s: _quantised(tmp / "fp16", tmp, s) for s in BOUNDS}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runtime", ["pytorch", "jax"])
+def test_e2b_shaped_quantised_logits(e2b_shaped, runtime):
+    src, outs = e2b_shaped
+    ids = np.random.default_rng(1).integers(3, 4096, 48).tolist()
+    ref = _runtime_logits(runtime, src, ids)
+    for scheme, out in outs.items():
+        kl, top1 = _kl_top1(ref, _runtime_logits(runtime, out, ids))
+        print(f"{runtime} e2b-shaped {scheme}: KL {kl:.2e} top-1 {top1:.3f}")
+        assert kl < BOUNDS[scheme][0] and top1 >= BOUNDS[scheme][1], (scheme, kl, top1)
