@@ -141,12 +141,12 @@ def test_tiny_quantised_logits_and_greedy_answer(tiny_quantised, runtime):
 
 @pytest.fixture(scope="module")
 def e2b_shaped(tmp_path_factory):
-    """E2B's widths (hidden 1536, MLP 6144/12288, heads 8x256 / 8x512, 1 KV head, PLE 256, KV sharing), 5 layers
-    (4 sliding + 1 full, the last 2 KV-shared) and a 4096-token vocabulary: CPU-sized, random weights as
+    """E2B's widths (hidden 1536, MLP 6144/12288, heads 8x256 / 8x512, 1 KV head, PLE 256, KV sharing), 10 layers
+    (full every 5th, the last 5 KV-shared) and a 4096-token vocabulary: CPU-sized, random weights as
     benchmarks/jax_gpu_e2b_shape.py draws them (small q/k norms: otherwise attention is one-hot and chaotic)."""
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
-    text = dict(memory_plan._gemma4_e2b_text(5), vocab_size=4096, vocab_size_per_layer_input=4096,
+    text = dict(memory_plan._gemma4_e2b_text(10), vocab_size=4096, vocab_size_per_layer_input=4096,
                 final_logit_softcapping=30.0, max_position_embeddings=4096)
     model = Gemma4ForConditionalGeneration(Gemma4Config(text_config=text, vision_config=None, audio_config=None))
     gen = torch.Generator().manual_seed(0)
@@ -178,3 +178,25 @@ def test_e2b_shaped_quantised_logits(e2b_shaped, runtime):
         kl, top1 = _kl_top1(ref, _runtime_logits(runtime, out, ids))
         print(f"{runtime} e2b-shaped {scheme}: KL {kl:.2e} top-1 {top1:.3f}")
         assert kl < BOUNDS[scheme][0] and top1 >= BOUNDS[scheme][1], (scheme, kl, top1)
+
+
+def test_vllm_0_33_parses_the_config_into_marlin_wna16(tiny_quantised, tmp_path):
+    """vLLM 0.33.0's own CompressedTensorsConfig (from the pinned sdist, the rest of vLLM stood in for, platform
+    sm_75) picks CompressedTensorsWNA16 — the Marlin weight-only scheme — for both checkpoints."""
+    import subprocess
+    import sys
+
+    from g5g import patches
+    sdist = patches.fetch_sdist("0.33.0")
+    root = patches._unpack(sdist, {"vllm/model_executor/layers/quantization/compressed_tensors/" + f
+                                   for f in ("compressed_tensors.py", "utils.py")}, tmp_path)
+    _, outs = tiny_quantised
+    for scheme, out in outs.items():
+        r = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "tools" / "vllm_ct_probe.py"), str(root),
+                            str(out / "config.json")], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        got = json.loads(r.stdout)
+        assert got["quant_format"] == "pack-quantized"
+        s = got["schemes"]["Linear"]
+        assert (s["scheme"], s["num_bits"], s["symmetric"]) == ("CompressedTensorsWNA16", int(scheme[1]), True)
+        assert s["group_size"] in ({"w8a16": None, "w4a16": 32}[scheme],)   # Marlin: -1 (channel), 32, 64, 128
