@@ -158,7 +158,8 @@ class Plan:
     def lines(self) -> list[str]:
         m = lambda b: f"{b / MIB:9.1f} MiB"  # noqa: E731
         return [f"weights ({self.scheme}, text) {m(self.weights)}",
-                *([f"vision/audio towers     {m(self.towers)}  (vLLM loads them; our runtimes do not)"] if self.towers else []),
+                *([f"vision/audio towers     {m(self.towers)}  (vLLM loads them; our runtimes do not)"]
+                  if self.towers else []),
                 f"KV cache                {m(self.kv)}  ({self.kv_per_token} B/token; sliding layers at their "
                 f"window: {self.kv_per_token_sliding} B/token at this length)",
                 f"overhead (stated)       {m(self.overhead)}",
@@ -203,16 +204,37 @@ def plan(raw: dict, scheme: str, max_model_len: int, slots: int, gpu_mib: int = 
                 kv=slots * max_model_len * per_tok, overhead=overhead_mib * MIB, gpu=gpu_mib * MIB)
 
 
-def plan_checkpoint(model_dir: Path, scheme: str | None, max_model_len: int, slots: int, **kw) -> Plan:
+# Runtimes that dequantise at load (serving/quantized.py) and never load the towers: weights resident in 16 bits.
+DEQUANTISING = ("jax", "pytorch")
+
+
+def plan_checkpoint(model_dir: Path, scheme: str | None, max_model_len: int, slots: int, runtime: str = "vllm",
+                    **kw) -> Plan:
     """plan() from a checkpoint's config.json and its tensors' real shapes; scheme None: the checkpoint's own
-    (compressed-tensors config → w8a16/w4a16, else fp16)."""
+    (compressed-tensors config → w8a16/w4a16, else fp16), as `runtime` holds it in memory."""
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     tensors, towers = checkpoint_tensors(model_dir)
+    if runtime in DEQUANTISING:
+        scheme, towers = "fp16", 0
     packed = {n.removesuffix("_packed"): s for n, s in tensors.items() if n.endswith(".weight_packed")}
     if packed:   # a quantised checkpoint: plan on the unpacked shapes (weight_shape) under its scheme
         tensors = {n: s for n, s in tensors.items() if not n.endswith(("_packed", "_scale", "_shape"))}
         tensors |= {n: text_tensors(raw)[n] for n in packed}
     return plan(raw, scheme or scheme_of(raw), max_model_len, slots, tensors=tensors, towers=towers, **kw)
+
+
+def refusal(model_dir: Path, runtime: str, max_model_len: int, slots: int, gpu_bytes: int) -> str | None:
+    """The one line a server logs before refusing to start when the plan says the model does not fit the GPU it
+    runs on (weights + KV + the stated overhead), else None. A checkpoint the plan cannot read is not refused
+    here: loading it reports what is wrong."""
+    try:
+        p = plan_checkpoint(model_dir, None, max_model_len, slots, runtime=runtime, gpu_mib=gpu_bytes // MIB)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if p.fits:
+        return None
+    return (f"{model_dir} does not fit this GPU at --max-model-len {max_model_len} with {slots} slot(s): "
+            + "; ".join(" ".join(line.split()) for line in p.lines()[:-1]))
 
 
 def scheme_of(raw: dict) -> str:

@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from serving import quantized
+from serving import memory_plan, quantized
 from serving.engine import SamplingParams, TokenLogprobs
 from serving.structured import MASKED
 
@@ -324,6 +324,12 @@ def load(model_dir: str | Path, device: str | None = None, max_context: int | No
     dtype = torch.float16 if dev.type == "cuda" else torch.float32
     config = AutoConfig.from_pretrained(model_dir)
     text_config = getattr(config, "text_config", config)   # a text-only Gemma 4 checkpoint works too
+    context = min(text_config.max_position_embeddings, max_context or DEFAULT_MAX_CONTEXT)
+    slots = slots or slots_from_env(os.environ, dev.type)
+    if dev.type == "cuda":          # refuse before loading what the plan says cannot fit (weights + KV cache)
+        gpu = torch.cuda.get_device_properties(dev).total_memory
+        if no := memory_plan.refusal(model_dir, "pytorch", context, slots, gpu):
+            raise ValueError(no)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()     # the towers' tensors are "unexpected" for a text model, by design
     qargs = quantized.weight_args({"quantization_config": getattr(config, "quantization_config", None)})
@@ -342,8 +348,6 @@ def load(model_dir: str | Path, device: str | None = None, max_context: int | No
         raise ValueError(f"{model_dir}: checkpoint lacks text weights, e.g. {missing[:3]} "
                          f"(expected Gemma 4 weights under model.language_model.*)")
     model.to(dev).eval()
-    context = min(text_config.max_position_embeddings, max_context or DEFAULT_MAX_CONTEXT)
-    slots = slots or slots_from_env(os.environ, dev.type)
     if slots > 1 and model.config._attn_implementation != "sdpa":
         model.set_attn_implementation("sdpa")    # SlotKV's masks are boolean (True: attend), as sdpa takes them
     log.info("loaded %s on %s as %s (%d layers, context %d, %d slot%s)", model_dir, dev, dtype,

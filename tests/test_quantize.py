@@ -2,7 +2,9 @@
 quantised model against the 16-bit one on both runtimes (KL divergence, top-1 agreement, greedy equality).
 
 Tolerances, per scheme (mean over teacher-forced positions of KL(p_fp32 || p_quant) in nats; top-1 agreement):
-  w8a16  KL < 2e-3, top-1 >= 0.97      w4a16  KL < 5e-2, top-1 >= 0.85
+  w8a16  KL < 2e-3, top-1 >= 0.97      w4a16  KL < 5e-2, top-1 >= 0.85      (trained tiny checkpoint)
+  top-1 on E2B-shaped random weights: >= 0.9 and >= 0.7 (their logits are flat: near-ties flip)
+and, both models, greedy equality wherever the original's top-1/top-2 margin exceeds twice the logit change.
 int8 per channel keeps ~8 bits of each weight, int4 per group of 32 ~4: the bounds leave room for the test's
 randomness (random-weight models have flat, near-tied logits), not for a wrong packing (tested exactly below),
 which gives KL of order 1 and top-1 near 1/vocab.
@@ -25,6 +27,7 @@ from serving import memory_plan, quantize, quantized  # noqa: E402
 from tests.fixtures.tiny_gemma4 import _prompt_ids  # noqa: E402
 
 BOUNDS = {"w8a16": (2e-3, 0.97), "w4a16": (5e-2, 0.85)}
+BOUNDS_RANDOM = {"w8a16": 0.9, "w4a16": 0.7}   # top-1 on random weights: flat logits, many near-ties
 
 
 @pytest.mark.parametrize("scheme", ["w8a16", "w4a16"])
@@ -65,7 +68,8 @@ def test_written_config_is_what_compressed_tensors_and_our_plan_read(tiny_quanti
         raw = json.loads((out / "config.json").read_text())
         qc = QuantizationConfig.model_validate(raw["quantization_config"])
         w = qc.config_groups["group_0"].weights
-        assert (qc.quant_method, qc.format, w.symmetric, w.type) == ("compressed-tensors", "pack-quantized", True, "int")
+        assert (qc.quant_method, qc.format) == ("compressed-tensors", "pack-quantized")
+        assert (w.symmetric, w.type) == (True, "int")
         assert (w.num_bits, w.strategy, w.group_size) == {"w8a16": (8, "channel", None),
                                                           "w4a16": (4, "group", 32)}[scheme]
         assert memory_plan.scheme_of(raw) == scheme and quantized.weight_args(raw)["num_bits"] == w.num_bits
@@ -104,6 +108,17 @@ def _runtime_logits(runtime: str, model_dir: Path, ids: list[int]) -> np.ndarray
     return np.stack(out)
 
 
+def _assert_safe_argmax_kept(ref: np.ndarray, got: np.ndarray, scheme: str) -> None:
+    """Greedy equality where the margin allows: at every position whose top-1/top-2 logit gap in the original
+    exceeds twice the largest logit change the scheme made there, the argmax is the same; and such positions
+    are at least half of all (else the check would be empty)."""
+    srt = np.sort(ref, -1)
+    safe = srt[:, -1] - srt[:, -2] > 2 * np.abs(got - ref).max(-1)
+    print(f"  {scheme}: {safe.mean():.2f} of positions have the margin")
+    assert safe.mean() >= 0.5, (scheme, safe.mean())
+    assert np.all(got.argmax(-1)[safe] == ref.argmax(-1)[safe]), scheme
+
+
 def _kl_top1(ref: np.ndarray, got: np.ndarray) -> tuple[float, float]:
     def logp(x):
         x = x - x.max(-1, keepdims=True)
@@ -129,14 +144,10 @@ def test_tiny_quantised_logits_and_greedy_answer(tiny_quantised, runtime):
         kl, top1 = _kl_top1(ref, got)
         print(f"{runtime} tiny {scheme}: KL {kl:.2e} top-1 {top1:.3f}")
         assert kl < BOUNDS[scheme][0] and top1 >= BOUNDS[scheme][1], (scheme, kl, top1)
-        # greedy equality over the answer, where the fp margin (top1 - top2 logit) exceeds the largest
-        # logit change the scheme made at that position
+        # greedy: the trained answer's tokens stay the argmax wherever the margin allows
         ans = slice(len(prompt) - 1, len(ids) - 1)
-        srt = np.sort(ref[ans], -1)
-        margin, moved = srt[:, -1] - srt[:, -2], np.abs(got[ans] - ref[ans]).max(-1)
-        safe = margin > 2 * moved
-        assert safe.mean() > 0.5, (scheme, safe.mean())
-        assert np.all(got[ans].argmax(-1)[safe] == np.array(ids[len(prompt):])[safe])
+        assert np.all(ref[ans].argmax(-1) == np.array(ids[len(prompt):]))        # the original answers it
+        _assert_safe_argmax_kept(ref[ans], got[ans], scheme)
 
 
 @pytest.fixture(scope="module")
@@ -172,13 +183,14 @@ def e2b_shaped(tmp_path_factory):
 @pytest.mark.parametrize("runtime", ["pytorch", "jax"])
 def test_e2b_shaped_quantised_logits(e2b_shaped, runtime):
     src, outs = e2b_shaped
-    ids = np.random.default_rng(1).integers(3, 4096, 48).tolist()
+    ids = np.random.default_rng(1).integers(3, 4096, 96).tolist()
     ref = _runtime_logits(runtime, src, ids)
-    for scheme, out in outs.items():
-        kl, top1 = _kl_top1(ref, _runtime_logits(runtime, out, ids))
-        print(f"{runtime} e2b-shaped {scheme}: KL {kl:.2e} top-1 {top1:.3f}")
-        assert kl < BOUNDS[scheme][0] and top1 >= BOUNDS[scheme][1], (scheme, kl, top1)
-
+    got = {scheme: _runtime_logits(runtime, out, ids) for scheme, out in outs.items()}
+    stats = {scheme: _kl_top1(ref, g) for scheme, g in got.items()}
+    print(f"{runtime} e2b-shaped: " + ", ".join(f"{s} KL {kl:.2e} top-1 {t:.3f}" for s, (kl, t) in stats.items()))
+    for scheme, (kl, top1) in stats.items():
+        assert kl < BOUNDS[scheme][0] and top1 >= BOUNDS_RANDOM[scheme], (scheme, kl, top1)
+        _assert_safe_argmax_kept(ref, got[scheme], scheme)
 
 def test_vllm_0_33_parses_the_config_into_marlin_wna16(tiny_quantised, tmp_path):
     """vLLM 0.33.0's own CompressedTensorsConfig (from the pinned sdist, the rest of vLLM stood in for, platform

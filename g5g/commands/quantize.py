@@ -38,7 +38,8 @@ def fits(args) -> int:
         if args.model:
             if not (Path(args.model) / "config.json").is_file():
                 raise UserError(f"{args.model}: no config.json")
-            plan = mp.plan_checkpoint(Path(args.model), args.scheme, args.max_model_len, args.slots, **kw)
+            plan = mp.plan_checkpoint(Path(args.model), args.scheme, args.max_model_len, args.slots,
+                                      runtime=args.runtime, **kw)
         else:
             plan = mp.plan(mp.SHAPES[args.shape], args.scheme or "fp16", args.max_model_len, args.slots, **kw)
     except (ValueError, KeyError, OSError) as e:
