@@ -18,7 +18,7 @@ MIB = 1 << 20
 T4G_MIB = 15360
 GPUS = {"t4g": T4G_MIB, "t4": T4G_MIB}
 # CUDA context, cuBLAS workspace, activations, logits and sampling buffers: a stated allowance, not a measurement
-# (the field run's vLLM left 15 360 - 13 501 MiB unused at gpu_memory_utilization 0.9; see FACTS.md).
+# (the field run's vLLM left 15 360 - 13 501 MiB unused; docs/FACTS.md).
 DEFAULT_OVERHEAD_MIB = 1024
 # scheme -> (bits, group size or None for one scale per output channel); None: 16-bit weights.
 SCHEMES = {"fp16": None, "w8a16": (8, None), "w4a16": (4, 32)}
@@ -112,7 +112,7 @@ def quantisable(name: str, shape: tuple[int, ...], scheme: str) -> bool:
 
 
 def _gemma4_e2b_text(layers: int = 35) -> dict:
-    """google/gemma-4-E2B-it's text_config, the fields the plan reads (FACTS.md; 4 sliding : 1 full)."""
+    """google/gemma-4-E2B-it's text_config, the fields the plan reads (docs/FACTS.md)."""
     return dict(vocab_size=262144, vocab_size_per_layer_input=262144, hidden_size=1536, intermediate_size=6144,
                 num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=1, head_dim=256,
                 global_head_dim=512, sliding_window=512, num_kv_shared_layers=20 * layers // 35,

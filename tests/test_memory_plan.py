@@ -1,4 +1,4 @@
-"""serving/memory_plan.py (`build.py fits`): against hand-computed E2B figures (FACTS.md) and a real checkpoint."""
+"""serving/memory_plan.py (`build.py fits`): hand-computed E2B figures (docs/FACTS.md) and a real checkpoint."""
 from __future__ import annotations
 
 import json
