@@ -245,6 +245,6 @@ def scheme_of(raw: dict) -> str:
     for group in qc.get("config_groups", {}).values():
         w = group.get("weights") or {}
         for name, spec in SCHEMES.items():
-            if spec and w.get("num_bits") == spec[0] and (w.get("group_size") or None) == spec[1]:
+            if spec and w.get("num_bits") == spec[0]:    # int4 groups of 64/128: planned as 32 (0.03 B/param more)
                 return name
     raise ValueError("quantization_config: not one of the schemes " + ", ".join(SCHEMES))

@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.out.resolve() == a.model.resolve():
         print("error: --out must differ from --model", file=sys.stderr)
         return 2
+    if a.group_size is not None and a.scheme != "w4a16":
+        print("error: --group-size is for w4a16 (w8a16 has one scale per output channel)", file=sys.stderr)
+        return 2
     if a.group_size is not None and a.group_size not in (32, 64, 128):
         print(f"error: --group-size {a.group_size}: vLLM's Marlin takes 32, 64 or 128", file=sys.stderr)
         return 2
