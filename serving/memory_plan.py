@@ -1,7 +1,7 @@
 """What a Gemma 4 text model costs in GPU memory and in bytes streamed per decoded token, per weight scheme.
 
 Pure (json and struct only: no numpy, torch or jax), so the driver (`build.py fits`), the quantizer
-(serving/quantize.py: which tensors it quantises) and the servers (refusing to start) share one rule.
+(tools/quantize.py: which tensors it quantises) and the servers (refusing to start) share one rule.
 
 Tensors are {name: shape} with names relative to the text model (`layers.0.mlp.up_proj.weight`), from a
 config (`text_tensors`) or from a checkpoint's safetensors headers (`checkpoint_tensors`).
@@ -238,7 +238,7 @@ def refusal(model_dir: Path, runtime: str, max_model_len: int, slots: int, gpu_b
 
 
 def scheme_of(raw: dict) -> str:
-    """fp16, or the SCHEMES name of a compressed-tensors quantization_config written by serving/quantize.py."""
+    """fp16, or the SCHEMES name of a compressed-tensors quantization_config written by tools/quantize.py."""
     qc = raw.get("quantization_config")
     if not qc:
         return "fp16"

@@ -1,8 +1,8 @@
-"""Read compressed-tensors "pack-quantized" weights (serving/quantize.py writes them) back to floats, in numpy.
+"""Read compressed-tensors "pack-quantized" weights (tools/quantize.py writes them) back to floats, in numpy.
 
 Both runtimes dequantise at load (the JAX runtime has no torch; the PyTorch runtime serves float weights): memory
 and bandwidth then are those of the 16-bit model. A kernel that reads the packed weights inside the matmul is
-GPU work not done here. Only what serving/quantize.py writes is accepted: symmetric int4/int8, one scale per
+GPU work not done here. Only what tools/quantize.py writes is accepted: symmetric int4/int8, one scale per
 output channel or per group, values packed little-endian into int32 words with an offset of 2**(bits-1)
 (compressed-tensors' pack_to_int32; tests/test_quantize.py checks this reader against its decompress).
 """

@@ -1,4 +1,4 @@
-"""Quantised checkpoints (serving/quantize.py): the format against compressed-tensors itself, and the logits of the
+"""Quantised checkpoints (tools/quantize.py): the format against compressed-tensors itself, and the logits of the
 quantised model against the 16-bit one on both runtimes (KL divergence, top-1 agreement, greedy equality).
 
 Tolerances, per scheme (mean over teacher-forced positions of KL(p_fp32 || p_quant) in nats; top-1 agreement):
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -27,7 +28,10 @@ pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import PackedQuantizationCompressor  # noqa: E402
 from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme  # noqa: E402
 
-from serving import memory_plan, quantize, quantized  # noqa: E402
+from serving import memory_plan, quantized  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import quantize  # noqa: E402  (tools/quantize.py)
 from tests.fixtures.tiny_gemma4 import _prompt_ids  # noqa: E402
 
 BOUNDS = {"w8a16": (2e-3, 0.97), "w4a16": (5e-2, 0.85)}
@@ -226,3 +230,12 @@ def test_vllm_0_33_parses_the_config_into_marlin_wna16(tiny_quantised, tmp_path)
         s = got["schemes"]["Linear"]
         assert (s["scheme"], s["num_bits"], s["symmetric"]) == ("CompressedTensorsWNA16", int(scheme[1]), True)
         assert s["group_size"] in ({"w8a16": None, "w4a16": 32}[scheme],)   # Marlin: -1 (channel), 32, 64, 128
+
+
+def test_build_py_quantize_runs_the_tool_in_a_subprocess(tiny_gemma4, tmp_path, capsys):
+    from g5g import cli
+    assert cli.main(["quantize", "--model", str(tiny_gemma4), "--scheme", "w8a16", "--out", str(tmp_path / "q")]) == 0
+    assert memory_plan.scheme_of(json.loads((tmp_path / "q" / "config.json").read_text())) == "w8a16"
+    assert (tmp_path / "q" / "tokenizer.json").is_file()
+    assert cli.main(["quantize", "--model", str(tmp_path / "none"), "--scheme", "w8a16", "--out", str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """`build.py quantize --model DIR --scheme {w8a16,w4a16} --out DIR [--group-size N]` and `build.py fits …`.
 
-quantize runs `python -m serving.quantize` in a subprocess: it needs torch and compressed-tensors (the `quantize`
+quantize runs `python tools/quantize.py` in a subprocess: it needs torch and compressed-tensors (the `quantize`
 extra), which the driver never imports. fits is serving/memory_plan.py, a pure function: nothing is started.
 """
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from g5g import REPO_ROOT
 from g5g.errors import OK, UserError
 
 console = Console(highlight=False, soft_wrap=True)
@@ -21,7 +22,7 @@ def run(args) -> int:
         return fits(args)
     if not (Path(args.model) / "config.json").is_file():
         raise UserError(f"{args.model}: no config.json (a Hugging Face Gemma 4 checkpoint directory)")
-    argv = [sys.executable, "-m", "serving.quantize", "--model", args.model, "--scheme", args.scheme,
+    argv = [sys.executable, str(REPO_ROOT / "tools" / "quantize.py"), "--model", args.model, "--scheme", args.scheme,
             "--out", args.out] + (["--group-size", str(args.group_size)] if args.group_size else [])
     r = subprocess.run(argv)
     if r.returncode:

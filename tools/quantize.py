@@ -2,9 +2,10 @@
 (one scale per group of 32 inputs), symmetric, packed into int32 ("pack-quantized") — the format and schemes
 vLLM's Marlin kernels run on sm_75 (uint8b128 / uint4b8), read by our JAX and PyTorch runtimes too.
 
-    python -m serving.quantize --model DIR --scheme {w8a16,w4a16} --out DIR [--group-size 32]
+    python tools/quantize.py --model DIR --scheme {w8a16,w4a16} --out DIR [--group-size 32]
 
-(`build.py quantize` runs this in a subprocess: it needs torch and compressed-tensors, the driver imports neither.)
+A build-time tool, not image code: `build.py quantize` runs it in a subprocess (it needs torch and
+compressed-tensors, the `quantize` extra; the driver imports neither, and the images never install it).
 Scales and packing are compressed-tensors' own (calculate_qparams, PackedQuantizationCompressor). Which tensors
 are packed is serving/memory_plan.py's rule; every other tensor (embeddings, towers, norms) is copied unchanged,
 and config.json gains the `quantization_config` vLLM and transformers read.
@@ -18,13 +19,17 @@ import shutil
 import sys
 from pathlib import Path
 
-import torch
-from compressed_tensors.compressors import PackedQuantizationCompressor
-from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
-                                             QuantizationStatus)
-from compressed_tensors.quantization.utils import calculate_qparams
-from safetensors import safe_open
-from safetensors.torch import save_file
+try:
+    import torch
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 QuantizationStatus)
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+except ImportError as e:        # exit 3: build.py names the extra to install
+    print(f"error: {e.name} is not installed (pip install -e '.[quantize]')", file=sys.stderr)
+    sys.exit(3)
 
 from serving import memory_plan
 
@@ -114,7 +119,7 @@ def quantize(model_dir: Path, out: Path, scheme: str, group_size: int | None = N
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m serving.quantize", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python tools/quantize.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, type=Path)
     p.add_argument("--scheme", required=True, choices=[s for s, v in memory_plan.SCHEMES.items() if v])
     p.add_argument("--out", required=True, type=Path)
