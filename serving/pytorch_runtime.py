@@ -293,8 +293,9 @@ def slots_from_env(env=os.environ, device_type: str = "cpu") -> int:
     return int(text)
 
 
-def _dequantised(model_dir: Path, num_bits: int) -> dict[str, torch.Tensor]:
-    """The text weights of a compressed-tensors checkpoint as float32 tensors, named as Gemma4ForCausalLM's."""
+def _dequantised(model_dir: Path, num_bits: int, dtype) -> dict[str, torch.Tensor]:
+    """The text weights of a compressed-tensors checkpoint, named as Gemma4ForCausalLM's; the packed ones as
+    `dtype` (cast one by one: host memory holds one float32 weight at a time beyond the result)."""
     from safetensors import safe_open
 
     sd: dict[str, torch.Tensor] = {}
@@ -308,7 +309,7 @@ def _dequantised(model_dir: Path, num_bits: int) -> dict[str, torch.Tensor]:
                 if name.endswith("_packed"):
                     get = lambda n: st.get_tensor(n).numpy()  # noqa: E731 (scales fp16, shapes int64)
                     w = quantized.dequantise_named(get, name.removesuffix("_packed"), num_bits)
-                    sd[key.removesuffix("_packed")] = torch.from_numpy(w)
+                    sd[key.removesuffix("_packed")] = torch.from_numpy(w).to(dtype)
                 elif not name.endswith(quantized.SUFFIXES):
                     sd[key] = st.get_tensor(name)
     return sd
@@ -336,7 +337,7 @@ def load(model_dir: str | Path, device: str | None = None, max_context: int | No
     try:
         if qargs:    # compressed-tensors: dequantised here (transformers' integration keeps bf16/fp16 mixed on CPU)
             model, info = Gemma4ForCausalLM.from_pretrained(
-                None, config=text_config, dtype=dtype, state_dict=_dequantised(model_dir, qargs["num_bits"]),
+                None, config=text_config, dtype=dtype, state_dict=_dequantised(model_dir, qargs["num_bits"], dtype),
                 output_loading_info=True)
         else:
             model, info = Gemma4ForCausalLM.from_pretrained(
