@@ -245,8 +245,8 @@ def test_build_py_quantize_runs_the_tool_in_a_subprocess(tiny_gemma4, tmp_path, 
 @pytest.mark.parametrize("runtime", ["pytorch", "jax"])
 def test_servers_answer_from_the_int8_checkpoint(tiny_quantised, runtime):
     """`python -m serving` on the w8a16 checkpoint: the chat answer, token for token (every answer position has
-    the margin under int8). Not int4: free-running, its answer leaves the original's after 47 characters (where
-    the one answer position without the margin is) on both runtimes."""
+    the margin under int8). Not int4: free-running, its answer leaves the original's after 47 characters on both
+    runtimes (measured)."""
     import requests
 
     from tests.fixtures.server import serving, serving_env
