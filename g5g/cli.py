@@ -15,7 +15,9 @@ from rich.markup import escape
 from g5g import REPO_ROOT
 from g5g.errors import UserError
 
-SUBCOMMANDS = ("build", "generate", "chart", "doctor", "inspect", "smoke", "bench", "serve", "patches")
+SUBCOMMANDS = ("build", "generate", "chart", "doctor", "inspect", "smoke", "bench", "serve", "patches", "quantize",
+               "fits")
+MODULES = {"fits": "quantize"}      # subcommands that share a module
 # The runtimes are the manifests (runtimes/*.yaml): the planner checks --runtime against those of --manifests.
 RUNTIMES = sorted(p.stem for p in (REPO_ROOT / "manifests" / "runtimes").glob("*.yaml"))
 PROFILES = sorted(p.stem for p in (REPO_ROOT / "manifests" / "profiles").glob("*.yaml"))
@@ -142,6 +144,30 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--runtime", choices=("jax", "pytorch"), required=True)
     sv.add_argument("--model", required=True, help="checkpoint directory")
 
+    q = sub.add_parser("quantize", help="write a compressed-tensors (int8/int4 weight-only) copy of a Gemma 4 "
+                       "checkpoint, as vLLM's Marlin runs it on sm_75 (needs the `quantize` extra)")
+    q.add_argument("--model", required=True, help="Hugging Face Gemma 4 checkpoint directory")
+    q.add_argument("--scheme", required=True, choices=("w8a16", "w4a16"),
+                   help="w8a16: int8, one scale per output channel; w4a16: int4, one scale per --group-size inputs")
+    q.add_argument("--out", required=True, help="output directory")
+    q.add_argument("--group-size", type=int, help="int4 group size: 32 (default), 64 or 128")
+
+    ft = sub.add_parser("fits", help="will a model + scheme + context + slots fit the GPU with its KV cache? "
+                        "(a plan: nothing is started; exit 1 when it does not fit)")
+    src = ft.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="checkpoint directory (config.json and safetensors headers are read)")
+    src.add_argument("--shape", choices=("e2b",), help="a known model shape instead of a checkpoint")
+    ft.add_argument("--scheme", choices=("fp16", "w8a16", "w4a16"),
+                    help="weight scheme (default: the checkpoint's own; fp16 for --shape)")
+    ft.add_argument("--max-model-len", type=int, required=True, help="context per sequence, as the servers take it")
+    ft.add_argument("--slots", type=int, default=1, help="sequences held at once (default: 1)")
+    ft.add_argument("--runtime", choices=("vllm", "jax", "pytorch"), default="vllm",
+                    help="with --model: vllm holds packed weights and the towers; jax and pytorch dequantise at "
+                    "load (16-bit weights) and skip the towers (default: vllm)")
+    ft.add_argument("--gpu", choices=("t4g", "t4"), default="t4g", help="target GPU (15 360 MiB; default: t4g)")
+    ft.add_argument("--overhead-mib", type=int, default=1024,
+                    help="CUDA context, workspaces, activations (default: 1024, a stated allowance)")
+
     pa = sub.add_parser("patches", help="verify our vLLM patches against the pinned upstream release")
     pa.add_argument("action", choices=("verify",))
     pa.add_argument("--version", help="vLLM version (default: the manifest's pin)")
@@ -163,7 +189,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
-    module = importlib.import_module(f"g5g.commands.{args.command}")
+    module = importlib.import_module(f"g5g.commands.{MODULES.get(args.command, args.command)}")
     try:
         return module.run(args)
     except UserError as e:

@@ -15,6 +15,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
+from serving import memory_plan, quantized
 from serving.engine import SamplingParams, TokenLogprobs
 from serving.structured import MASKED
 
@@ -292,6 +293,28 @@ def slots_from_env(env=os.environ, device_type: str = "cpu") -> int:
     return int(text)
 
 
+def _dequantised(model_dir: Path, num_bits: int, dtype) -> dict[str, torch.Tensor]:
+    """The text weights of a compressed-tensors checkpoint, named as Gemma4ForCausalLM's; the packed ones as
+    `dtype` (cast one by one: host memory holds one float32 weight at a time beyond the result)."""
+    from safetensors import safe_open
+
+    sd: dict[str, torch.Tensor] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            names = set(st.keys())
+            for name in names:
+                if not name.startswith("model.language_model."):
+                    continue
+                key = "model." + name.removeprefix("model.language_model.")
+                if name.endswith("_packed"):
+                    get = lambda n: st.get_tensor(n).numpy()  # noqa: E731 (scales fp16, shapes int64)
+                    w = quantized.dequantise_named(get, name.removesuffix("_packed"), num_bits)
+                    sd[key.removesuffix("_packed")] = torch.from_numpy(w).to(dtype)
+                elif not name.endswith(quantized.SUFFIXES):
+                    sd[key] = st.get_tensor(name)
+    return sd
+
+
 def load(model_dir: str | Path, device: str | None = None, max_context: int | None = None,
          slots: int | None = None) -> TorchEngine:
     from transformers import AutoConfig, Gemma4ForCausalLM
@@ -302,11 +325,23 @@ def load(model_dir: str | Path, device: str | None = None, max_context: int | No
     dtype = torch.float16 if dev.type == "cuda" else torch.float32
     config = AutoConfig.from_pretrained(model_dir)
     text_config = getattr(config, "text_config", config)   # a text-only Gemma 4 checkpoint works too
+    context = min(text_config.max_position_embeddings, max_context or DEFAULT_MAX_CONTEXT)
+    slots = slots or slots_from_env(os.environ, dev.type)
+    if dev.type == "cuda":          # refuse before loading what the plan says cannot fit (weights + KV cache)
+        gpu = torch.cuda.get_device_properties(dev).total_memory
+        if no := memory_plan.refusal(model_dir, "pytorch", context, slots, gpu):
+            raise ValueError(no)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()     # the towers' tensors are "unexpected" for a text model, by design
+    qargs = quantized.weight_args({"quantization_config": getattr(config, "quantization_config", None)})
     try:
-        model, info = Gemma4ForCausalLM.from_pretrained(
-            model_dir, config=text_config, dtype=dtype, key_mapping=_TEXT_PREFIX, output_loading_info=True)
+        if qargs:    # compressed-tensors: dequantised here (transformers' integration keeps bf16/fp16 mixed on CPU)
+            model, info = Gemma4ForCausalLM.from_pretrained(
+                None, config=text_config, dtype=dtype, state_dict=_dequantised(model_dir, qargs["num_bits"], dtype),
+                output_loading_info=True)
+        else:
+            model, info = Gemma4ForCausalLM.from_pretrained(
+                model_dir, config=text_config, dtype=dtype, key_mapping=_TEXT_PREFIX, output_loading_info=True)
     finally:
         hf_logging.set_verbosity(verbosity)
     missing = [k for k in info["missing_keys"] if k != "lm_head.weight"]
@@ -314,8 +349,6 @@ def load(model_dir: str | Path, device: str | None = None, max_context: int | No
         raise ValueError(f"{model_dir}: checkpoint lacks text weights, e.g. {missing[:3]} "
                          f"(expected Gemma 4 weights under model.language_model.*)")
     model.to(dev).eval()
-    context = min(text_config.max_position_embeddings, max_context or DEFAULT_MAX_CONTEXT)
-    slots = slots or slots_from_env(os.environ, dev.type)
     if slots > 1 and model.config._attn_implementation != "sdpa":
         model.set_attn_implementation("sdpa")    # SlotKV's masks are boolean (True: attend), as sdpa takes them
     log.info("loaded %s on %s as %s (%d layers, context %d, %d slot%s)", model_dir, dev, dtype,

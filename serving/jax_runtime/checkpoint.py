@@ -17,6 +17,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from serving import quantized
+
 from .config import CheckpointError, TextConfig
 
 _DTYPES = {
@@ -84,6 +86,16 @@ class SafetensorsDir:
         return arr.reshape(meta["shape"])
 
 
+def _quantized_args(model_dir: Path) -> dict | None:
+    """The weights' args of a compressed-tensors checkpoint (serving/quantized.py), None for a 16-bit one."""
+    try:
+        return quantized.weight_args(json.loads((model_dir / "config.json").read_text()))
+    except (OSError, json.JSONDecodeError):
+        return None                      # config.json problems are config.load's to report
+    except quantized.QuantizedCheckpointError as e:
+        raise CheckpointError(f"{model_dir}/config.json: {e}") from None
+
+
 def _prefix(names: set[str], where: Path) -> str:
     for p in PREFIXES:
         if p + "embed_tokens.weight" in names:
@@ -131,12 +143,16 @@ def _read_params(model_dir: Path, cfg: TextConfig, convert) -> dict:
     st = SafetensorsDir(model_dir)
     names = st.names()
     prefix = _prefix(names, Path(model_dir))
+    qargs = _quantized_args(Path(model_dir))
 
     def raw(key: str, shape: tuple | None = None) -> np.ndarray:
         full = prefix + key
-        if full not in names:
+        if qargs and full not in names and full + "_packed" in names:   # compressed-tensors: dequantised here
+            arr = quantized.dequantise_named(st.get, full, qargs["num_bits"])
+        elif full not in names:
             raise CheckpointError(f"{model_dir}: tensor {full!r} missing from the checkpoint")
-        arr = st.get(full)
+        else:
+            arr = st.get(full)
         if shape is not None and tuple(arr.shape) != tuple(shape):
             raise CheckpointError(f"{model_dir}: tensor {full!r} has shape {tuple(arr.shape)}, config says {shape}")
         return arr

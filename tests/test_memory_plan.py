@@ -1,0 +1,87 @@
+"""serving/memory_plan.py (`build.py fits`): hand-computed E2B figures (docs/FACTS.md) and a real checkpoint."""
+from __future__ import annotations
+
+import json
+
+from g5g import cli
+from serving import memory_plan as mp
+
+E2B = mp.SHAPES["e2b"]
+
+
+def _e2b_hand() -> dict:
+    """Parameter counts of E2B's text model, written out: 35 layers, full every 5th, layers 15-34 KV-shared
+    (no k/v, MLP 12 288 wide), per-layer embeddings of 256 per layer."""
+    d, full = 1536, {4, 9, 14, 19, 24, 29, 34}
+    linear = 0
+    for i in range(35):
+        hd = 512 if i in full else 256
+        linear += 2 * d * 8 * hd                              # q, o
+        linear += 2 * d * hd if i < 15 else 0                 # k, v (one KV head)
+        linear += 3 * d * (6144 if i < 15 else 12288)         # gate, up, down
+        linear += 2 * d * 256                                 # per_layer_input_gate, per_layer_projection
+    return {"linear": linear, "ple_proj": d * 35 * 256, "embed": 262144 * d, "ple": 262144 * 35 * 256}
+
+
+def test_e2b_kv_and_bytes_per_token_match_hand_figures():
+    # KV: 3 full layers x K,V x 512 x fp16 + 12 sliding x K,V x 256 x fp16 = 18 KiB (FACTS: ~18 KiB/token)
+    assert mp.kv_bytes_per_token(E2B) == 3 * 2 * 512 * 2 + 12 * 2 * 256 * 2 == 18432
+    h = _e2b_hand()
+    p = mp.plan(E2B, "fp16", 4096, 1)
+    assert p.streamed_per_token == 2 * (h["linear"] + h["ple_proj"] + h["embed"])
+    assert round(p.streamed_per_token / 1e9, 2) == 4.56                 # FACTS: 4.56 GB streamed per token
+    norms = p.weights - 2 * sum(h.values())
+    assert 0 < norms < 1 << 20                                          # the rest is norms and scalars
+    # FACTS' 9.5 GiB is the whole checkpoint; the text model alone is 8.6 GiB (towers ~0.9 GiB)
+    assert 8.6 < p.weights / 2**30 < 8.65
+
+
+def test_schemes_pack_the_layers_and_keep_embeddings():
+    h = _e2b_hand()
+    fp16, w8, w4 = (mp.plan(E2B, s, 4096, 1) for s in ("fp16", "w8a16", "w4a16"))
+    rows = w8.weights - fp16.weights + h["linear"]                      # int8: one fp16 scale per output row
+    assert 0 < rows / 2 < h["linear"] / 1536
+    assert w4.weights == fp16.weights - 2 * h["linear"] + h["linear"] // 2 + 2 * h["linear"] // 32
+    # the tied LM head (0.81 GB) stays fp16: 43% of what a w4a16 decode step streams
+    assert round(2 * h["embed"] / w4.streamed_per_token, 2) == 0.43
+
+
+def test_fits_at_the_t4g_limit():
+    fits = mp.plan(E2B, "fp16", 32768, 8)
+    assert fits.fits and fits.total == fits.weights + 8 * 32768 * 18432 + (1024 << 20)
+    assert not mp.plan(E2B, "fp16", 131072, 8).fits
+
+
+def test_config_tensors_are_the_checkpoints(tiny_gemma4):
+    """The plan's tensor list from config.json is exactly the text tensors transformers saved."""
+    raw = json.loads((tiny_gemma4 / "config.json").read_text())
+    text, towers = mp.checkpoint_tensors(tiny_gemma4)
+    assert mp.text_tensors(raw) == text and towers > 0
+
+
+def test_cli_fits_exit_status_and_breakdown(capsys, tiny_gemma4):
+    assert cli.main(["fits", "--shape", "e2b", "--scheme", "w4a16", "--max-model-len", "32768", "--slots", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache" in out and "4608.0 MiB" in out and "fits" in out
+    assert cli.main(["fits", "--shape", "e2b", "--max-model-len", "131072", "--slots", "8"]) == 1
+    assert "does NOT fit" in capsys.readouterr().out
+    assert cli.main(["fits", "--model", str(tiny_gemma4), "--max-model-len", "64"]) == 0
+    assert cli.main(["fits", "--model", "/nonexistent", "--max-model-len", "64"]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+def test_refusal_is_one_line_when_the_plan_does_not_fit(tiny_gemma4):
+    """What the PyTorch server raises at startup on a GPU (serving/pytorch_runtime.load): weights + KV + overhead
+    against the device's memory."""
+    need = mp.plan_checkpoint(tiny_gemma4, None, 64, 1, runtime="pytorch").total
+    assert mp.refusal(tiny_gemma4, "pytorch", 64, 1, need + mp.MIB) is None        # whole MiB: floored
+    line = mp.refusal(tiny_gemma4, "pytorch", 64, 1, need - mp.MIB)
+    assert "does not fit" in line and "--max-model-len 64" in line and "\n" not in line
+    assert mp.refusal(tiny_gemma4.parent / "nonexistent", "pytorch", 64, 1, 1) is None   # loading reports that
+
+
+def test_dequantising_runtimes_plan_16_bit_weights_without_towers(tiny_gemma4):
+    vllm = mp.plan_checkpoint(tiny_gemma4, "w4a16", 64, 1)
+    torch_rt = mp.plan_checkpoint(tiny_gemma4, "w4a16", 64, 1, runtime="pytorch")
+    assert vllm.towers > 0 and torch_rt.towers == 0
+    assert torch_rt.weights == mp.plan_checkpoint(tiny_gemma4, "fp16", 64, 1).weights > vllm.weights
