@@ -13,8 +13,9 @@ against the image), the SASS/PTX in every shared library of the CUDA wheels, ptx
 - **cuobjdump**: every .so of `--cuobjdump-dists`, copied out of the image, through `cuobjdump --list-elf` and
   `--list-ptx` (an x86_64 cuobjdump reads an aarch64 ELF as well). An error other than "does not contain device
   code" is fatal; each library with device code must cover `--arch` (SASS for it, or PTX at or below it).
-- **ptxas** (`--ptxas`): XLA compiles its fusions to PTX and hands them to ptxas for the GPU it finds; the ptxas
-  the image carries (from the nvidia-cuda-nvcc wheel) is run in the image on a small PTX kernel for `--arch`, and
+- **ptxas** (`--ptxas`): XLA compiles its fusions to PTX and hands them to ptxas for the GPU it finds. jax tells
+  XLA where (`jax._src.lib.cuda_path`, passed as `--xla_gpu_cuda_data_dir`; recorded with its libdevice); that
+  directory's `bin/ptxas` (the nvidia-cuda-nvcc wheel) is run in the image on a small PTX kernel for `--arch`, and
   the cubin it writes is read back with cuobjdump.
 
 Exit 0 when everything was proven, 1 when a check failed (the JSON says which), 2 for bad input. Needs Docker
@@ -63,6 +64,14 @@ for name in names:
                           "root": str(d.locate_file("")),
                           "record": [[str(f), f.hash.value if f.hash else None] for f in d.files or []]}
 out["ptxas"] = sorted(glob.glob(os.path.join(out["purelib"], "nvidia", "**", "bin", "ptxas"), recursive=True))
+if "jax" in names and out["dists"].get("jax"):
+    try:  # the CUDA directory jax hands XLA (--xla_gpu_cuda_data_dir): XLA runs its bin/ptxas, links nvvm/libdevice
+        from jax._src import lib
+        cuda = lib.cuda_path
+        out["xla_cuda_data_dir"] = {"path": cuda, "ptxas": bool(cuda) and os.path.exists(f"{cuda}/bin/ptxas"),
+                                    "libdevice": sorted(glob.glob(f"{cuda}/nvvm/libdevice/*.bc")) if cuda else []}
+    except Exception as e:
+        out["xla_cuda_data_dir"] = {"error": repr(e)[:300]}
 print(json.dumps(out))
 """
 
@@ -147,12 +156,14 @@ def compare_records(wheel: list, installed: list) -> dict:
             "missing_count": len(missing), "differ_count": len(differ), "ok": not missing and not differ}
 
 
-def pip_platform_args(tags: list[str]) -> list[str]:
-    """WHEEL tags (cp313-cp313-manylinux_2_27_x86_64, py3-none-any) → pip download's target arguments."""
+def pip_platform_args(tags: list[str], python: str) -> list[str]:
+    """WHEEL tags (cp313-cp313-manylinux_2_27_x86_64, py3-none-any) and the image's Python (3.13.5) → pip
+    download's target arguments (the Python version matters for a pure wheel too: Requires-Python)."""
     interp, abi, _ = tags[0].split("-")
-    args = ["--only-binary=:all:", "--no-deps", "--implementation", interp[:2] if interp[:2] == "cp" else "py"]
+    major_minor = ".".join(python.split(".")[:2])
+    args = ["--only-binary=:all:", "--no-deps", "--python-version", major_minor]
     if interp.startswith("cp"):
-        args += ["--python-version", f"{interp[2]}.{interp[3:]}", "--abi", abi]
+        args += ["--implementation", "cp", "--abi", abi]
     for plat in sorted({t.split("-")[2] for t in tags} - {"any"}):
         args += ["--platform", plat]
     return args
@@ -188,14 +199,14 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def download_wheel(info: dict, cache: Path) -> Path:
+def download_wheel(info: dict, python: str, cache: Path) -> Path:
     """The wheel the image installed, fetched with pip (the index this machine is configured with)."""
     name, version, tags = info["name"], info["version"], info["tags"]
     stem = re.sub(r"[-_.]+", "_", name).lower()
     for whl in cache.glob(f"{stem}-{version}-*.whl"):
         if _tags_of(whl) == set(tags):
             return whl
-    cp = run([sys.executable, "-m", "pip", "download", "-q", "-d", str(cache), *pip_platform_args(tags),
+    cp = run([sys.executable, "-m", "pip", "download", "-q", "-d", str(cache), *pip_platform_args(tags, python),
               f"{name}=={version}"], timeout=3600)
     if cp.returncode != 0:
         raise RuntimeError(f"pip download {name}=={version} failed: {cp.stderr.strip()[-400:]}")
@@ -246,18 +257,32 @@ def ptxas_check(image: str, platform: str, ptxas: str, cuobjdump: str, arch: str
     version, b64 = cp.stdout.split("CUBIN", 1)
     cubin = work / "probe.cubin"
     cubin.write_bytes(base64.b64decode(b64.strip()))
-    dump = run([cuobjdump, "--dump-sass", str(cubin)], timeout=120)
-    m = re.search(r"arch = (sm_\d+)", dump.stdout)
-    return {"ok": dump.returncode == 0 and bool(m) and m.group(1) == f"sm_{sm}", "ptxas": ptxas,
-            "version": version.strip().splitlines(), "ptx_target": f"sm_{sm}",
-            "cubin_arch": m.group(1) if m else None, "cubin_bytes": cubin.stat().st_size,
-            "sass_instructions": len(re.findall(r"/\*[0-9a-f]{4}\*/", dump.stdout))}
+    dump = run([cuobjdump, "--list-elf", str(cubin)], timeout=120)
+    try:
+        archs = parse_cuobjdump(dump.stdout, dump.stderr, dump.returncode)
+    except RuntimeError as e:
+        archs = [str(e)]
+    return {"ok": archs == [f"sm_{sm}"], "ptxas": ptxas, "version": version.strip().splitlines(),
+            "ptx_target": f"sm_{sm}", "cubin_archs": archs, "cubin_bytes": cubin.stat().st_size}
 
 
-def git_state() -> dict:
-    head = run(["git", "-C", str(ROOT), "rev-parse", "HEAD"]).stdout.strip()
-    dirty = run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"]).stdout.strip()
-    return {"commit": head, "dirty": bool(dirty)}
+IMAGE_INPUTS = ("serving", "dockerfiles", "manifests", "pyproject.toml", "g5g")  # what build.py puts in an image
+
+
+def git_state(build_commit: str | None) -> dict:
+    """The checkout this proof ran from; with the commit the image was built from, whether anything that goes into
+    an image changed between the two."""
+    git = ["git", "-C", str(ROOT)]
+    head = run([*git, "rev-parse", "HEAD"]).stdout.strip()
+    dirty = run([*git, "status", "--porcelain", "--untracked-files=no", "--", *IMAGE_INPUTS]).stdout.strip()
+    out = {"commit": head, "image_inputs_dirty": bool(dirty)}
+    if build_commit:
+        full = run([*git, "rev-parse", "--verify", f"{build_commit}^{{commit}}"])
+        if full.returncode != 0:
+            raise UserError(f"--build-commit {build_commit}: not a commit of this repository")
+        changed = run([*git, "diff", "--name-only", full.stdout.strip(), "HEAD", "--", *IMAGE_INPUTS]).stdout.split()
+        out |= {"built_from": full.stdout.strip(), "image_inputs_changed_since_build": changed}
+    return out
 
 
 def prove(args) -> dict:
@@ -269,8 +294,8 @@ def prove(args) -> dict:
     ref = registry.parse_reference(args.image)
     pinned = f"{ref.registry}/{ref.repository}@{found['digest']}"
     platforms = [args.platform] if args.platform else sorted(found["platforms"])
-    report: dict = {"image": args.image, "digest": found["digest"], "pinned": pinned, "project": git_state(),
-                    "arch": arch, "inspect": found["platforms"], "platforms": {}, "failures": []}
+    report: dict = {"image": args.image, "digest": found["digest"], "pinned": pinned,
+                    "project": git_state(args.build_commit), "arch": arch, "inspect": found["platforms"], "platforms": {}, "failures": []}
     if args.build_log:
         log = Path(args.build_log).read_text(errors="replace")
         report["build"] = {"log": str(args.build_log), "stages": stage_times(log)}
@@ -298,7 +323,11 @@ def prove(args) -> dict:
             info = probe["dists"].get(name)
             if not info:
                 continue
-            whl = download_wheel(info, cache)
+            try:
+                whl = download_wheel(info, probe["python"], cache)
+            except RuntimeError as e:
+                report["failures"].append(f"{plat}: {name}: {e}")
+                continue
             check = compare_records(wheel_record(whl), info["record"])
             out["wheels"][name] = {"version": info["version"], "file": whl.name, "sha256": sha256_file(whl),
                                    "bytes": whl.stat().st_size, "tags": info["tags"], "record": check}
@@ -323,11 +352,15 @@ def prove(args) -> dict:
                         out["libraries"][rel] = entry | {"dist": name}
                         if entry.get("covered") is False:
                             report["failures"].append(f"{plat}: {rel} has device code but none for {arch}")
+                if "xla_cuda_data_dir" in probe:
+                    out["xla_cuda_data_dir"] = probe["xla_cuda_data_dir"]
                 if args.ptxas:
-                    if not probe["ptxas"]:
+                    xla = probe.get("xla_cuda_data_dir") or {}
+                    ptxas = f"{xla['path']}/bin/ptxas" if xla.get("ptxas") else (probe["ptxas"] or [None])[0]
+                    if not ptxas:
                         report["failures"].append(f"{plat}: no ptxas under site-packages/nvidia")
                     else:
-                        out["ptxas"] = ptxas_check(pinned, plat, probe["ptxas"][0], cuobjdump, arch, work)
+                        out["ptxas"] = ptxas_check(pinned, plat, ptxas, cuobjdump, arch, work)
                         out["ptxas"]["found"] = probe["ptxas"]
                         if not out["ptxas"]["ok"]:
                             report["failures"].append(f"{plat}: ptxas did not compile for {arch}")
@@ -337,6 +370,13 @@ def prove(args) -> dict:
             report["failures"].append(f"{plat}: no library carries code for {arch}")
         out["proof_wall_s"] = round(time.perf_counter() - t0, 1)
         report["platforms"][plat] = out
+    if args.smoke:
+        smoke = json.loads(args.smoke.read_text())
+        report["smoke"] = smoke
+        if smoke.get("image") != pinned:
+            report["failures"].append(f"the smoke report is for {smoke.get('image')}, not {pinned}")
+        elif not smoke.get("ok"):
+            report["failures"].append(f"the smoke test failed: {smoke.get('reason')}")
     report["ok"] = not report["failures"]
     return report
 
@@ -352,7 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuobjdump", help=f"cuobjdump binary (default: nvidia-cuda-cuobjdump {CUOBJDUMP_VERSION})")
     ap.add_argument("--wheel-cache", default=str(ROOT / ".cache" / "wheels"))
     ap.add_argument("--build-log", help="build.py's bake log: per-stage times go into the report")
+    ap.add_argument("--build-commit", help="the commit the image was built from (checked: which image inputs "
+                    "changed since)")
     ap.add_argument("--build-wall-s", type=float, help="the build command's wall time, recorded as given")
+    ap.add_argument("--smoke", type=Path, help="a `build.py smoke IMAGE --json` report to keep with the proof "
+                    "(smoke the pinned reference this script prints, so the report names the digest)")
     ap.add_argument("--insecure", action="store_true", help="plain HTTP to a non-loopback registry")
     ap.add_argument("--json", type=Path, help="write the report here")
     a = ap.parse_args(argv)
@@ -374,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {rel}: sass {' '.join(e['sass']) or '-'}; ptx {' '.join(e['ptx']) or '-'}; "
                       f"{arch_word(e)}")
         if "ptxas" in p:
-            print(f"  ptxas {p['ptxas'].get('ptxas')}: cubin {p['ptxas'].get('cubin_arch')}")
+            print(f"  ptxas {p['ptxas'].get('ptxas')}: cubin {p['ptxas'].get('cubin_archs')}")
     for f in report["failures"]:
         print(f"FAILED: {f}", file=sys.stderr)
     return 0 if report["ok"] else 1

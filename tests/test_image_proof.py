@@ -81,12 +81,25 @@ def test_the_image_must_hold_every_file_of_the_wheel_unchanged(tmp_path):
 
 def test_pip_targets_the_wheel_the_image_installed():
     tags = ["cp313-cp313-manylinux_2_27_x86_64", "cp313-cp313-manylinux_2_28_x86_64"]
-    assert ip.pip_platform_args(tags) == [
-        "--only-binary=:all:", "--no-deps", "--implementation", "cp", "--python-version", "3.13", "--abi", "cp313",
+    assert ip.pip_platform_args(tags, "3.13.5") == [
+        "--only-binary=:all:", "--no-deps", "--python-version", "3.13", "--implementation", "cp", "--abi", "cp313",
         "--platform", "manylinux_2_27_x86_64", "--platform", "manylinux_2_28_x86_64"]
-    assert ip.pip_platform_args(["py3-none-any"]) == ["--only-binary=:all:", "--no-deps", "--implementation", "py"]
+    # a pure wheel still needs the image's Python: jax 0.12 requires a newer one than this machine's
+    assert ip.pip_platform_args(["py3-none-any"], "3.13.5") == [
+        "--only-binary=:all:", "--no-deps", "--python-version", "3.13"]
 
 
 def test_compressed_wheel_tags_expand(tmp_path):
     whl = tmp_path / "jaxlib-0.12.0.1-cp313-cp313-manylinux_2_27_aarch64.manylinux_2_28_aarch64.whl"
     assert ip._tags_of(whl) == {"cp313-cp313-manylinux_2_27_aarch64", "cp313-cp313-manylinux_2_28_aarch64"}
+
+
+def test_the_proof_names_the_build_commit_and_what_changed_since():
+    state = ip.git_state("HEAD")
+    assert len(state["commit"]) == 40 and state["built_from"] == state["commit"]
+    assert state["image_inputs_changed_since_build"] == []
+    first = ip.run(["git", "-C", str(ip.ROOT), "rev-list", "--max-parents=0", "HEAD"]).stdout.split()[0]
+    if first != state["commit"]:  # a depth-1 clone has no older commit
+        assert "serving/api.py" in ip.git_state(first)["image_inputs_changed_since_build"]
+    with pytest.raises(ip.UserError, match="not a commit"):
+        ip.git_state("0" * 40)
