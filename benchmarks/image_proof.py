@@ -12,7 +12,8 @@ against the image), the SASS/PTX in every shared library of the CUDA wheels, ptx
   taken, and every file its RECORD lists must be in the image with the same sha256 (pip leaves them untouched).
 - **cuobjdump**: every .so of `--cuobjdump-dists`, copied out of the image, through `cuobjdump --list-elf` and
   `--list-ptx` (an x86_64 cuobjdump reads an aarch64 ELF as well). An error other than "does not contain device
-  code" is fatal; each library with device code must cover `--arch` (SASS for it, or PTX at or below it).
+  code" is fatal; each library with device code must cover `--arch` (SASS for it, or PTX at or below it), unless
+  `--allow-uncovered LIB=REASON` names it (the reason goes into the report).
 - **ptxas** (`--ptxas`): XLA compiles its fusions to PTX and hands them to ptxas for the GPU it finds. jax tells
   XLA where (`jax._src.lib.cuda_path`, passed as `--xla_gpu_cuda_data_dir`; recorded with its libdevice); that
   directory's `bin/ptxas` (the nvidia-cuda-nvcc wheel) is run in the image on a small PTX kernel for `--arch`, and
@@ -122,6 +123,17 @@ def library_entry(sass: list[str], ptx: list[str], arch: str) -> dict:
     parsed = archlist.parse(" ".join(sass + [p.replace("sm_", "compute_") for p in ptx]))
     cov = archlist.coverage(parsed, arch)
     return entry | {"device_code": True, "covered": cov.covered, "covered_by": cov.how}
+
+
+def judge(rel: str, entry: dict, allowed: dict[str, str], arch: str) -> str | None:
+    """The failure for a library with device code but none for `arch`, unless its file name is allowed (then the
+    reason is kept in its entry)."""
+    if entry.get("covered") is not False:
+        return None
+    if reason := allowed.get(Path(rel).name):
+        entry["allowed_uncovered"] = reason
+        return None
+    return f"{rel} has device code but none for {arch}"
 
 
 def a_cc(name: str) -> str:
@@ -295,12 +307,16 @@ def prove(args) -> dict:
     pinned = f"{ref.registry}/{ref.repository}@{found['digest']}"
     platforms = [args.platform] if args.platform else sorted(found["platforms"])
     report: dict = {"image": args.image, "digest": found["digest"], "pinned": pinned,
-                    "project": git_state(args.build_commit), "arch": arch, "inspect": found["platforms"], "platforms": {}, "failures": []}
+                    "project": git_state(args.build_commit), "arch": arch, "inspect": found["platforms"],
+                    "platforms": {}, "failures": []}
     if args.build_log:
         log = Path(args.build_log).read_text(errors="replace")
         report["build"] = {"log": str(args.build_log), "stages": stage_times(log)}
         if args.build_wall_s:
             report["build"]["wall_s"] = args.build_wall_s
+    allowed = dict(a.split("=", 1) for a in args.allow_uncovered)
+    if allowed:
+        report["allowed_uncovered"] = allowed
     cuobjdump = ensure_cuobjdump(args.cuobjdump)
     report["cuobjdump"] = run([cuobjdump, "--version"]).stdout.strip().splitlines()[-1:]
     cache = Path(args.wheel_cache)
@@ -350,8 +366,8 @@ def prove(args) -> dict:
                             report["failures"].append(f"{plat}: {rel}: {e}")
                         lib.unlink()
                         out["libraries"][rel] = entry | {"dist": name}
-                        if entry.get("covered") is False:
-                            report["failures"].append(f"{plat}: {rel} has device code but none for {arch}")
+                        if failed := judge(rel, out["libraries"][rel], allowed, arch):
+                            report["failures"].append(f"{plat}: {failed}")
                 if "xla_cuda_data_dir" in probe:
                     out["xla_cuda_data_dir"] = probe["xla_cuda_data_dir"]
                 if args.ptxas:
@@ -388,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuobjdump-dists", nargs="*", default=[], help="distributions whose .so files are listed")
     ap.add_argument("--ptxas", action="store_true", help="compile a kernel for --arch with the image's ptxas")
     ap.add_argument("--arch", default="7.5")
+    ap.add_argument("--allow-uncovered", nargs="*", default=[], metavar="LIB=REASON",
+                    help="a library (file name) allowed to lack code for --arch, with the reason (recorded)")
     ap.add_argument("--platform", help="only this platform (default: every platform of the image)")
     ap.add_argument("--cuobjdump", help=f"cuobjdump binary (default: nvidia-cuda-cuobjdump {CUOBJDUMP_VERSION})")
     ap.add_argument("--wheel-cache", default=str(ROOT / ".cache" / "wheels"))
@@ -400,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--insecure", action="store_true", help="plain HTTP to a non-loopback registry")
     ap.add_argument("--json", type=Path, help="write the report here")
     a = ap.parse_args(argv)
+    if any("=" not in x or not x.split("=", 1)[1].strip() for x in a.allow_uncovered):
+        print("image_proof: --allow-uncovered takes LIB=REASON (the reason is recorded)", file=sys.stderr)
+        return 2
     try:
         report = prove(a)
     except (UserError, archlist.ArchError) as e:
@@ -416,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         for rel, e in p["libraries"].items():
             if e.get("device_code"):
                 print(f"  {rel}: sass {' '.join(e['sass']) or '-'}; ptx {' '.join(e['ptx']) or '-'}; "
-                      f"{arch_word(e)}")
+                      f"{arch_word(e)}" + (f" (allowed: {e['allowed_uncovered']})" if "allowed_uncovered" in e else ""))
         if "ptxas" in p:
             print(f"  ptxas {p['ptxas'].get('ptxas')}: cubin {p['ptxas'].get('cubin_archs')}")
     for f in report["failures"]:

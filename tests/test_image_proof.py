@@ -103,3 +103,14 @@ def test_the_proof_names_the_build_commit_and_what_changed_since():
         assert "serving/api.py" in ip.git_state(first)["image_inputs_changed_since_build"]
     with pytest.raises(ip.UserError, match="not a commit"):
         ip.git_state("0" * 40)
+
+
+def test_an_uncovered_library_fails_unless_named_with_a_reason():
+    linalg = ip.library_entry(["sm_80", "sm_90"], [], "7.5")
+    assert ip.judge("torch/lib/libtorch_cuda_linalg.so", linalg, {}, "7.5") == (
+        "torch/lib/libtorch_cuda_linalg.so has device code but none for 7.5")
+    assert ip.judge("torch/lib/libtorch_cuda_linalg.so", linalg, {"libtorch_cuda_linalg.so": "MAGMA"}, "7.5") is None
+    assert linalg["allowed_uncovered"] == "MAGMA"
+    covered = ip.library_entry(["sm_75"], [], "7.5")
+    assert ip.judge("torch/lib/libtorch_cuda.so", covered, {}, "7.5") is None and "allowed_uncovered" not in covered
+    assert ip.main(["img", "--allow-uncovered", "libx.so"]) == 2
