@@ -312,8 +312,9 @@ def prove(args) -> dict:
     if args.build_log:
         log = Path(args.build_log).read_text(errors="replace")
         report["build"] = {"log": str(args.build_log), "stages": stage_times(log)}
-        if args.build_wall_s:
-            report["build"]["wall_s"] = args.build_wall_s
+    if args.build_wall_s or args.build_command:
+        report.setdefault("build", {}).update(
+            {k: v for k, v in (("wall_s", args.build_wall_s), ("command", args.build_command)) if v})
     allowed = dict(a.split("=", 1) for a in args.allow_uncovered)
     if allowed:
         report["allowed_uncovered"] = allowed
@@ -412,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--build-log", help="build.py's bake log: per-stage times go into the report")
     ap.add_argument("--build-commit", help="the commit the image was built from (checked: which image inputs "
                     "changed since)")
+    ap.add_argument("--build-command", help="the command that built the image, recorded as given")
     ap.add_argument("--build-wall-s", type=float, help="the build command's wall time, recorded as given")
     ap.add_argument("--smoke", type=Path, help="a `build.py smoke IMAGE --json` report to keep with the proof "
                     "(smoke the pinned reference this script prints, so the report names the digest)")
