@@ -1,9 +1,10 @@
 """JAX decode step under each way of running it, one process per variant, in one run on one machine:
 serving_speed.py's in-process profile (engine.step with 1 and 8 live sequences, the executable alone, a trace)
-with the pipelined decode off and on, and XLA's command buffers (CUDA graphs) at their default, extended to
-conditionals and loops (the sampler's lax.cond and bisection), and off.
+for the runtime's defaults and each departure from them: the pipelined decode off, XLA's own command-buffer set
+instead of ours (the whole step as CUDA graphs), no command buffers, and cuBLAS instead of Triton GEMM fusions.
+The tool that proves a default: the default must be the fastest, or the winner becomes the default.
 
-    python benchmarks/decode_variants.py OUTDIR --ckpt DIR [--buckets 512] [--layers 35] [--tiny]
+    python benchmarks/decode_variants.py OUTDIR --ckpt DIR [--buckets 512] [--layers 35] [--tiny] [--only A,B]
 Writes OUTDIR/decode_variants.json, and OUTDIR/best.env: the fastest variant's environment, as `export` lines.
 """
 from __future__ import annotations
@@ -17,14 +18,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-GRAPHS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
-VARIANTS = {
+VARIANTS = {   # the runtime's defaults (serving/jax_runtime/engine.py: DEFAULT_XLA_FLAGS) unless a variant says otherwise
+    "default": {},
     "plain": {"G5G_JAX_PIPELINE": "0"},
-    "pipelined": {"G5G_JAX_PIPELINE": "1"},
-    "pipelined, graphs over conditionals and loops": {
-        "G5G_JAX_PIPELINE": "1",
-        "XLA_FLAGS": f"--xla_gpu_enable_command_buffer={GRAPHS} --xla_gpu_graph_min_graph_size=1"},
-    "pipelined, no graphs": {"G5G_JAX_PIPELINE": "1", "XLA_FLAGS": "--xla_gpu_enable_command_buffer="},
+    "xla-own-command-buffers": {"G5G_JAX_XLA_DEFAULTS": "0"},
+    "no-command-buffers": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="},
+    "cublas-dots": {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"},     # no Triton GEMM fusions
 }
 
 
@@ -35,18 +34,24 @@ def main() -> int:
     ap.add_argument("--buckets", default="512")
     ap.add_argument("--layers", type=int, default=35)
     ap.add_argument("--tiny", action="store_true", help="shrink the widths (smoke-run the script on CPU)")
+    ap.add_argument("--only", help="comma-separated variant names (default: all of them)")
     args = ap.parse_args()
+    names = args.only.split(",") if args.only else list(VARIANTS)
+    if unknown := set(names) - set(VARIANTS):
+        ap.error(f"--only: unknown variant(s) {sorted(unknown)}; known: {list(VARIANTS)}")
     if not (args.ckpt / "config.json").exists():      # built once, here: every variant reads the same weights
         sys.path.insert(0, str(ROOT))
         from benchmarks.serving_speed import make_checkpoint
         make_checkpoint(args.ckpt, args.layers, args.tiny)
     results = {}
-    for name, env in VARIANTS.items():
-        out = args.out / name.replace(" ", "").replace(",", "_")
+    base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "G5G_JAX_PIPELINE", "G5G_JAX_XLA_DEFAULTS")}
+    for name in names:
+        env = VARIANTS[name]
+        out = args.out / name
         try:
             run = subprocess.run([sys.executable, "benchmarks/serving_speed.py", str(out), "--only", "profile",
                                   "--ckpt", str(args.ckpt), "--profile-buckets", args.buckets], cwd=ROOT,
-                                 timeout=400, env={**os.environ, **env}, capture_output=True, text=True)
+                                 timeout=400, env={**base, **env}, capture_output=True, text=True)
             results[name] = {"env": env, **json.loads((out / "serving_speed.json").read_text())["jax_profile"]}
         except subprocess.TimeoutExpired as e:          # one variant failing must not lose the others
             results[name] = {"env": env, "error": f"no result in {e.timeout:.0f} s"}

@@ -203,7 +203,7 @@ def _trace_summary(path: Path, steps: int) -> dict:
 
 
 def profile_jax(ckpt: Path, work: Path, p: dict, buckets: str = BUCKETS) -> dict:
-    """Where decode time goes, in-process (settings from the environment: G5G_JAX_PIPELINE, XLA_FLAGS): a whole
+    """Where decode time goes, in-process (settings from the environment: G5G_JAX_*, XLA_FLAGS): a whole
     engine.step with 1 and with SLOTS live sequences, the decode executable alone (inputs already on the device,
     no host work between calls: what the step would cost with no host gap), and a device trace of 20 single-stream
     steps (kernels per step, GPU busy time per step vs wall time per step)."""
@@ -219,7 +219,7 @@ def profile_jax(ckpt: Path, work: Path, p: dict, buckets: str = BUCKETS) -> dict
     settings = dataclasses.replace(Settings.from_env(), buckets=parse_buckets(buckets),
                                    cache_dir=str(work / "jaxcache"), slots=SLOTS)
     eng = load(ckpt, settings)
-    res: dict = {"boot": eng.boot, "pipeline": eng.pipeline, "xla_flags": os.environ.get("XLA_FLAGS")}
+    res: dict = {"boot": eng.boot, "pipeline": eng.pipeline, "xla_flags": eng.boot["xla_flags"]}
     greedy = SamplingParams(temperature=0.0)
     n = 200
     for live in (1, SLOTS):

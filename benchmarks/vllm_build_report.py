@@ -1,5 +1,6 @@
 """What one real vLLM image build proves: stage times, the slowest translation units, the SASS in every .so, and
-the image itself (import, `vllm serve --help`, our Triton attention kernel compiled for sm_75 inside it).
+the image itself (import, our Triton attention kernel compiled for sm_75 inside it), bound to what it proves: the
+project commit, the wheel's sha256, the external sources used and the image digest.
 
     python benchmarks/vllm_build_report.py --log build/g4dn/logs/bake-….log --report DIR --image REF \
         [--sdist-tree .cache/src/vllm-0.33.0] [--json benchmarks/results/g4dn-vllm-build.json]
@@ -54,11 +55,34 @@ def ninja_units(ninja_log: str) -> list[dict]:
 
 
 def sass_lines(cuobjdump_txt: str) -> list[dict]:
+    """check-sass.sh's lines (`F sass: sm_75 ptx: none`, `F: no device code`); the older `ptx: N` form too."""
     out = []
     for line in cuobjdump_txt.splitlines():
-        if m := re.match(r"^(\S+) sass: (.*) ptx: (\d+)$", line):
-            out.append({"so": m.group(1).removeprefix("./"), "sass": m.group(2).split() if m.group(2) != "none"
-                        else [], "ptx": int(m.group(3))})
+        if m := re.match(r"^(\S+) sass: (.*) ptx: (.*)$", line):
+            sass, ptx = m.group(2).split(), m.group(3).strip()
+            out.append({"so": m.group(1).removeprefix("./"), "sass": [] if sass == ["none"] else sass,
+                        "ptx": int(ptx) if ptx.isdigit() else (0 if ptx == "none" else len(ptx.split()))})
+        elif m := re.match(r"^(\S+): no device code$", line):
+            out.append({"so": m.group(1).removeprefix("./"), "sass": [], "ptx": 0})
+    return out
+
+
+def provenance(report_dir: Path, image: str | None) -> dict:
+    """What the report is bound to: this checkout's commit, the wheel's sha256, the external sources used (the
+    vllm-sources context's SOURCES.json, when the build had one) and the image's digest."""
+    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True)
+    out: dict = {"project_commit": git.stdout.strip() or None, "project_dirty": bool(dirty.stdout.strip())}
+    wheels = report_dir / "wheels.sha256"
+    out["wheels"] = {Path(f).name: h for h, f in (ln.split() for ln in wheels.read_text().splitlines() if ln.strip())} \
+        if wheels.is_file() else None
+    sources = report_dir / "SOURCES.json"
+    out["sources"] = json.loads(sources.read_text()) if sources.is_file() else None
+    if image:
+        d = docker("image", "inspect", "--format", "{{json .}}", image)
+        info = json.loads(d.stdout) if d.returncode == 0 else {}
+        out["image"] = {"ref": image, "id": info.get("Id"), "repo_digests": info.get("RepoDigests")}
     return out
 
 
@@ -75,9 +99,8 @@ def image_checks(image: str, sdist_tree: Path | None) -> dict:
                  "import torch, triton, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__, "
                  "'triton', triton.__version__, 'cuda', torch.version.cuda)")
     out["import"] = {"rc": imp.returncode, "stdout": imp.stdout.strip(), "stderr_tail": imp.stderr[-800:]}
-    helped = docker("run", "--rm", image, "--help")  # ENTRYPOINT is `vllm serve …`: --help is `vllm serve --help`
-    out["serve_help"] = {"rc": helped.returncode, "lines": len(helped.stdout.splitlines()),
-                         "head": helped.stdout.splitlines()[:3], "stderr_tail": helped.stderr[-800:]}
+    # No `vllm serve --help`: without a GPU it fails in NVML ("Failed to infer device type") and proves nothing. The
+    # build itself loads _C_stable_libtorch and _moe_C_stable_libtorch with every symbol bound (vllm stage).
     if sdist_tree:
         site = docker("run", "--rm", "--entrypoint", "python3", image, "-c",
                       "import os, vllm; print(os.path.dirname(os.path.dirname(vllm.__file__)))").stdout.strip()
@@ -124,11 +147,12 @@ def main(argv: list[str] | None = None) -> int:
         "stages": stage_times(a.log.read_text(errors="replace")),
         "build_times": " ".join((a.report / "times.txt").read_text().split()),
         "arch_lines": sorted({ln.split("] ", 1)[-1].strip() for ln in build_log.splitlines()
-                              if re.search(r"-- CUDA (target|supported) architectures:", ln)}),
+                              if re.search(r"-- CUDA (supported )?target architectures:", ln)}),
         "ninja": {"units": len(units), "sum_s": round(sum(u["seconds"] for u in units), 1),
                   "fa_units": sum("vllm-flash-attn" in u["output"] for u in units), "slowest": units[:20]},
         "sass": sass_lines((a.report / "cuobjdump.txt").read_text()),
     }
+    r["provenance"] = provenance(a.report, a.image)
     if a.image:
         r["image_checks"] = image_checks(a.image, a.sdist_tree)
     if a.json:

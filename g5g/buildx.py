@@ -121,8 +121,114 @@ def check_registry(registry: str, insecure_hosts: tuple[str, ...] = ("localhost"
                  f"is {host} a Docker registry (API v2)? check --registry")
 
 
-def preflight(platforms: Iterable[str], registry: str | None, sequential: bool) -> list[Check]:
-    """The checks a build needs, in order; stops collecting after the first failure that blocks the rest."""
+# --- builders: `docker buildx ls` ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    endpoint: str  # "default", "unix:///…", "ssh://user@host", "kubernetes:///…"
+    status: str  # running, inactive, stopped, error, …
+    platforms: tuple[str, ...]  # what the node builds (its own, plus QEMU's where binfmt is registered there)
+    buildkit: str = ""
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Builder:
+    name: str
+    driver: str  # docker, docker-container, kubernetes, remote
+    nodes: tuple[Node, ...]
+    error: str = ""
+
+    def covers(self, platform: str) -> tuple[Node, ...]:
+        """The nodes that build `platform` (linux/amd64 also matches a node's linux/amd64/v2 … lists)."""
+        return tuple(n for n in self.nodes if any(p == platform or p.startswith(platform + "/") for p in n.platforms))
+
+
+def parse_builders(text: str) -> list[Builder]:
+    """`docker buildx ls --format json` (buildx >= 0.13): one JSON object per builder per line (0.13.1 prints the
+    current one twice when it is not the default context's: kept once)."""
+    out: list[Builder] = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        b = json.loads(line)
+        if any(o.name == b["Name"] for o in out):
+            continue
+        nodes = tuple(Node(name=n.get("Name", ""), endpoint=n.get("Endpoint", ""), status=n.get("Status", ""),
+                           platforms=tuple(n.get("Platforms") or ()), buildkit=n.get("Version", ""),
+                           error=n.get("Err", "") or "")
+                      for n in b.get("Nodes") or ())
+        out.append(Builder(name=b["Name"], driver=b.get("Driver", ""), nodes=nodes, error=b.get("Err", "") or ""))
+    return out
+
+
+def list_builders() -> list[Builder]:
+    """Every builder of this Docker CLI, with its nodes and their platforms. Raises UserError when buildx cannot
+    say (no buildx, or one older than 0.13 without `ls --format json`)."""
+    try:
+        r = _run(["docker", "buildx", "ls", "--format", "json"], timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise UserError(f"docker buildx ls: cannot run ({e})") from None
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UserError(f"docker buildx ls --format json: {last} (buildx >= 0.13 lists builders as JSON)")
+    try:
+        return parse_builders(r.stdout)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"docker buildx ls --format json: unexpected output ({type(e).__name__}: {e})") from None
+
+
+def current_builder() -> str | None:
+    """The builder `docker buildx bake` uses without --builder (`docker buildx inspect`'s Name)."""
+    try:
+        r = _run(["docker", "buildx", "inspect"], timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"^Name:\s*(\S+)", r.stdout, re.M) if r.returncode == 0 else None
+    return m.group(1) if m else None
+
+
+def check_builder(name: str, platforms: Iterable[str], builders: list[Builder],
+                  current: str | None = None) -> list[Check]:
+    """--builder NAME: it exists, can be used from here, and for each platform of the build one of its nodes lists
+    it (a remote native node, or a local one with QEMU: buildx lists what the node's binfmt allows).
+
+    A `docker`-driver builder is its Docker context's: buildx refuses it unless that context is the current one
+    ("use `docker --context=NAME buildx`"), so it is checked against `current`."""
+    found = next((b for b in builders if b.name == name), None)
+    if found is None:
+        known = ", ".join(b.name for b in builders) or "none"
+        return [Check(f"builder {name}", False, f"no such builder (known: {known})",
+                      f"docker buildx create --name {name} … (README: \"Building on native arm64 nodes\"), or "
+                      "pick one of `docker buildx ls`")]
+    if found.error:
+        return [Check(f"builder {name}", False, found.error, f"docker buildx inspect --bootstrap {name}")]
+    if found.driver == "docker" and current is not None and name != current:
+        return [Check(f"builder {name}", False, f"a docker-driver builder (context {name}'s engine); buildx uses it "
+                      f"only from its own context, and the current builder is {current}",
+                      f"docker context use {name} (or DOCKER_CONTEXT={name}), or a docker-container/kubernetes "
+                      "builder (README: \"Building on native arm64 nodes\")")]
+    out = [Check(f"builder {name}", True, f"{found.driver}, {len(found.nodes)} node(s)")]
+    for p in platforms:
+        nodes = found.covers(p)
+        if nodes:
+            out.append(Check(f"builder {name} {p}", True, "on " + ", ".join(f"{n.name} ({n.endpoint})" for n in nodes)))
+        else:
+            inactive = [n.name for n in found.nodes if n.status != "running"]
+            out.append(Check(f"builder {name} {p}", False,
+                             f"no node of {name} lists {p}" + (f" ({', '.join(inactive)} not running: "
+                                                               "platforms unknown until it boots)" if inactive else ""),
+                             f"docker buildx create --append --name {name} --platform {p} ssh://USER@HOST (a native "
+                             f"{p} Docker host), or docker buildx inspect --bootstrap {name}"))
+    return out
+
+
+def preflight(platforms: Iterable[str], registry: str | None, sequential: bool,
+              builder: str | None = None) -> list[Check]:
+    """The checks a build needs, in order; stops collecting after the first failure that blocks the rest.
+
+    With a builder, its nodes' platforms replace the local binfmt check: a remote node builds natively."""
     checks = [check_docker_cli()]
     if not checks[-1].ok:
         return checks
@@ -133,7 +239,13 @@ def preflight(platforms: Iterable[str], registry: str | None, sequential: bool) 
     nc = check_named_contexts(checks[-1])
     if not sequential:
         checks.append(nc)
-    checks += check_binfmt(platforms)
+    if builder:
+        try:
+            checks += check_builder(builder, platforms, list_builders(), current_builder())
+        except UserError as e:
+            checks.append(Check(f"builder {builder}", False, str(e), "install buildx >= 0.13"))
+    else:
+        checks += check_binfmt(platforms)
     if registry:
         checks.append(check_registry(registry))
     return checks

@@ -15,7 +15,7 @@ from rich.markup import escape
 from g5g import REPO_ROOT
 from g5g.errors import UserError
 
-SUBCOMMANDS = ("build", "generate", "doctor", "inspect", "smoke", "bench", "serve", "patches")
+SUBCOMMANDS = ("build", "generate", "chart", "doctor", "inspect", "smoke", "bench", "serve", "patches")
 # The runtimes are the manifests (runtimes/*.yaml): the planner checks --runtime against those of --manifests.
 RUNTIMES = sorted(p.stem for p in (REPO_ROOT / "manifests" / "runtimes").glob("*.yaml"))
 PROFILES = sorted(p.stem for p in (REPO_ROOT / "manifests" / "profiles").glob("*.yaml"))
@@ -35,6 +35,11 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
                    help="override a manifest value, e.g. profile.base_image=… (repeatable)")
 
 
+def _add_builder_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--builder", metavar="NAME", help="buildx builder to build on (`docker buildx ls`), e.g. one "
+                   "with a native remote arm64 node; passed to `docker buildx bake --builder` (default: the current)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="build.py", description="Build LLM serving images for sm_75 (AWS G5g).")
     sub = parser.add_subparsers(dest="command")
@@ -49,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "every build, written by a --push build, e.g. ghcr.io/me/g5g-images-cache")
     b.add_argument("--ca-cert", help="CA bundle passed to the build as a secret "
                    "(default: REQUESTS_CA_BUNDLE, SSL_CERT_FILE or PIP_CERT when set)")
+    _add_builder_option(b)
     b.add_argument("--skip-patch-check", action="store_true", help=argparse.SUPPRESS)
     b.add_argument("--sequential", action="store_true",
                    help="build torch-base first and load it, then the images FROM it by tag (engines whose "
@@ -59,8 +65,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", default="build", help="output directory (default: build)")
     g.add_argument("--sequential", action="store_true", help="bake file without named contexts (see build --help)")
 
-    d = sub.add_parser("doctor", help="check docker, buildx, binfmt and the registry; say how to fix what is missing")
+    c = sub.add_parser("chart", help="write the serving Helm chart's values (every runtime x profile) from the "
+                       "manifests and deploy/fleet.yaml")
+    c.add_argument("--out", default=str(REPO_ROOT / "deploy" / "chart"),
+                   help="chart directory; the templates are copied there too (default: deploy/chart)")
+    c.add_argument("--registry", help="registry/namespace of the images (default: the profiles')")
+    c.add_argument("--manifests", default=None, help="manifest directory (default: ./manifests)")
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a manifest value (repeatable)")
+
+    d = sub.add_parser("doctor", help="check docker, buildx, binfmt and the registry, list the builders' nodes and "
+                       "platforms; say how to fix what is missing")
     _add_plan_options(d)
+    _add_builder_option(d)
 
     i = sub.add_parser("inspect", help="per-platform CUDA arch lists of images, without pulling them")
     i.add_argument("images", nargs="+", metavar="IMAGE")

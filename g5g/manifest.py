@@ -14,7 +14,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import jinja2
 import yaml
@@ -118,14 +118,13 @@ class _Model(BaseModel):
 # --- profiles -----------------------------------------------------------------------------------------------------
 
 class Cuda(_Model):
-    """Where the toolkit comes from: NVIDIA's images (devel + runtime, g5g) or NVIDIA's wheels (pip, g4dn)."""
-    version: Annotated[StrictStr, _check(re.compile(r"^\d+\.\d+$").match, "{v!r} must be MAJOR.MINOR, e.g. \"13.2\"")]
+    """NVIDIA's CUDA 13 wheels (cuda-toolkit==pip_toolkit on the index): the toolkit of the compile stages and the
+    libraries torch runs on, on every CUDA profile; devel_image takes the compile toolkit from NVIDIA's image instead."""
+    version: Annotated[StrictStr, _check(re.compile(r"^\d+\.\d+$").match, "{v!r} must be MAJOR.MINOR, e.g. \"13.0\"")]
     archs: Annotated[tuple[StrictStr, ...], AfterValidator(_archs)]
-    devel_image: Image | None = None
-    runtime_image: Image | None = None
-    pip_toolkit: StrictStr | None = None  # cuda-toolkit==X on the index, e.g. "13.0.3" (what PyPI's torch is built on)
-    cuobjdump: StrictStr = ""  # nvidia-cuda-cuobjdump==X: lists the SASS of torch's and vLLM's libraries at build time
-    nccl: StrictStr | None = None  # nvidia-nccl-cu13==X for a source-built torch: one version to build and run with
+    pip_toolkit: Annotated[StrictStr, _check(VERSION_RE.match, "{v!r} is not an exact version of cuda-toolkit")]
+    devel_image: Image | None = None  # an nvidia/cuda …-devel image: its /usr/local/cuda, not the wheels' nvcc
+    cuobjdump: Pin  # nvidia-cuda-cuobjdump==X: lists the SASS of torch's and vLLM's libraries at build time
 
 
 class Build(_Model):
@@ -222,6 +221,8 @@ class Runtime(Source):
     min_pins: dict[StrictStr, Pin] = {}  # floors, e.g. vllm >= 0.28.0 for Gemma 4
     profiles: dict[StrictStr, ProfileSection] = {}  # per-profile pins and source
     needs_cuda: StrictBool = False
+    cache_mode: Literal["min", "max"] = "max"  # registry cache export: max keeps every stage; min only the image (a
+    # build stage too large to export, e.g. PyTorch's build tree)
     source: StrictStr | None = None  # which of `sources` (instead of from/args/contexts at the top level)
     sources: dict[StrictStr, Source] = {}
     image: Image | None = None
@@ -270,12 +271,19 @@ class Runtime(Source):
                                                                 profile.name, hint=src_name)
         ns["base"] = from_image
         args = {k: v for k, e in src.args.items() if (v := value(f"args.{k}", e)) is not None}
+        # A pin that only unused args read (rust with the Rust frontend off; torch-base's CUDA wheels for a source
+        # other than `build`) is not in the image: no label claims it. Pins no arg reads (e.g. transformers) stay.
+        def read(exprs) -> set[str]:
+            return {p for e in exprs for p in self.pins if re.search(rf"pins(\.{p}\b|\[['\"]{p}['\"]\])", e)}
+        every = [e.value for s in (self, *self.sources.values()) for e in (*s.args.values(), *s.contexts.values())]
+        unused = read(every) - read([e.value for k, e in src.args.items() if k in args]
+                                    + [e.value for e in src.contexts.values()] + list(src.upstream.values()))
         contexts = {k: v for k, e in src.contexts.items() if (v := value(f"contexts.{k}", e)) is not None}
         context = src.context and self._eval(f"{prefix}context", src.context, ns, profile.name)
         upstream = {k: self._eval(f"{prefix}upstream.{k}", e, ns, profile.name) for k, e in src.upstream.items()}
         copy = tuple(c.path for c in self.copy_ if self._eval("copy.if", c.if_, ns, profile.name, test=True))
-        return Resolved(source=src_name, from_image=from_image, args=args,
-                        contexts=contexts, context=context, context_expr=src.context, upstream=upstream, copy=copy)
+        return Resolved(source=src_name, from_image=from_image, args=args, contexts=contexts, context=context,
+                        context_expr=src.context, upstream=upstream, copy=copy, unused_pins=tuple(sorted(unused)))
 
     def _eval(self, key: str, expr: str, ns: dict, profile: str, test: bool = False, hint: str = "") -> Any:
         """One expression's value as a string (lists joined with spaces), or its truth for test; none or undefined
@@ -305,6 +313,7 @@ class Resolved:
     context_expr: str | None
     upstream: dict[str, str]
     copy: tuple[str, ...]
+    unused_pins: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -389,16 +398,14 @@ def _profile(file: str, data: Any) -> Profile:
     p = _validate(Profile, file, data)
     if p.name != Path(file).stem:
         raise UserError(f"{file}: name: {p.name!r} does not match the file name {Path(file).stem!r}")
-    if p.cuda is None and p.base_image is None:
-        raise UserError(f"{file}: base_image: a profile without cuda needs a base_image")
-    if p.cuda is not None:
-        c = p.cuda
-        if (c.devel_image is None) != (c.runtime_image is None) or (c.devel_image is None) == (c.pip_toolkit is None):
-            raise UserError(f"{file}: cuda.{'pip_toolkit' if c.pip_toolkit else 'devel_image'}: needs devel_image and "
-                            "runtime_image (NVIDIA's images) or pip_toolkit (NVIDIA's wheels), not both")
-        if c.pip_toolkit and p.base_image is None:
-            raise UserError(f"{file}: base_image: cuda.pip_toolkit (no NVIDIA image) needs a base_image "
-                            "to install it on")
+    if p.base_image is None:
+        raise UserError(f"{file}: base_image: missing: every image starts from it (Debian or Ubuntu with python3; "
+                        "a CUDA profile installs NVIDIA's wheels on it)")
+    # nvcc's --threads compiles a file's archs in parallel: with one arch it has nothing to split, and vLLM's setup.py
+    # still divides MAX_JOBS by it (NVCC_THREADS=2 halved the jobs).
+    if p.cuda is not None and len(p.cuda.archs) == 1 and p.build.nvcc_threads > 1:
+        raise UserError(f"{file}: build.nvcc_threads: {p.build.nvcc_threads} with one CUDA arch ({p.cuda.archs[0]}) "
+                        "only divides the compile jobs (nvcc's --threads splits the archs of a file): use 1")
     return p
 
 

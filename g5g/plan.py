@@ -16,6 +16,8 @@ from g5g.manifest import IMAGE_RE, Manifests, Profile, Resolved, Runtime
 IMAGE_NAME = "g5g-images"
 # A secret never travels as a build argument.
 SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "CREDENTIAL")
+# buildx builder names (`docker buildx create --name`): what buildx accepts, and never an option ("-…").
+BUILDER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class ImagePlan:
     context: str | None = None  # the build context when it is not the image's own directory (cpu: the wheels)
     context_origin: str = ""  # "FILE: KEY" the context comes from, for errors
     copy: tuple[str, ...] = ()  # repository paths copied into the build context
+    cache_mode: str = "max"  # registry cache export (the runtime's cache_mode)
 
     def contract(self, commands: list[list[str]]) -> dict:
         """The `--dry-run --json` entry (docs/CONTRACTS.md)."""
@@ -63,13 +66,15 @@ class Plan:
     bases: tuple[str, ...] = ()  # the runtimes other runtimes are built FROM (sequential builds load them first)
     templates: str = ""  # the template directory searched first (the manifests' repository), before ours
     cache: str | None = None  # registry repository of layer caches, one tag per bake target (REPO:<target>)
+    builder: str | None = None  # buildx builder that runs the bakes (`docker buildx ls`); None: the current one
 
     @property
     def bake_file(self) -> str:
         return str(PurePosixPath(self.out) / "docker-bake.json")
 
     def bake_argv(self, targets: list[str], push: bool, load: bool = False, metadata: str | None = None) -> list[str]:
-        argv = ["docker", "buildx", "bake", "--file", self.bake_file]
+        argv = ["docker", "buildx", "bake", *(["--builder", self.builder] if self.builder else []),
+                "--file", self.bake_file]
         for s in self.secrets:
             argv += ["--set", f"*.secrets={s}"]
         if metadata:
@@ -111,14 +116,16 @@ class Plan:
 
     def cache_sets(self) -> list[str]:
         """Every target (the bases too) reads its own registry cache; a pushing build also writes it, from its
-        first bake on, so hours of torch-base survive a later image failing. Builds that do not push (pull
-        requests: no registry credentials) only read."""
+        first bake on, so hours of torch-base survive a later image failing (its cache_mode is min: the image, which
+        holds the wheel, not the multi-GB build tree; a build whose inputs match skips the compile). Builds that do
+        not push (pull requests: no registry credentials) only read."""
         argv: list[str] = []
-        for t in (i.target for i in self.all_images) if self.cache else ():
+        for img in self.all_images if self.cache else ():
+            t = img.target
             ref = f"type=registry,ref={self.cache}:{t}"
             argv += ["--set", f"{t}.cache-from={ref}"]
             if self.push:
-                argv += ["--set", f"{t}.cache-to={ref},mode=max"]
+                argv += ["--set", f"{t}.cache-to={ref},mode={img.cache_mode}"]
         return argv
 
     def image_commands(self, image: ImagePlan) -> list[list[str]]:
@@ -147,7 +154,7 @@ def serving_requirements(repo_root: Path, extra: str = "serving") -> tuple[str, 
 
 
 def _tags(registry: str, runtime: str, version: str, profile: Profile) -> tuple[str, ...]:
-    """REG/g5g-images:vllm-0.33.0-cu132-sm75 + REG/g5g-images:vllm (g5g); other profiles add their tag suffix:
+    """REG/g5g-images:vllm-0.33.0-cu130-sm75 + REG/g5g-images:vllm (g5g); other profiles add their tag suffix:
     …:vllm-0.33.0-cu130-sm75-g4dn + …:vllm-g4dn, …:jax-0.10.2-cpu + …:jax-cpu."""
     repo = f"{registry}/{IMAGE_NAME}"
     v = version.split("+")[0]
@@ -160,7 +167,7 @@ def _tags(registry: str, runtime: str, version: str, profile: Profile) -> tuple[
 
 
 def _upstream(rt: Runtime, profile: Profile, build: Resolved) -> dict[str, str]:
-    up = dict(rt.pins_for(profile.name))
+    up = {k: v for k, v in rt.pins_for(profile.name).items() if k not in build.unused_pins}
     if profile.cuda:
         up["cuda"] = profile.cuda.version
     up["python"] = profile.python
@@ -223,12 +230,13 @@ def _image(manifests: Manifests, profile: Profile, name: str, tags: dict[str, tu
                      build_args=dict(sorted(args.items())), labels=labels, patches=patches, upstream=upstream,
                      dockerfile=str(PurePosixPath(out) / name / "Dockerfile"), template=f"{name}.Dockerfile.j2",
                      contexts=contexts, depends_on=depends, context_vars=ctx_vars, context=build.context,
-                     context_origin=origin, copy=build.copy)
+                     context_origin=origin, copy=build.copy, cache_mode=rt.cache_mode)
 
 
 def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", platforms: str | None = None,
               registry: str | None = None, out: str = "build", push: bool = False, sequential: bool = False,
-              secrets: tuple[str, ...] = (), repo_root: Path | None = None, cache: str | None = None) -> Plan:
+              secrets: tuple[str, ...] = (), repo_root: Path | None = None, cache: str | None = None,
+              builder: str | None = None) -> Plan:
     """Every input explicit; the result depends on nothing else.
 
     repo_root: where pyproject.toml (the serving extra) lives; default: the manifest directory's parent."""
@@ -255,6 +263,9 @@ def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", 
     if cache is not None and not (IMAGE_RE.match(cache) and not re.search(r"[:@]", cache.rsplit("/", 1)[-1])):
         raise UserError(f"--cache {cache}: expected a registry repository without a tag, e.g. ghcr.io/me/g5g-cache "
                         "(each image's cache is tagged with its name)")
+    if builder is not None and not BUILDER_RE.match(builder):
+        raise UserError(f"--builder {builder!r}: not a builder name (letters, digits, '.', '_', '-'; see "
+                        "`docker buildx ls`)")
     root = manifests.root.parent if repo_root is None else Path(repo_root)
     # Generated files go anywhere: inside the checkout the paths stay relative to it (bake runs there), else absolute.
     where = (root / out).resolve()
@@ -275,4 +286,4 @@ def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", 
                 secrets=tuple(secrets),
                 all_images=tuple(i for i in every if i in selected or any(i.target in s.depends_on for s in selected)),
                 bases=tuple(n for n in names if any(i.depends_on and i.depends_on[-1] == n for i in every)),
-                templates=str(root / "dockerfiles"), cache=cache)
+                templates=str(root / "dockerfiles"), cache=cache, builder=builder)

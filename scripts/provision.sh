@@ -219,7 +219,8 @@ if engine_up && [ "${G5G_BASE_IMAGES:-amd64 arm64}" != 0 ]; then
   # shellcheck disable=SC2086
   (registry_up && export G5G_REGISTRY=$REG_ADDR; bash scripts/base-images.sh ${G5G_BASE_IMAGES:-amd64 arm64}) \
     || fail "base images (see above)"
-  # The g4dn profile's base: Debian trixie (GCC 14; vLLM needs >= 13), amd64 only.
+  # The CUDA profiles' base: Debian trixie (GCC 14; vLLM needs >= 13). amd64 (g4dn) only: g5g's arm64 one,
+  # `G5G_BASE_SUITE=trixie bash scripts/base-images.sh arm64`, takes minutes under QEMU and no test needs it.
   (registry_up && export G5G_REGISTRY=$REG_ADDR; G5G_BASE_SUITE=trixie bash scripts/base-images.sh amd64) \
     || fail "trixie base image (see above)"
 fi

@@ -16,6 +16,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import gc
 import logging
 import signal
 import threading
@@ -37,7 +38,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from serving.engine import Engine
 from serving.generation import Batch, Finish, SamplingParams, TokenizerInfo
-from serving.middleware import Guard
+from serving.middleware import Guard, http_protocol
 from serving.protocol import APIError, unavailable
 from serving.structured import Grammars
 
@@ -72,6 +73,17 @@ class Metrics:
         self.running = Gauge("vllm:num_requests_running", "Requests generating now.", ln,
                              registry=r).labels(model_name)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests queued.", ln, registry=r).labels(model_name)
+        counts = tuple(float(m * 10 ** e) for e in range(7) for m in (1, 2, 5))      # vLLM's 1-2-5 series
+        self.request_prompt = Histogram("vllm:request_prompt_tokens", "Prompt tokens per finished request.", ln,
+                                        buckets=counts, registry=r).labels(model_name)
+        self.request_generation = Histogram("vllm:request_generation_tokens", "Generated tokens per finished "
+                                            "request.", ln, buckets=counts, registry=r).labels(model_name)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Arrival to prefill.", ln, buckets=lat,
+                                    registry=r).labels(model_name)
+        # Never incremented: a slot holds its request's whole context, so no request is ever preempted.
+        self.preemptions = Counter("vllm:num_preemptions", "Requests preempted.", ln, registry=r).labels(model_name)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of the KV cache (slots x context) the running "
+                              "requests' tokens fill, 0 to 1.", ln, registry=r).labels(model_name)
         self.model_name = model_name
         self.lock = threading.Lock()
 
@@ -91,6 +103,8 @@ class Metrics:
             prefilled = fin.completion_tokens > 0 or fin.reason != "abort"
             self.prompt_tokens.inc(fin.prompt_tokens if prefilled else 0)
             self.generation_tokens.inc(fin.completion_tokens)
+            self.request_prompt.observe(fin.prompt_tokens if prefilled else 0)
+            self.request_generation.observe(fin.completion_tokens)
             times = fin.token_times
             if fin.reason == "abort" or not times:
                 return
@@ -151,6 +165,7 @@ class Scheduler:
         self.queued: deque[Job] = deque()   # waiting for a slot, in arrival order
         self.wake = threading.Condition()   # guards queued
         self.pending = 0                    # taken from the queue by the engine thread, not in the batch yet
+        self.joining: list[Job] = []        # those jobs (abort_all ends them too)
         self.stopping = threading.Event()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.engine: Engine | None = None
@@ -192,7 +207,9 @@ class Scheduler:
         Returns how many requests were aborted."""
         with self.wake:
             dropped, self.queued = list(self.queued), deque()
-            live = [live.job for live in self.batch.live.values()] if self.batch else []
+            # taken from the queue but not started (a long prefill holds the engine thread), and running
+            running = list(self.batch.live.values()) if self.batch else []
+            started = [*self.joining, *(live.job for live in running)]
         n = 0
         for job in dropped:
             n += not job.cancelled.is_set()
@@ -201,7 +218,7 @@ class Scheduler:
             fin = Finish("abort", len(job.prompt_ids), 0, [])
             self.metrics.finished(job.arrival, fin, running=self._running())
             job.send(fin)
-        for job in live:
+        for job in {id(j): j for j in started}.values():
             if not job.cancelled.is_set():
                 job.shutdown = True
                 job.cancelled.set()
@@ -229,31 +246,41 @@ class Scheduler:
                 while not self.queued and not batch.live and not self.stopping.is_set():
                     self.wake.wait(timeout=1.0)
                 joining = [self.queued.popleft() for _ in range(min(batch.free, len(self.queued)))]
-                self.pending = len(joining)
+                self.pending, self.joining = len(joining), joining
                 self.metrics.set_queue(self._live(), running=len(batch.live) + len(joining))
             for i, job in enumerate(joining):
                 pending = len(joining) - i - 1          # admitted, not joined yet: they count as running
+                self.metrics.queue_time.observe(time.monotonic() - job.arrival)
                 try:
                     self._emit(batch.join(job), pending)
                 except Exception as e:    # a runtime bug must not kill the engine thread: report it to this request
                     self._fail([job], e, pending)
                 self.pending = pending
+            with self.wake:
+                self.joining = []
             try:
                 self._emit(batch.step())
             except Exception as e:
                 self._fail(batch.drop_all(), e)
             self.metrics.set_queue(self._live(), running=len(batch.live))
+            self._kv_usage()
         for job in batch.drop_all():
             job.cancelled.set()
+
+    def _kv_usage(self) -> None:
+        filled = sum(live.gen.prompt_tokens + len(live.gen.times) for live in self.batch.live.values())
+        self.metrics.kv_usage.set(filled / (self.slots * self.engine.max_context))
 
     def _emit(self, events, pending: int = 0) -> None:
         for job, ev in events:
             if isinstance(ev, Finish):           # before the client can see the end
                 self.metrics.finished(job.arrival, ev, running=len(self.batch.live) + pending)
+                self._kv_usage()
             job.send(ev)
 
     def _fail(self, jobs: list[Job], e: Exception, pending: int = 0) -> None:
         log.exception("generation failed")
+        self._kv_usage()
         for job in jobs:
             self.metrics.finished(job.arrival, Finish("abort", len(job.prompt_ids), 0, []),
                                   running=len(self.batch.live) + pending)
@@ -340,6 +367,11 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
             greedy = SamplingParams(temperature=0.0)
             await sched.call(lambda: sched.engine.step({0: sched.engine.start(0, warm, greedy)}))
             log.info("model %s ready in %.1fs (context %d)", name, time.monotonic() - t0, sched.engine.max_context)
+            # What boot made (torch, transformers, the tokenizers: millions of objects) lives as long as the server:
+            # out of the collector's sight, a full collection a request's allocations set off (one that holds every
+            # thread, the event loop's too) walks that request's objects only, not the whole process (as vLLM).
+            gc.collect()
+            gc.freeze()
             ctx.ready = True
         except asyncio.CancelledError:    # shut down while loading
             raise
@@ -457,5 +489,5 @@ class Server(uvicorn.Server):
 def server(app: FastAPI, host: str, port: int, shutdown_grace: float, log_level: str = "info") -> Server:
     # uvicorn's own deadline is a backstop only: our drain answers every request by `shutdown_grace` (plus the
     # time the running generation takes to reach its next token).
-    return Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+    return Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, http=http_protocol(),
                                  timeout_graceful_shutdown=shutdown_grace + 10))

@@ -45,6 +45,7 @@ class SamplingParams:
     top_k: int = 0              # 0 = off
     max_tokens: int = 16
     stop: tuple[str, ...] = ()
+    include_stop_str: bool = False  # the text keeps the stop string that ended it (API layer only)
     seed: int | None = None
     ignore_eos: bool = False    # vLLM's extension: generate max_tokens regardless of stop tokens (benchmarks)
     presence_penalty: float = 0.0
@@ -56,6 +57,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()        # end generation like eos
     eos_token_ids: tuple[int, ...] = ()         # the checkpoint's stop ids (what min_tokens holds back, with the above)
     logprobs: int | None = None                 # how many top alternatives per token (0: the chosen one's only)
+    allowed_token_ids: tuple[int, ...] = ()     # only these may be generated (API layer: a mask); () = any
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()     # token sequences never generated (API layer: a mask)
 
     @property
     def penalised(self) -> bool:

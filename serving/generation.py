@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from serving.engine import Engine, SamplingParams, TokenLogprobs
-from serving.structured import Matcher
+from serving.structured import Matcher, mask_words
 from serving.tool_calls import MARKUP, RESPONSE_START
 
 # Gemma 4's control tokens that shape the output (see the checkpoint's tokenizer.json).
@@ -97,10 +97,12 @@ class TokenizerInfo:
                 text = self.token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
         return text
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None, **options) -> str:
+        """The conversation as the checkpoint's chat template writes it; options: add_generation_prompt (default
+        true), continue_final_message, and variables the template reads (serving/protocol.py's template_options)."""
+        options.setdefault("add_generation_prompt", True)
         with self.prompt_lock:
-            return self.prompt_tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                             add_generation_prompt=True)
+            return self.prompt_tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **options)
 
     def encode(self, text: str, add_special_tokens: bool = False, limit: int | None = None) -> list[int]:
         """Token ids of `text`; PromptTooLong past `limit` tokens. Text that cannot fit is refused before the
@@ -119,6 +121,11 @@ class TokenizerInfo:
         with self.prompt_lock:
             return self.prompt_tokenizer.decode(list(ids), skip_special_tokens=False,
                                                 clean_up_tokenization_spaces=False)
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it (/tokenize's return_token_strs, as vLLM)."""
+        with self.prompt_lock:
+            return self.prompt_tokenizer.convert_ids_to_tokens(list(ids))
 
     def chat_prompt(self, messages: list[dict], limit: int | None = None) -> list[int]:
         """Token ids of the conversation rendered with the checkpoint's own chat template."""
@@ -184,7 +191,8 @@ class StopStrings:
     complete. One KMP matcher per stop string: the work per delta is linear in the delta (times the number of
     stops), however long the stops and the output are."""
 
-    def __init__(self, stops: Sequence[str]):
+    def __init__(self, stops: Sequence[str], include: bool = False):
+        self.include = include                  # the text ends with the stop string (vLLM's include_stop_str_in_output)
         self.stops = [s for s in dict.fromkeys(stops) if s]
         self.fail = [_failure(s) for s in self.stops]
         self.matched = [0] * len(self.stops)    # per stop: how many of its first characters end the text
@@ -204,7 +212,7 @@ class StopStrings:
                 if s[q] == ch:
                     q += 1
                 if q == len(s):
-                    start = base + i + 1 - q
+                    start = base + i + 1 if self.include else base + i + 1 - q
                     cut = start if cut is None else min(cut, start)
                     q = f[q - 1]
                 self.matched[k] = q
@@ -255,22 +263,44 @@ class Generation:
     """One request's state between tokens: its budget, detokeniser, stop strings and token times."""
 
     def __init__(self, info: TokenizerInfo, prompt_ids: Sequence[int], params: SamplingParams, max_context: int,
-                 grammar: Any = None, reveal: frozenset[int] = frozenset()):
+                 grammar: Any = None, reveal: frozenset[int] = frozenset(), vocab_size: int | None = None):
         self.info, self.params = info, params
         self.prompt_tokens = len(prompt_ids)
         self.budget = min(params.max_tokens, max_context - len(prompt_ids))
         self.detok = Detokenizer(info, reveal)
-        self.stops = StopStrings(params.stop)
+        self.stops = StopStrings(params.stop, params.include_stop_str)
         self.matcher = Matcher(grammar) if grammar is not None else None
+        words = mask_words(vocab_size or info.vocab_size)
+        self.allowed = None             # allowed_token_ids as a mask row (serving/engine.py's layout)
+        if params.allowed_token_ids:
+            bits = np.zeros(words * 32, np.uint8)
+            bits[list(params.allowed_token_ids)] = 1
+            self.allowed = np.packbits(bits, bitorder="little").view("<i4")
+        elif params.bad_words_ids:
+            self.allowed = np.full(words, -1, np.int32)
+        self.ids: list[int] = []        # generated token ids (what bad_words look back at)
         self.times: list[float] = []
 
     def mask(self) -> np.ndarray | None:
-        """The tokens the request's grammar allows next (serving/engine.py's mask); None: any."""
-        return self.matcher.allowed() if self.matcher is not None else None
+        """The tokens the request's grammar, allowed_token_ids and bad_words allow next (serving/engine.py's mask);
+        None: any. A bad word's last token is banned where the output ends with the rest of it (as vLLM)."""
+        grammar = self.matcher.allowed() if self.matcher is not None else None
+        mask = self.allowed if grammar is None or self.allowed is None else grammar & self.allowed
+        if mask is None:
+            return grammar
+        banned = [seq[-1] for seq in self.params.bad_words_ids
+                  if len(seq) == 1 or tuple(self.ids[len(self.ids) - len(seq) + 1:]) == seq[:-1]]
+        if banned:
+            mask = mask.copy().view(np.uint32)
+            for t in banned:
+                mask[t >> 5] &= ~np.uint32(1 << (t & 31))
+            mask = mask.view(np.int32)
+        return mask
 
     def push(self, token: int) -> tuple[str, str | None]:
         """Take a generated token: (text it releases, finish reason or None to go on)."""
         self.times.append(time.monotonic())
+        self.ids.append(token)
         if self.matcher is not None:
             self.matcher.accept(token)
         done = self.matcher is not None and self.matcher.done     # the grammar took its stop token
@@ -303,7 +333,7 @@ def generate(engine: Engine, info: TokenizerInfo, prompt_ids: Sequence[int], par
              grammar: Any = None) -> Iterator[Delta | Finish]:
     """Run one request to the end in one slot (following `grammar`, a serving.structured compiled grammar, when
     given). Yields a Delta per generated token, then one Finish."""
-    gen = Generation(info, prompt_ids, params, engine.max_context, grammar)
+    gen = Generation(info, prompt_ids, params, engine.max_context, grammar, vocab_size=engine.vocab_size)
     if gen.budget <= 0 or cancelled():
         yield gen.finish("length" if gen.budget <= 0 else "abort")
         return
@@ -346,7 +376,7 @@ class Batch:
 
     def join(self, job) -> list[tuple[Any, Delta | Finish]]:
         gen = Generation(self.info, job.prompt_ids, job.params, self.engine.max_context,
-                         getattr(job, "grammar", None), getattr(job, "reveal", frozenset()))
+                         getattr(job, "grammar", None), getattr(job, "reveal", frozenset()), self.engine.vocab_size)
         if gen.budget <= 0 or job.cancelled.is_set():
             return [(job, gen.finish("length" if gen.budget <= 0 else "abort"))]
         slot = next(s for s in range(self.engine.slots) if s not in self.live)

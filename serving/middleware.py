@@ -3,11 +3,14 @@
 - an `x-request-id` on every response: the client's own, or a new one (it also names the completion's id);
 - `--api-key`: /v1/* needs `Authorization: Bearer <key>`, as with `vllm serve --api-key` (401 otherwise);
 - a request-body limit (`--max-body-bytes`): 413 from the Content-Length alone, or as soon as a chunked body
-  passes the limit, before anything parses or tokenises it.
+  passes the limit, before anything parses or tokenises it;
+- a request uvicorn's HTTP parser refuses (a malformed Content-Length, a garbled request line) gets an OpenAI
+  error body too, not uvicorn's plain text (`http_protocol`).
 """
 from __future__ import annotations
 
 import hmac
+import json
 import uuid
 
 from serving.protocol import APIError
@@ -63,3 +66,18 @@ class Guard:
             return message
 
         await self.app(scope, limited_receive, send_with_id)
+
+
+def http_protocol() -> type:
+    """uvicorn's HTTP protocol as its "auto" picks it (httptools when installed, else h11), whose 400 for a request
+    it cannot parse is an OpenAI error body."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class Protocol(AutoHTTPProtocol):
+        def send_400_response(self, msg: str) -> None:
+            body = json.dumps(APIError(400, f"malformed HTTP request: {msg}").body()).encode()
+            self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                                 b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+            self.transport.close()
+
+    return Protocol

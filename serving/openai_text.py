@@ -18,7 +18,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from serving.api import Job, QueueFull
 from serving.generation import Delta, Finish, Logprob, PromptTooLong, SamplingParams
-from serving.protocol import APIError, ChatRequest, CompletionRequest, ResponseFormat, messages, parse, unavailable
+from serving.protocol import (APIError, ChatRequest, CompletionRequest, ResponseFormat, messages, read,
+                              template_options, unavailable)
 from serving.structured import InvalidGrammar
 from serving.tool_calls import GemmaCalls, NamedCall, Reader, RequiredCalls, merge, required_schema
 
@@ -60,27 +61,44 @@ def sampling(ctx, req, prompt_len: int, max_tokens: int | None, top_logprobs: in
             raise APIError(400, f"logit_bias: token id {token} is out of range (vocabulary size {vocab})",
                            param="logit_bias")
         bias.append((token, min(100.0, max(-100.0, value))))     # OpenAI's range; vLLM clamps the same way
-    bad = next((t for t in req.stop_token_ids or () if t >= vocab), None)
-    if bad is not None:
-        raise APIError(400, f"stop_token_ids: token id {bad} is out of range (vocabulary size {vocab})",
-                       param="stop_token_ids")
-    if max_tokens is not None and req.min_tokens > max_tokens:
-        raise APIError(400, f"min_tokens ({req.min_tokens}) must be less than or equal to max_tokens "
-                            f"({max_tokens})", param="min_tokens")
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        bad = next((t for t in getattr(req, name) or () if t >= vocab), None)
+        if bad is not None:
+            raise APIError(400, f"{name}: token id {bad} is out of range (vocabulary size {vocab})", param=name)
+    # Integers reach the runtimes only bounded (int32 on the JAX device), as vLLM bounds them: min_tokens past the
+    # tokens to generate is a 400 (max_tokens unset: what the context leaves); a top_k of the vocabulary or more
+    # is no cut.
+    limit = ctx.max_context - prompt_len if max_tokens is None else max_tokens
+    if req.min_tokens > limit:
+        raise APIError(400, f"min_tokens ({req.min_tokens}) must be less than or equal to max_tokens ({limit}"
+                            f"{'' if max_tokens is not None else ': what the context leaves'})", param="min_tokens")
+    top_k = req.top_k if req.top_k is not None else d.get("top_k", 0)
     if req.n > ctx.scheduler.capacity:
         raise APIError(400, f"n: at most {ctx.scheduler.capacity} choices on this server (its slots plus "
                             f"--max-waiting)", param="n")
     return SamplingParams(
         temperature=req.temperature if req.temperature is not None else d.get("temperature", 1.0),
         top_p=req.top_p if req.top_p is not None else d.get("top_p", 1.0),
-        top_k=max(0, req.top_k if req.top_k is not None else d.get("top_k", 0)),
-        max_tokens=ctx.max_context - prompt_len if max_tokens is None else max_tokens,
-        stop=stop, seed=req.seed, ignore_eos=req.ignore_eos,
+        top_k=top_k if 0 < top_k < vocab else 0,
+        max_tokens=limit,
+        stop=stop, include_stop_str=req.include_stop_str_in_output, seed=req.seed, ignore_eos=req.ignore_eos,
         presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
         logit_bias=tuple(bias), min_p=req.min_p or 0.0, min_tokens=req.min_tokens,
         stop_token_ids=tuple(req.stop_token_ids or ()), eos_token_ids=tuple(sorted(ctx.info.stop_ids)),
+        allowed_token_ids=tuple(sorted(set(req.allowed_token_ids or ()))),
+        bad_words_ids=bad_words_ids(ctx.info, req.bad_words or ()),
         logprobs=top_logprobs)
+
+
+def bad_words_ids(info, words) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token ids, alone and after a space (a word mid-sentence), as vLLM bans them."""
+    out = []
+    for word in words:
+        alone = tuple(info.encode(word.lstrip()))
+        spaced = tuple(info.encode(" " + word.lstrip()))
+        out += [alone] + ([spaced] if spaced and spaced[0] != alone[0] and len(spaced) == len(alone) else [])
+    return tuple(seq for seq in out if seq)
 
 
 def tool_plan(req: ChatRequest) -> tuple[list[dict] | None, Callable[[], Reader], Any]:
@@ -131,16 +149,18 @@ def output_grammar(ctx, fmt: ResponseFormat | None, tool_schema: Any = None) -> 
 GOLDEN = 0x9E3779B97F4A7C15     # 2**64 / golden ratio: choice i's seed is the request's plus i times this
 
 
-def submit(request: Request, ids: list[int], params: SamplingParams, n: int, grammar: Any = None,
+def submit(request: Request, prompts: list[tuple[list[int], SamplingParams]], n: int, grammar: Any = None,
            reveal: frozenset[int] = frozenset()) -> list[Job]:
-    """Queue the request's n choices (all or none); choice i of a seeded request samples with a seed derived from
-    the request's seed and i (choice 0 with the seed itself), so the same request gives the same choices. Each
-    choice follows `grammar` with a matcher of its own."""
+    """Queue n choices of each (prompt ids, params) (all or none); choice j of prompt p has index p * n + j (as
+    vLLM). Choice j of a seeded request samples with a seed derived from the request's seed and j (choice 0 with
+    the seed itself), so the same request gives the same choices. Each choice follows `grammar` with a matcher of
+    its own."""
     ctx = request.app.state.ctx
     ctx.check_serving()                    # again: the server may have begun shutting down while we tokenised
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
-    jobs = [Job(ids, params if params.seed is None or i == 0 else replace(params, seed=params.seed + i * GOLDEN),
-                loop, events=events, index=i, grammar=grammar, reveal=reveal) for i in range(n)]
+    jobs = [Job(ids, params if params.seed is None or j == 0 else replace(params, seed=params.seed + j * GOLDEN),
+                loop, events=events, index=p * n + j, grammar=grammar, reveal=reveal)
+            for p, (ids, params) in enumerate(prompts) for j in range(n)]
     try:
         ctx.scheduler.submit(*jobs)
     except QueueFull:
@@ -149,8 +169,10 @@ def submit(request: Request, ids: list[int], params: SamplingParams, n: int, gra
     return jobs
 
 
-def usage(fins: list[Finish]) -> dict:
-    prompt, completion = fins[0].prompt_tokens, sum(f.completion_tokens for f in fins)
+def usage(fins: list[Finish], n: int | None = None) -> dict:
+    """Every prompt once (fins: n choices per prompt, in index order), every choice's tokens."""
+    prompt = sum(f.prompt_tokens for f in fins[::n or len(fins)])
+    completion = sum(f.completion_tokens for f in fins)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -191,18 +213,19 @@ def completion_logprobs(lps: list[Logprob], offset: int) -> dict:
 @router.post("/v1/chat/completions")
 async def chat(request: Request):
     ctx = request.app.state.ctx
-    req: ChatRequest = parse(ChatRequest, await request.body())
+    req: ChatRequest = await read(request, ChatRequest)
     ctx.check_model(req.model)
-    msgs = messages(req.messages)
+    msgs = await asyncio.to_thread(messages, req.messages)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "when using top_logprobs, logprobs must be set to true", param="top_logprobs")
     tools, new_reader, tool_schema = tool_plan(req)
+    options = template_options(req)
     ctx.check_serving()
     max_tokens = req.max_completion_tokens or req.max_tokens
 
     def build(limit: int) -> list[int]:
         try:
-            text = ctx.info.render_chat(msgs, tools)
+            text = ctx.info.render_chat(msgs, tools, **options)
         except Exception as e:             # e.g. the template rejects the conversation
             raise APIError(400, f"chat template: {e}", param="messages") from None
         return ctx.info.encode(text, limit=limit)
@@ -216,7 +239,7 @@ async def chat(request: Request):
         reveal = ctx.info.tool_markup          # into a tool's answer it would have to make up
         if ctx.info.tool_response is not None:
             params = replace(params, stop_token_ids=params.stop_token_ids + (ctx.info.tool_response,))
-    jobs = submit(request, ids, params, req.n, grammar, reveal)
+    jobs = submit(request, [(ids, params)], req.n, grammar, reveal)
     rid, created, model = f"chatcmpl-{request.state.request_id}", int(time.time()), ctx.name
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -257,36 +280,43 @@ async def chat(request: Request):
 @router.post("/v1/completions")
 async def completions(request: Request):
     ctx = request.app.state.ctx
-    req: CompletionRequest = parse(CompletionRequest, await request.body())
+    req: CompletionRequest = await read(request, CompletionRequest)
     ctx.check_model(req.model)
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo with logprobs (the prompt's logprobs) is not supported by this server",
                        param="echo")
     ctx.check_serving()
-    prompt = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and \
-        isinstance(req.prompt[0], (str, list)) else req.prompt
-    if isinstance(prompt, list):
-        vocab = ctx.info.vocab_size
-        bad = next((t for t in prompt if t >= vocab), None)
-        if bad is not None:
-            raise APIError(400, f"prompt: token id {bad} is out of range (vocabulary size {vocab})", param="prompt")
+    several = isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], (str, list))
+    prompts = list(req.prompt) if several else [req.prompt]
+    if several and len(prompts) * req.n > ctx.scheduler.capacity:
+        raise APIError(400, f"prompt: {len(prompts)} prompts × n {req.n} choices; at most {ctx.scheduler.capacity} "
+                            f"on this server (its slots plus --max-waiting)", param="prompt")
+    vocab = ctx.info.vocab_size
+    for prompt in prompts:
+        if isinstance(prompt, list) and len(prompt) < ctx.max_context:      # a longer one: a context error below
+            bad = next((t for t in prompt if t >= vocab), None)
+            if bad is not None:
+                raise APIError(400, f"prompt: token id {bad} is out of range (vocabulary size {vocab})",
+                               param="prompt")
 
-    def build(limit: int) -> list[int]:
-        return list(prompt) if isinstance(prompt, list) else ctx.info.encode(prompt, add_special_tokens=True,
-                                                                               limit=limit)
+    def build(prompt) -> Callable[[int], list[int]]:
+        return lambda limit: list(prompt) if isinstance(prompt, list) else \
+            ctx.info.encode(prompt, add_special_tokens=True, limit=limit)
 
-    ids = await prompt_ids(ctx, build, req.max_tokens, "prompt")
+    ids = [await prompt_ids(ctx, build(prompt), req.max_tokens, "prompt") for prompt in prompts]
     grammar = await asyncio.to_thread(output_grammar, ctx, req.response_format)
-    echo = ""
+    echoes = [""] * len(prompts)
     if req.echo:
-        echo = prompt if isinstance(prompt, str) else await asyncio.to_thread(ctx.info.decode, ids)
-    jobs = submit(request, ids, sampling(ctx, req, len(ids), req.max_tokens, req.logprobs), req.n, grammar)
+        echoes = [p if isinstance(p, str) else await asyncio.to_thread(ctx.info.decode, i)
+                  for p, i in zip(prompts, ids)]
+    jobs = submit(request, [(i, sampling(ctx, req, len(i), req.max_tokens, req.logprobs)) for i in ids], req.n,
+                  grammar)
     rid, created, model = f"cmpl-{request.state.request_id}", int(time.time()), ctx.name
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     if req.stream:
-        offsets = [0] * req.n              # per choice: where the next token's text begins
+        offsets = [0] * len(jobs)          # per choice: where the next token's text begins
 
         def chunk(i: int, text: str, lps: list[Logprob] | None = None, finish: str | None = None) -> str:
             logprobs = None
@@ -297,18 +327,18 @@ async def completions(request: Request):
             return sse({**body, "usage": None} if include_usage else body)
 
         def end(fins: list[Finish]) -> list[str]:
-            return [sse({**base, "choices": [], "usage": usage(fins)})] if include_usage else []
+            return [sse({**base, "choices": [], "usage": usage(fins, req.n)})] if include_usage else []
 
-        return stream(jobs, [chunk(i, echo) for i in range(req.n)] if echo else [],
+        return stream(jobs, [chunk(i, echoes[i // req.n]) for i in range(len(jobs))] if req.echo else [],
                       lambda i, t, lps: [chunk(i, t, lps)] if t or lps else [],
                       lambda i, fin: [chunk(i, "", None, fin.reason)], end)
 
     results = await collect(request, jobs)
     return JSONResponse({
-        **base, "choices": [{"index": i, "text": echo + text,
+        **base, "choices": [{"index": i, "text": echoes[i // req.n] + text,
                              "logprobs": completion_logprobs(lps, 0) if req.logprobs is not None else None,
                              "finish_reason": fin.reason} for i, (text, lps, fin) in enumerate(results)],
-        "usage": usage([fin for _, _, fin in results])})
+        "usage": usage([fin for _, _, fin in results], req.n)})
 
 
 # -------------------------------------------------------------------------------------------- answering

@@ -1,12 +1,17 @@
 """The OpenAI wire format: error bodies, request models, and the parameters we refuse rather than ignore.
 
 Every error a client can cause is an APIError, rendered as {"error": {"message", "type", "param", "code"}}.
-A request is parsed in one place (`parse`): JSON that Python cannot represent (nesting too deep, integers too
-long, lone surrogates) is a 400 like any other malformed body.
+A request is parsed in one place (`parse`, in a worker thread: `read`): JSON that Python cannot represent (nesting
+too deep, integers too long, lone surrogates) is a 400 like any other malformed body. The work one request costs is
+bounded before it is done, as the body limit bounds its bytes: at most MAX_JSON_OBJECTS objects are built, and the
+parse and the validation of the messages run in small steps, so the worker thread hands the GIL back to the event
+loop (and other clients) between them.
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import Response
@@ -16,7 +21,11 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 INT64 = (-2**63, 2**63 - 1)     # vLLM's seed range (torch.long)
 MAX_LOGIT_BIAS = 300            # entries (a fixed width on the JAX runtime's device)
 MAX_STOP_TOKEN_IDS = 32
+MAX_BAD_WORDS = 128
+MAX_PROMPTS = 1024              # prompts in one completions request (also bounded by the server's slots + queue)
 MAX_LOGPROBS = 20               # vLLM's default --max-logprobs; OpenAI's top_logprobs bound
+MAX_JSON_OBJECTS = 65_536       # objects in one request body (messages, content parts, tools, schemas ...)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 # ------------------------------------------------------------------------------------------------ errors
@@ -109,6 +118,7 @@ class ResponseFormat(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False        # refused when true (parse)
 
 
 Seed = Annotated[int, Field(ge=INT64[0], le=INT64[1])]
@@ -124,6 +134,7 @@ class _Sampling(_Strict):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
     stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
     seed: Seed | None = None
     ignore_eos: bool = False
     n: Annotated[int, Field(ge=1)] = 1
@@ -135,6 +146,9 @@ class _Sampling(_Strict):
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] = 0
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
+    bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=1000)]],
+                         Field(max_length=MAX_BAD_WORDS)] | None = None
     response_format: ResponseFormat | None = None
 
 
@@ -146,15 +160,18 @@ class ChatRequest(_Sampling):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
 
 class CompletionRequest(_Sampling):
-    # One prompt: a string or token ids, also as a one-element list (how the openai client sends batches).
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | TokenIds | \
-        Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
+    # A string or token ids, or a list of either: several prompts (their n choices each; serving/openai_text.py).
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds | \
+        Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     max_tokens: Annotated[int, Field(ge=0)] | None = 16     # OpenAI's and vLLM's default for completions
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
@@ -164,8 +181,12 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None
+    tools: list[Tool] | None = None             # shown by the chat template, as in a chat request
+    return_token_strs: bool = False
     add_special_tokens: bool | None = None      # default: True for a prompt, False for messages (as vLLM)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Strict):
@@ -183,17 +204,18 @@ _NOT_HONOURED = {
     "best_of": (None, 1),       # removed from vLLM (0.19); `n` and `logprobs` do what it did
     "prompt_logprobs": (None,), "structured_outputs": (None,),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "use_beam_search": (None, False), "length_penalty": (None, 1), "include_stop_str_in_output": (None, False),
+    "use_beam_search": (None, False), "length_penalty": (None, 1),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
-    "truncate_prompt_tokens": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,),
     "logits_processors": (None,), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
+    "return_tokens_as_token_ids": (None, False),
+    "priority": (None, 0),      # vLLM too refuses it unless started with --scheduling-policy priority
 }
 UNSUPPORTED = {
     ChatRequest: {**_NOT_HONOURED, "echo": (None, False), "functions": (None, []),
-                  "function_call": (None, "none", "auto"), "chat_template": (None,),
-                  "chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
-                  "continue_final_message": (None, False)},
+                  "function_call": (None, "none", "auto"), "chat_template": (None,)},
     CompletionRequest: {**_NOT_HONOURED, "suffix": (None, "")},
+    TokenizeRequest: {"chat_template": (None,), "mm_processor_kwargs": (None, {})},
 }
 
 
@@ -213,12 +235,61 @@ def _is_default(value: Any, defaults: tuple) -> bool:
                (type(value) is not bool and value == d) for d in defaults)
 
 
+def _may_hold_lone_surrogate(body: bytes) -> bool:
+    """Whether a \uD800-\uDFFF escape stands outside a high-low pair, or the body is not plain UTF-8 (json.loads
+    decodes UTF-8 with surrogatepass, and UTF-16/32). A scan in small steps, like the parse."""
+    try:
+        body.decode()
+    except UnicodeDecodeError:
+        return True
+    low_at = -1                 # where the low half of a pair must start
+    for m in _SURROGATE_ESCAPE.finditer(body):
+        high = m.group()[3] in b"89abAB"
+        if low_at >= 0 and (high or m.start() != low_at):
+            return True
+        if low_at < 0 and not high:
+            return True
+        low_at = m.end() if high and low_at < 0 else -1
+    return low_at >= 0
+
+
+def _too_many() -> APIError:
+    return APIError(400, f"request body has more than {MAX_JSON_OBJECTS} JSON objects")
+
+
+def _load(body: bytes) -> Any:
+    """json.loads, stopped past MAX_JSON_OBJECTS objects. The hook, Python code run per object, also lets the
+    interpreter switch threads in the middle of a long parse."""
+    count = 0
+
+    def hook(obj: dict) -> dict:
+        nonlocal count
+        count += 1
+        if count > MAX_JSON_OBJECTS:
+            raise _too_many()
+        return obj
+
+    return json.loads(body, object_hook=hook)
+
+
+def _validation_error(e: ValidationError, prefix: tuple = ()) -> APIError:
+    first = e.errors(include_url=False)[0]
+    param = _param((*prefix, *first["loc"]))
+    return APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param or None)
+
+
+async def read(request, model: type[_Strict]) -> Any:
+    """parse(model, the request's body) in a worker thread, off the event loop."""
+    return await asyncio.to_thread(parse, model, await request.body())
+
+
 def parse(model: type[_Strict], body: bytes) -> Any:
     """The request body as `model`, or an APIError(400) naming what is wrong."""
     try:
-        data = json.loads(body)
+        data = _load(body)
         # Lone surrogates ("\ud800") parse, but no tokenizer or response can encode them.
-        json.dumps(data, ensure_ascii=False).encode()
+        if _may_hold_lone_surrogate(body):         # the full check (one long call) only when one may be there
+            json.dumps(data, ensure_ascii=False).encode()
     except RecursionError:
         raise APIError(400, "request body is nested too deeply") from None
     except UnicodeEncodeError:
@@ -231,15 +302,51 @@ def parse(model: type[_Strict], body: bytes) -> Any:
         if name in data and not _is_default(data[name], defaults):
             raise APIError(400, f"{name} is not supported by this server (unset it, or send "
                                 f"{' or '.join(json.dumps(d) for d in defaults)})", param=name)
+    msgs = data.get("messages")
+    if isinstance(msgs, list) and "messages" in model.model_fields:
+        # One message at a time: a validation of many thousands in one call would hold the GIL throughout.
+        valid = []
+        for i, m in enumerate(msgs):
+            try:
+                valid.append(Message.model_validate(m))
+            except ValidationError as e:
+                raise _validation_error(e, ("messages", i)) from None
+        data = {**data, "messages": valid}
     try:
         req = model.model_validate(data)
     except ValidationError as e:
-        first = e.errors(include_url=False)[0]
-        param = _param(first["loc"])
-        raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param or None) from None
-    if getattr(req, "stream_options", None) is not None and not req.stream:
+        raise _validation_error(e) from None
+    options = getattr(req, "stream_options", None)
+    if options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if options is not None and options.continuous_usage_stats:
+        raise APIError(400, "stream_options.continuous_usage_stats is not supported by this server (unset it, or "
+                            "send false)", param="stream_options.continuous_usage_stats")
     return req
+
+
+# apply_chat_template's own arguments: set through the request's fields, never through chat_template_kwargs
+_TEMPLATE_ARGS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                  "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                  "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+
+
+def template_options(req: ChatRequest | TokenizeRequest) -> dict:
+    """What the chat template is rendered with besides messages and tools, as vLLM takes them: add_generation_prompt,
+    continue_final_message (the last message, an assistant's, is continued), chat_template_kwargs (variables the
+    template reads, e.g. enable_thinking)."""
+    if req.add_generation_prompt and req.continue_final_message:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true (send "
+                            "add_generation_prompt: false)", param="continue_final_message")
+    if req.continue_final_message and (not req.messages or req.messages[-1].role != "assistant"):
+        raise APIError(400, "continue_final_message needs an assistant message last", param="continue_final_message")
+    extra = req.chat_template_kwargs or {}
+    bad = sorted(set(extra) & _TEMPLATE_ARGS)
+    if bad:
+        raise APIError(400, f"chat_template_kwargs.{bad[0]}: set it as a request field, not a template variable",
+                       param=f"chat_template_kwargs.{bad[0]}")
+    return {**extra, "add_generation_prompt": req.add_generation_prompt,
+            "continue_final_message": req.continue_final_message}
 
 
 def messages(msgs: list[Message]) -> list[dict]:

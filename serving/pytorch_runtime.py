@@ -101,8 +101,8 @@ class SlotKV:
 
 class TorchEngine:
     """serving.engine.Engine over a transformers causal LM, next tokens chosen on the device. One slot: transformers'
-    StaticCache (sequences run one after another). More (G5G_TORCH_SLOTS): continuous batching over SlotKV, every
-    live sequence decoded in one forward."""
+    StaticCache (sequences run one after another). More (G5G_TORCH_SLOTS; 8 on a GPU by default): continuous batching
+    over SlotKV, every live sequence decoded in one forward."""
 
     def __init__(self, model, text_config, device: torch.device, max_context: int, slots: int = 1):
         self.model = model
@@ -197,7 +197,7 @@ class TorchEngine:
                                  f"max_context {self.max_context}")
         ids, positions = [[0] for _ in range(self.slots)], [0] * self.slots
         for slot, token in tokens.items():
-            if 0 <= token < self.vocab_size:
+            if self._params[slot].penalised and 0 <= token < self.vocab_size:   # only the penalties read it
                 self._counts[slot, token] += 1
             self._out[slot] += 1
             ids[slot], positions[slot] = [token], self._pos[slot]
@@ -277,9 +277,16 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -
     return (x - q.log()).argmax()                    # Gumbel-max: a draw from softmax(x)
 
 
-def slots_from_env(env=os.environ) -> int:
-    """G5G_TORCH_SLOTS: sequences decoded together (default 1: transformers' StaticCache, one after another)."""
-    text = env.get("G5G_TORCH_SLOTS") or "1"
+# Sequences decoded together by default, per device type: on a GPU a decode step streams the weights once whatever
+# its rows, and the 8-slot server beat the one-slot one on a lone stream too (H200: 185.9 vs 168.3 tok/s,
+# benchmarks/RESULTS.md, round 2); on a CPU 8 rows cost 8 rows' compute (a lone stream 0.81x), so one slot.
+DEFAULT_SLOTS = {"cuda": 8, "cpu": 1}
+
+
+def slots_from_env(env=os.environ, device_type: str = "cpu") -> int:
+    """G5G_TORCH_SLOTS: sequences decoded together (default: DEFAULT_SLOTS for the device; 1 is transformers'
+    StaticCache, sequences one after another)."""
+    text = env.get("G5G_TORCH_SLOTS") or str(DEFAULT_SLOTS.get(device_type, 1))
     if not text.isdigit() or int(text) < 1:
         raise ValueError(f"G5G_TORCH_SLOTS: {text!r} is not a positive integer")
     return int(text)
@@ -308,7 +315,7 @@ def load(model_dir: str | Path, device: str | None = None, max_context: int | No
                          f"(expected Gemma 4 weights under model.language_model.*)")
     model.to(dev).eval()
     context = min(text_config.max_position_embeddings, max_context or DEFAULT_MAX_CONTEXT)
-    slots = slots or slots_from_env()
+    slots = slots or slots_from_env(os.environ, dev.type)
     if slots > 1 and model.config._attn_implementation != "sdpa":
         model.set_attn_implementation("sdpa")    # SlotKV's masks are boolean (True: attend), as sdpa takes them
     log.info("loaded %s on %s as %s (%d layers, context %d, %d slot%s)", model_dir, dev, dtype,

@@ -10,6 +10,7 @@ every other token's logit to MASKED before it samples (serving/engine.py). Why o
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -28,6 +29,9 @@ MASKED = -1e30      # the logit a disallowed token gets: finite, so a row that a
 # Bounds on one compile (environment, read at import): its time, and the size of the regex it starts from.
 COMPILE_TIMEOUT_S = float(os.environ.get("G5G_GRAMMAR_TIMEOUT_S", "30"))
 MAX_REGEX_CHARS = int(os.environ.get("G5G_GRAMMAR_MAX_REGEX", "100000"))
+# A JSON string of at most n characters (maxLength, minLength) costs outlines-core's index time exponential in n
+# (tiny fixture: n = 12 0.3 s, 14 1.0 s, 16 4.5 s, 18 15 s, 20 over 20 s): refused past this bound before the build.
+MAX_STRING_BOUND = int(os.environ.get("G5G_GRAMMAR_MAX_STRING_BOUND", "16"))
 CACHE_ENTRIES = 64
 
 # response_format json_object: outlines-core's own "any object" nests values 3 deep and costs ~30 s and ~330 MB
@@ -35,6 +39,9 @@ CACHE_ENTRIES = 64
 _SCALAR = {"type": ["string", "number", "boolean", "null"]}
 ANY_OBJECT = {"type": "object", "additionalProperties": {"anyOf": [
     _SCALAR, {"type": "array", "items": _SCALAR}, {"type": "object", "additionalProperties": _SCALAR}]}}
+
+
+ANY_OBJECT_KEY = json.dumps(ANY_OBJECT, separators=(",", ":"), ensure_ascii=False)
 
 
 def mask_words(vocab_size: int) -> int:
@@ -102,13 +109,19 @@ def _number(value: Any) -> float | None:
     return value if ok else None
 
 
-def _bounded_integers(schema: Any, ranges: dict[str, str]) -> Any:
+def _bounded_integers(schema: Any, ranges: dict[str, str], max_string: int = MAX_STRING_BOUND) -> Any:
     """`schema` with each integer subschema that has bounds (outlines-core ignores them) swapped for a string with
-    a marker pattern; `ranges` gets each marker's regex, put in place of the marker's string after the compile."""
+    a marker pattern; `ranges` gets each marker's regex, put in place of the marker's string after the compile.
+    A string length bound past `max_string` is refused here, before any automaton is built."""
     if isinstance(schema, list):
-        return [_bounded_integers(s, ranges) for s in schema]
+        return [_bounded_integers(s, ranges, max_string) for s in schema]
     if not isinstance(schema, dict):
         return schema
+    for key in ("maxLength", "minLength"):
+        n = _number(schema.get(key))
+        if n is not None and n > max_string and "pattern" not in schema and "format" not in schema:
+            raise InvalidGrammar(f"too large: {key} {n:g} (the automaton for a string of bounded length grows "
+                                 f"exponentially with the bound; at most {max_string} here)")
     low, xlow, high, xhigh = (_number(schema.get(k))
                               for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"))
     lows = ([math.ceil(low)] if low is not None else []) + ([math.floor(xlow) + 1] if xlow is not None else [])
@@ -120,7 +133,7 @@ def _bounded_integers(schema: Any, ranges: dict[str, str]) -> Any:
         marker = f"G5GINTEGER{len(ranges)}"
         ranges[marker] = integer_regex(lo, hi)
         return {"type": "string", "pattern": marker}
-    return {k: v if k in ("enum", "const", "default", "examples") else _bounded_integers(v, ranges)
+    return {k: v if k in ("enum", "const", "default", "examples") else _bounded_integers(v, ranges, max_string)
             for k, v in schema.items()}
 
 
@@ -139,18 +152,22 @@ class Grammars:
     tokenizer, so a repeated schema costs nothing."""
 
     def __init__(self, info, vocab_size: int, timeout_s: float = COMPILE_TIMEOUT_S,
-                 max_regex_chars: int = MAX_REGEX_CHARS, cache_entries: int = CACHE_ENTRIES):
+                 max_regex_chars: int = MAX_REGEX_CHARS, cache_entries: int = CACHE_ENTRIES,
+                 max_string: int = MAX_STRING_BOUND):
         self.info, self.vocab_size = info, vocab_size
         self.timeout_s, self.max_regex_chars, self.cache_entries = timeout_s, max_regex_chars, cache_entries
+        self.max_string = max_string
         self._vocabulary = None
         self._lock, self._vocab_lock = threading.Lock(), threading.Lock()
         self._cache: OrderedDict[str, tuple[float, Future]] = OrderedDict()
-        # Two compiles at a time: one past its time limit goes on (outlines-core cannot be stopped) but no further.
+        # Two compiles of clients' schemas at a time: one past its time limit goes on (outlines-core cannot be
+        # stopped) but no further. json_object's fixed grammar (bounded: seconds) does not queue behind them.
         self._running = threading.Semaphore(2)
 
     def json_schema(self, schema: Any) -> Grammar:
         """A compiled grammar for JSON valid against `schema`, written compactly (no free whitespace: a weak
         model cannot stall in it). Waits at most the time limit; InvalidGrammar with the reason otherwise."""
+        _bounded_integers(schema, {}, self.max_string)      # what it refuses, refused before queueing a compile
         key = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
         with self._lock:
             entry = self._cache.pop(key, None) or (time.monotonic(), self._start(key))
@@ -173,7 +190,7 @@ class Grammars:
         future: Future = Future()
 
         def run():
-            with self._running:
+            with self._running if key != ANY_OBJECT_KEY else contextlib.nullcontext():
                 try:
                     future.set_result(self._compile(key))
                 except BaseException as e:      # handed to whoever waits on it
@@ -189,7 +206,7 @@ class Grammars:
         t0 = time.monotonic()
         try:
             ranges: dict[str, str] = {}
-            schema = _bounded_integers(json.loads(schema_json), ranges)
+            schema = _bounded_integers(json.loads(schema_json), ranges, self.max_string)
             regex = build_regex_from_schema(json.dumps(schema), whitespace_pattern="")
             for marker, integers in ranges.items():
                 regex = regex.replace(f'"{marker}"', integers)

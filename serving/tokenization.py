@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from serving.generation import PromptTooLong
-from serving.protocol import APIError, DetokenizeRequest, TokenizeRequest, messages, parse
+from serving.protocol import APIError, DetokenizeRequest, TokenizeRequest, messages, read, template_options
 
 router = APIRouter()
 
@@ -16,13 +16,15 @@ router = APIRouter()
 @router.post("/tokenize")
 async def tokenize(request: Request):
     ctx = request.app.state.ctx
-    req: TokenizeRequest = parse(TokenizeRequest, await request.body())
+    req: TokenizeRequest = await read(request, TokenizeRequest)
     ctx.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "send either prompt or messages", param="prompt")
-    if req.messages is not None and not req.add_generation_prompt:
-        raise APIError(400, "add_generation_prompt=false is not supported", param="add_generation_prompt")
-    msgs = messages(req.messages) if req.messages is not None else None
+    options = template_options(req) if req.messages is not None else {}
+    if req.tools and req.messages is None:
+        raise APIError(400, "tools are shown by the chat template: send messages, not a prompt", param="tools")
+    msgs = await asyncio.to_thread(messages, req.messages) if req.messages is not None else None
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     ctx.check_serving()
     info, where = ctx.info, "prompt" if msgs is None else "messages"
 
@@ -33,11 +35,12 @@ async def tokenize(request: Request):
             ids = info.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False, limit=max_len)
         else:
             try:
-                text = info.render_chat(msgs)
+                text = info.render_chat(msgs, tools, **options)
             except Exception as e:
                 raise APIError(400, f"chat template: {e}", param="messages") from None
             ids = info.encode(text, add_special_tokens=bool(req.add_special_tokens), limit=max_len)
-        return json.dumps({"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": None}).encode()
+        strs = info.token_strs(ids) if req.return_token_strs else None
+        return json.dumps({"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": strs}).encode()
 
     max_len = ctx.max_context
     try:
@@ -50,7 +53,7 @@ async def tokenize(request: Request):
 @router.post("/detokenize")
 async def detokenize(request: Request):
     ctx = request.app.state.ctx
-    req: DetokenizeRequest = parse(DetokenizeRequest, await request.body())
+    req: DetokenizeRequest = await read(request, DetokenizeRequest)
     ctx.check_model(req.model)
     ctx.check_serving()
     vocab = ctx.info.vocab_size

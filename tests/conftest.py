@@ -5,5 +5,6 @@ pytest_plugins: list[str] = [
     "tests.fixtures.tiny_gemma4",
     "tests.fixtures.timed_server",
     "tests.fixtures.serving",
+    "tests.fixtures.vllm_sdist",
     "tests.e2e.plugin",
 ]

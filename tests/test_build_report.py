@@ -31,6 +31,8 @@ NINJA_LOG = """\
 CUOBJDUMP = """\
 ./vllm/_C_stable_libtorch.abi3.so sass: sm_75  ptx: 0
 ./vllm/cumem_allocator.abi3.so sass: none ptx: 0
+./vllm/_moe_C_stable_libtorch.abi3.so sass: sm_75 ptx: none
+./vllm/fs_io_C.abi3.so: no device code
 """
 
 
@@ -51,4 +53,30 @@ def test_ninja_units_take_each_outputs_latest_run_slowest_first():
 def test_sass_lines():
     assert report.sass_lines(CUOBJDUMP) == [
         {"so": "vllm/_C_stable_libtorch.abi3.so", "sass": ["sm_75"], "ptx": 0},
-        {"so": "vllm/cumem_allocator.abi3.so", "sass": [], "ptx": 0}]
+        {"so": "vllm/cumem_allocator.abi3.so", "sass": [], "ptx": 0},
+        {"so": "vllm/_moe_C_stable_libtorch.abi3.so", "sass": ["sm_75"], "ptx": 0},  # check-sass.sh's form
+        {"so": "vllm/fs_io_C.abi3.so", "sass": [], "ptx": 0}]
+
+
+def test_main_reads_vllms_arch_lines_and_binds_the_report_to_commit_wheel_and_sources(tmp_path):
+    """vLLM prints "CUDA supported target architectures" (the old pattern never matched it); the report carries
+    the project commit, the wheel's sha256 and the sources the build used."""
+    rep = tmp_path / "report"
+    rep.mkdir()
+    (rep / "build.log").write_text("#36 12.0   -- CUDA target architectures: 7.5\n"
+                                   "#36 12.0   -- CUDA supported target architectures: 7.5\n")
+    (rep / "ninja_log").write_text(NINJA_LOG)
+    (rep / "times.txt").write_text("wall_s 3120\n")
+    (rep / "cuobjdump.txt").write_text(CUOBJDUMP)
+    (rep / "wheels.sha256").write_text("ab" * 32 + "  vllm-0.33.0-cp38-abi3-linux_x86_64.whl\n")
+    (rep / "SOURCES.json").write_text('{"cutlass": {"ref": "v4.7.0", "from": "mirror"}}')
+    log = tmp_path / "bake.log"
+    log.write_text(BAKE_LOG)
+    out = tmp_path / "r.json"
+    assert report.main(["--log", str(log), "--report", str(rep), "--json", str(out)]) == 0
+    import json
+    r = json.loads(out.read_text())
+    assert any("CUDA supported target architectures: 7.5" in a for a in r["arch_lines"]), r["arch_lines"]
+    p = r["provenance"]
+    assert len(p["project_commit"]) == 40 and p["wheels"] == {"vllm-0.33.0-cp38-abi3-linux_x86_64.whl": "ab" * 32}
+    assert p["sources"]["cutlass"]["ref"] == "v4.7.0"

@@ -4,7 +4,12 @@ Stages are read with BuildKit's own parser (`dockerfile`), so a test sees what t
 """
 from __future__ import annotations
 
+import os
+import platform
 import re
+import subprocess
+import sys
+import tarfile
 from pathlib import Path
 
 import dockerfile
@@ -40,25 +45,6 @@ def arg(stage: list, name: str) -> str | None:
                 None)
 
 
-def test_vllm_toolchain_starts_from_the_devel_image_and_never_installs_the_toolkit_with_apt():
-    s = stages("g5g", "vllm")
-    assert s["toolchain"][0].value[0] == "${CUDA_DEVEL_IMAGE}"
-    for name, stage in s.items():
-        assert not re.search(r"apt-get install[^&]*cuda-toolkit", runs(stage)), f"{name}: apt hits held packages"
-    # torch-base's environment comes along instead of a second torch.
-    copies = [c.original for c in s["toolchain"] if c.cmd == "COPY"]
-    assert any("--from=torch-base-image /opt/venv /opt/venv" in c for c in copies)
-
-
-def test_cuda_bases_can_be_pinned_by_digest_and_a_bad_digest_names_the_key():
-    devel = f"nvidia/cuda:13.2.1-cudnn-devel-ubuntu24.04@{DIGEST}"
-    s = stages("g5g", "vllm", [f"profile.cuda.devel_image={devel}"])
-    assert any(c.cmd == "ARG" and c.value[0] == f"CUDA_DEVEL_IMAGE={devel}" for c in s["#global"])
-    with pytest.raises(UserError, match=r"g5g.yaml: cuda.runtime_image: .*@sha256: and 64 hex"):
-        manifest.load(REPO / "manifests", profile="g5g",
-                      overrides=["profile.cuda.runtime_image=nvidia/cuda:13.2.1-cudnn-runtime-ubuntu24.04@sha256:abc"])
-
-
 @pytest.mark.parametrize("profile", ["g5g", "g4dn"])
 def test_max_jobs_is_divided_by_nvcc_threads_only_once_by_vllms_setup(profile):
     build = runs(stages(profile, "vllm")["vllm-build"])
@@ -92,7 +78,7 @@ def test_triton_is_pinned_to_torchs_tested_release(profile):
     assert '"triton==${TRITON_VERSION}"' in runs(final)
 
 
-def test_torch_from_source_skips_flash_attention_pins_nccl_and_names_its_compiler_and_cache():
+def test_torch_from_source_skips_flash_attention_and_runs_on_the_wheels_pypis_torch_requires():
     s = stages("g5g", "torch-base")
     build, final = s["torch-build"], s["torch-base"]
     text = runs(build)
@@ -101,11 +87,15 @@ def test_torch_from_source_skips_flash_attention_pins_nccl_and_names_its_compile
     compile_step = next(c for c in build if c.cmd == "RUN" and "MAX_JOBS" in c.value[0])
     mount = re.search(r"--mount=type=cache,target=(\S+)", " ".join(compile_step.flags))
     assert f"CCACHE_DIR={mount.group(1)}" in text
-    nccl = manifest.load(REPO / "manifests", profile="g5g").profiles["g5g"].cuda.nccl
-    assert arg(build, "NCCL_VERSION") == arg(final, "NCCL_VERSION") == nccl
+    pins = manifest.load(REPO / "manifests", profile="g5g").runtimes["torch-base"].pins
+    wheels = arg(build, "TORCH_CUDA_WHEELS").strip('"').split()
+    assert f"nvidia-nccl-cu13=={pins['nccl']}" in wheels and f"nvidia-cudnn-cu13=={pins['cudnn']}" in wheels
+    assert any(w.startswith("cuda-toolkit[") and "cupti" in w and w.endswith("==13.0.3") for w in wheels)
+    # built against them, and the wheel declares them: the runtime stage installs exactly these
+    assert "${TORCH_CUDA_WHEELS}" in text and 'PYTORCH_EXTRA_INSTALL_REQUIREMENTS="$requires"' in text
+    assert "pip install /tmp/wheels/torch-*.whl" in runs(final)
     for stage in (build, final):
-        assert '"nvidia-nccl-cu13==${NCCL_VERSION}"' in runs(stage)
-        assert not re.search(r"apt-get install[^&]*libnccl", runs(stage)), "NCCL from one place only"
+        assert not re.search(r"apt-get install[^&]*(libnccl|cuda|cudnn)", runs(stage)), "CUDA from the wheels only"
 
 
 @pytest.mark.parametrize("profile", ["g5g", "g4dn"])
@@ -131,7 +121,320 @@ def test_g4dn_builds_from_local_sources_and_checks_its_toolkit_before_torch():
     assert "vllm-sources" not in runs(net["vllm-build"])
 
 
-def test_g4dn_torch_base_refuses_a_torch_without_sm75_sass():
-    base = runs(stages("g4dn", "torch-base")["torch-base"])
-    assert 'cuobjdump/nvidia/cu13/bin/cuobjdump --list-elf "$lib"' in base and "libtorch_cuda.so" in base
-    assert "has no sm_$sm SASS" in base and "exit 1" in base
+# --- one recipe ------------------------------------------------------------------------------------------------------
+
+def rendered_files(profile: str, overrides: list[str] | None = None) -> dict[str, str]:
+    plan = make_plan(manifest.load(REPO / "manifests", profile=profile, overrides=overrides), profile=profile)
+    return {i.runtime: render.render(plan)[i.dockerfile] for i in plan.all_images}
+
+
+@pytest.mark.parametrize("profile", ["g5g", "g4dn"])
+def test_both_cuda_profiles_build_from_reachable_channels_no_nvidia_image(profile):
+    """The toolkit and libraries come from NVIDIA's wheels on the profile's Debian base; JAX needs no toolkit."""
+    m = manifest.load(REPO / "manifests", profile=profile)
+    base = m.profiles[profile].base_image
+    assert base == f"g5g-local/trixie:{'arm64' if profile == 'g5g' else 'amd64'}"
+    for runtime, text in rendered_files(profile).items():
+        assert "nvidia/cuda" not in text, runtime
+        froms = [c.value for c in dockerfile.parse_string(text) if c.cmd == "FROM"]
+        named = {f[2] for f in froms if len(f) == 3}
+        assert all(f[0] in ("${BASE_IMAGE}", "${TORCH_BASE}", "scratch") or f[0] in named for f in froms), froms
+    assert f"ARG BASE_IMAGE={base}" in rendered_files(profile)["jax"]
+
+
+def test_g5g_and_g4dn_differ_only_in_data():
+    """The same template text for both: the CUDA stages of vllm are identical up to the profiles' values."""
+    g5g, g4dn = rendered_files("g5g")["vllm"], rendered_files("g4dn")["vllm"]
+    stages5 = {k: [c.cmd for c in v] for k, v in stages("g5g", "vllm").items()}
+    stages4 = {k: [c.cmd for c in v] for k, v in stages("g4dn", "vllm").items()}
+    assert set(stages5) == set(stages4)
+    for name in ("cuda-check", "vllm-source", "vllm-report", "vllm"):
+        assert stages5[name] == stages4[name], name
+    assert "check-sass.sh --only" in g5g and "check-sass.sh --only" in g4dn
+
+
+def test_nvidia_cuda_images_stay_selectable():
+    devel = f"nvidia/cuda:13.0.2-devel-ubuntu24.04@{DIGEST}"
+    runtime = f"nvidia/cuda:13.0.2-runtime-ubuntu24.04@{DIGEST}"
+    files = rendered_files("g5g", [f"profile.cuda.devel_image={devel}", f"profile.base_image={runtime}"])
+    for name in ("torch-base", "vllm"):
+        cmds = dockerfile.parse_string(files[name])
+        assert any(c.cmd == "FROM" and c.value == ("${CUDA_DEVEL_IMAGE}", "AS", "cuda-devel") for c in cmds)
+        assert "COPY --from=cuda-devel /usr/local/cuda/ /usr/local/cuda/" in files[name]
+        assert f"ARG BASE_IMAGE={runtime}" in files[name] and f"ARG CUDA_DEVEL_IMAGE={devel}" in files[name]
+        assert '"cuda-toolkit[nvcc,cccl,crt,nvvm,cudart]' not in files[name]
+    with pytest.raises(UserError, match=r"g5g.yaml: cuda.devel_image: .*@sha256: and 64 hex"):
+        manifest.load(REPO / "manifests", profile="g5g",
+                      overrides=["profile.cuda.devel_image=nvidia/cuda:13.0.2-devel-ubuntu24.04@sha256:abc"])
+
+
+# --- review defect 2: every RUN stops at its first failing command ----------------------------------------------------
+
+ALL = [(p, r) for p in ("g5g", "g4dn", "cpu") for r in ("torch-base", "vllm", "jax", "pytorch")
+       if not (p == "cpu" and r == "vllm")]
+
+
+@pytest.mark.parametrize("profile,runtime", ALL)
+def test_every_run_runs_under_bash_e_pipefail(profile, runtime):
+    shells: dict[str, list | None] = {}
+    for name, stage in stages(profile, runtime).items():
+        # a stage FROM another stage of the file inherits its SHELL (it is in the image config); any other starts anew
+        shell = shells.get(stage[0].value[0]) if stage and stage[0].cmd == "FROM" else None
+        for c in stage:
+            if c.cmd == "SHELL":
+                shell = list(c.value)
+            if c.cmd == "RUN":
+                assert shell is not None, f"{profile}/{runtime}/{name}: RUN before SHELL: {c.original[:80]}"
+                assert shell[0] == "/bin/bash" and "-e" in shell and shell[shell.index("-o") + 1] == "pipefail", shell
+        shells[name] = shell
+    # and that shell stops where the old one went on (item 1 hid behind it)
+    shell = next(c.value for c in dockerfile.parse_string(rendered_files("g5g")["torch-base"]) if c.cmd == "SHELL")
+    r = subprocess.run([*shell, "false; echo went-on"], capture_output=True, text=True)
+    assert r.returncode == 1 and "went-on" not in r.stdout
+
+
+# --- review defect 1: the Python the RUN lines execute, run against the real pinned wheels -----------------------------
+
+WHEELS = REPO / ".cache" / "nvidia-wheels"
+
+
+@pytest.fixture(scope="module")
+def nvidia_venv(tmp_path_factory):
+    """A venv with the pinned NCCL (a namespace package), CUPTI, CUDA runtime and cuobjdump wheels for this machine
+    (downloaded once into .cache/nvidia-wheels)."""
+    pins = manifest.load(REPO / "manifests", profile="g4dn")
+    tb, cuda = pins.runtimes["torch-base"].pins, pins.profiles["g4dn"].cuda
+    reqs = [f"nvidia-nccl-cu13=={tb['nccl']}", "nvidia-cuda-cupti==13.0.85", "nvidia-cuda-runtime==13.0.96",
+            f"nvidia-cuda-cuobjdump=={cuda.cuobjdump}"]  # cupti/runtime: cuda-toolkit 13.0.3's, resolved for torch
+    arch = platform.machine()
+    tags = [f"--platform=manylinux_2_{v}_{arch}" for v in (28, 27, 25, 18, 17)]
+    r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", *tags,
+                        "-d", str(WHEELS), *reqs], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    venv = tmp_path_factory.mktemp("nvidia") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    files = [str(f) for f in WHEELS.glob("*.whl") if any(f.name.startswith(q.split("==")[0].replace("-", "_") + "-"
+                                                                             + q.split("==")[1] + "-") for q in reqs)]
+    assert len(files) == len(reqs), files
+    subprocess.run([str(venv / "bin/python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index", *files],
+                   check=True, timeout=600)
+    return venv
+
+
+def python_snippets(text: str) -> list[str]:
+    """The `python3 -c "…"` programs of a Dockerfile's RUN lines, as the shell would pass them."""
+    joined = text.replace("\\\n", "")
+    out = []
+    for m in re.finditer(r'python3 -c "((?:[^"\\]|\\.)*)"', joined):
+        out.append(m.group(1).replace('\\"', '"'))
+    return out
+
+
+def test_python_of_the_run_lines_runs_against_the_pinned_nvidia_wheels(nvidia_venv):
+    ran = []
+    for profile in ("g5g", "g4dn"):
+        for runtime, text in rendered_files(profile).items():
+            assert not re.search(r"nvidia\.\w+\.__file__", text), f"{runtime}: a namespace package has no __file__"
+            for code in python_snippets(text):
+                if "nvidia" not in code or ("nvidia.cudnn" in code):  # cuDNN's 550 MB wheel is not fetched here
+                    continue
+                r = subprocess.run([str(nvidia_venv / "bin/python"), "-c", code], capture_output=True, text=True,
+                                   timeout=60)
+                assert r.returncode == 0, f"{profile}/{runtime}: {code}\n{r.stderr}"
+                lines = r.stdout.split()
+                assert lines and all(Path(x).is_dir() for x in lines), (code, r.stdout)
+                ran.append(code)
+    assert any("nvidia.nccl.__path__[0]" in c for c in ran)
+    conf = next(c for c in ran if "ld.so.conf" in c or "glob.glob" in c)
+    dirs = subprocess.run([str(nvidia_venv / "bin/python"), "-c", conf], capture_output=True, text=True).stdout
+    assert {Path(d).relative_to(Path(d).parents[2]).as_posix() for d in dirs.split()} >= {"nvidia/nccl/lib",
+                                                                                          "nvidia/cu13/lib"}
+
+
+# --- review defect 3: CUPTI is there, every DT_NEEDED resolves ---------------------------------------------------------
+
+def test_check_needed_fails_on_an_unresolved_library_and_passes_once_it_is_on_the_path(tmp_path):
+    """A library whose DT_NEEDED (a stand-in for libcupti.so.13, by a name no host has) is off the loader path fails
+    the check, naming it; on the path (as ld.so.conf.d puts the wheels' lib/), it passes."""
+    for d in ("dep", "lib"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "d.c").write_text("int g5g_probe(void) { return 1; }\n")
+    (tmp_path / "k.c").write_text("int g5g_probe(void); int f(void) { return g5g_probe(); }\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libg5gcupti.so.13", "-o",
+                    str(tmp_path / "dep/libg5gcupti.so.13"), str(tmp_path / "d.c")], check=True)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(tmp_path / "lib/libkineto_like.so"), str(tmp_path / "k.c"),
+                    f"-L{tmp_path / 'dep'}", "-l:libg5gcupti.so.13"], check=True)
+    script = str(REPO / "dockerfiles/check-needed.sh")
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    bad = subprocess.run(["bash", script, str(tmp_path / "lib")], capture_output=True, text=True, env=env)
+    assert bad.returncode == 1 and "not found: libg5gcupti.so.13" in bad.stderr
+    good = subprocess.run(["bash", script, str(tmp_path / "lib")], capture_output=True, text=True,
+                          env={**env, "LD_LIBRARY_PATH": str(tmp_path / "dep")})
+    assert good.returncode == 0 and "every DT_NEEDED of 1 libraries" in good.stdout, good.stderr
+    assert subprocess.run(["bash", script, str(tmp_path / "d.c")], capture_output=True).returncode == 1  # no library
+
+
+@pytest.mark.parametrize("profile", ["g5g", "g4dn"])
+def test_images_prove_every_dt_needed_resolves(profile):
+    base = runs(stages(profile, "torch-base")["torch-base"])
+    assert "cupti" in arg(stages("g5g", "torch-base")["torch-build"], "TORCH_CUDA_WHEELS")
+    conf = base.index("/etc/ld.so.conf.d/g5g-nvidia-wheels.conf")
+    assert conf < base.index('bash /tmp/check/check-needed.sh "$torch/lib"')
+    final = runs(stages(profile, "vllm")["vllm"])
+    assert 'bash /tmp/check/check-needed.sh "$vllm"' in final
+
+
+# --- review defect 5: cuobjdump failures are fatal, sm_75 must be present; the extensions load ---------------------------
+
+def test_check_sass_requires_the_arch_and_fails_on_what_it_cannot_read(nvidia_venv, tmp_path):
+    sp = next(nvidia_venv.glob("lib/python*/site-packages"))
+    env = {**os.environ, "CUOBJDUMP": str(sp / "nvidia/cu13/bin/cuobjdump")}
+    nccl = str(sp / "nvidia/nccl/lib/libnccl.so.2")  # SASS 75 80 90 100 110 120, PTX 120
+    (tmp_path / "h.c").write_text("int f(void) { return 1; }\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(tmp_path / "host.so"), str(tmp_path / "h.c")], check=True)
+
+    def check(*args):
+        return subprocess.run(["bash", str(REPO / "dockerfiles/check-sass.sh"), *args], capture_output=True,
+                              text=True, env=env, timeout=120)
+    assert check("7.5", nccl).returncode == 0
+    r = check("6.1", nccl)
+    assert r.returncode == 1 and "no sm_61 SASS" in r.stderr
+    r = check("--only", "7.5", nccl)
+    assert r.returncode == 1 and "unexpected SASS" in r.stderr
+    r = check("7.5", str(tmp_path / "host.so"))
+    assert r.returncode == 0 and "no device code" in r.stdout
+    for bad, why in (("not an ELF file\n", "not a readable ELF file"), ("\x7fELF broken\n", "cuobjdump failed")):
+        (tmp_path / "bad.so").write_text(bad)
+        r = check("7.5", str(tmp_path / "bad.so"))
+        assert r.returncode == 1 and why in r.stderr, r.stdout + r.stderr
+    r = check("7.5", str(tmp_path / "missing.so"))
+    assert r.returncode == 1
+
+
+@pytest.mark.parametrize("profile", ["g5g", "g4dn"])
+def test_vllm_build_checks_sass_cmake_archs_and_loads_the_extensions(profile):
+    s = stages(profile, "vllm")
+    build, final = runs(s["vllm-build"]), runs(s["vllm"])
+    assert "2>/dev/null" not in build.split("check-sass")[0][-200:] and "cuobjdump --list" not in build
+    assert 'check-sass.sh --only "${TORCH_CUDA_ARCH_LIST}"' in build
+    assert "CUDA supported target architectures: " in build and "CUDA supported arch\"" not in build
+    assert "vllm serve --help" not in final
+    assert "os.RTLD_NOW" in final and "torch.ops.load_library" in final
+    assert "'_C_stable_libtorch', '_moe_C_stable_libtorch'" in final
+    assert 'check-sass.sh "${TORCH_CUDA_ARCH_LIST}" "$torch/lib/libtorch_cuda.so"' in runs(
+        stages(profile, "torch-base")["torch-base"])
+
+
+def test_the_cmake_line_the_build_reads_is_the_one_vllm_prints(tmp_path):
+    sdist = REPO / ".cache/vllm-sdist/vllm-0.33.0.tar.gz"
+    if not sdist.is_file():
+        pytest.skip(f"vLLM 0.33.0 sdist not cached at {sdist} (run `build.py patches verify`)")
+    with tarfile.open(sdist) as t:
+        cmake = t.extractfile("vllm-0.33.0/CMakeLists.txt").read().decode()
+    assert 'message(STATUS "CUDA supported target architectures: ${CUDA_ARCHS}")' in cmake
+    step = next(c.value[0] for c in stages("g5g", "vllm")["vllm-build"] if "got=$(" in c.value[0])
+    check = step[step.index("got=$("):]
+    log = tmp_path / "build.log"
+    for line, ok in (("  -- CUDA supported target architectures: 7.5", True),
+                     ("  -- CUDA supported target architectures: 7.5;8.0", False), ("nothing", False)):
+        log.write_text("-- CUDA target architectures: 7.5\n" + line + "\n")
+        r = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", check.replace("/report/build.log", str(log))],
+                           capture_output=True, text=True, env={**os.environ, "TORCH_CUDA_ARCH_LIST": "7.5"})
+        assert (r.returncode == 0) == ok, (line, r.stderr)
+
+
+# --- review defect 6: NVCC_THREADS is 1 with one arch --------------------------------------------------------------------
+
+def test_nvcc_threads_above_one_with_one_arch_is_refused():
+    with pytest.raises(UserError, match=r"g5g.yaml: build.nvcc_threads: 2 with one CUDA arch \(7.5\)"):
+        manifest.load(REPO / "manifests", profile="g5g", overrides=["profile.build.nvcc_threads=2"])
+    m = manifest.load(REPO / "manifests", profile="g5g",
+                      overrides=["profile.build.nvcc_threads=2", 'profile.cuda.archs=["7.5", "8.6"]'])
+    assert m.profiles["g5g"].build.nvcc_threads == 2
+    for p in ("g5g", "g4dn"):
+        assert arg(stages(p, "vllm")["vllm-build"], "NVCC_THREADS") == "1"
+
+
+# --- review defect 8: nothing may replace torch; no label for what is not built --------------------------------------------
+
+def test_torchcodec_and_every_torch_requirement_leave_vllms_requirements(tmp_path):
+    sdist = REPO / ".cache/vllm-sdist/vllm-0.33.0.tar.gz"
+    if not sdist.is_file():
+        pytest.skip(f"vLLM 0.33.0 sdist not cached at {sdist} (run `build.py patches verify`)")
+    with tarfile.open(sdist) as t:
+        members = [m for m in t.getmembers() if m.name.startswith(("vllm-0.33.0/requirements/",
+                                                                   "vllm-0.33.0/tools/use_existing_torch.py",
+                                                                   "vllm-0.33.0/pyproject.toml"))]
+        t.extractall(tmp_path, members=members, filter="data")
+    tree = tmp_path / "vllm-0.33.0"
+    upstream_only = subprocess.run([sys.executable, "tools/use_existing_torch.py", "--prefix"], cwd=tree,
+                                   capture_output=True, text=True)
+    assert upstream_only.returncode == 0
+    assert "torchcodec >= 0.14" in (tree / "requirements/cuda.txt").read_text(), "the defect: it survives"
+    step = next(c.value[0] for c in stages("g5g", "vllm")["vllm-build"] if "use_existing_torch" in c.value[0])
+    r = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", step.replace("python3 ", f"{sys.executable} ")],
+                       cwd=tree, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    text = "".join(p.read_text() for p in tree.glob("requirements/**/*.txt"))
+    left = re.findall(r"(?im)^\s*torch(?:vision|audio|codec)?\s*(?:[<>=!~;\[].*)?$", text)
+    assert left == [], left
+    assert "torch-c-dlpack-ext==" in text, "other packages named torch-… stay"
+
+
+def test_a_pip_install_that_replaces_torch_fails_the_build(tmp_path):
+    pytest.importorskip("torch")
+    text = rendered_files("g4dn")["vllm"].replace("\\\n", "")
+    step = next(ln for ln in text.splitlines() if "pip install -r requirements/build/cuda.txt" in ln)
+    check = step[step.index("if ! "):].replace("/opt/g5g/torch.txt", str(tmp_path / "torch.txt"))
+    record = re.search(r'(python3 -c "import hashlib.*?")', check).group(1)
+    ident = subprocess.run(["bash", "-c", record.replace("python3", sys.executable)], capture_output=True, text=True)
+    check = check.replace("python3 -c", f"{sys.executable} -c")
+    (tmp_path / "torch.txt").write_text(ident.stdout)
+    assert subprocess.run(["bash", "-e", "-o", "pipefail", "-c", check], capture_output=True).returncode == 0
+    (tmp_path / "torch.txt").write_text(ident.stdout.replace("torch ", "torch 0.0.0-other ", 1))
+    r = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", check], capture_output=True, text=True,
+                       env={**os.environ, "PIP_CONSTRAINT": "/opt/g5g/constraints.txt"})
+    assert r.returncode == 1 and "replaced torch" in r.stderr
+    base = stages("g4dn", "torch-base")["torch-base"]
+    assert any(c.cmd == "ENV" and "PIP_CONSTRAINT=/opt/g5g/constraints.txt" in c.original for c in base)
+    for runtime in ("vllm", "pytorch"):
+        assert "replaced torch" in rendered_files("g5g")[runtime]
+
+
+def test_the_rust_pin_is_labelled_only_where_the_frontend_is_built():
+    def upstream(profile, overrides=None):
+        plan = make_plan(manifest.load(REPO / "manifests", profile=profile, overrides=overrides), profile=profile)
+        return next(i for i in plan.images if i.runtime == "vllm").upstream
+    assert "rust" not in upstream("g4dn") and upstream("g5g")["rust"] == "1.95"
+    assert upstream("g4dn", ["profile.build.rust_frontend=true"])["rust"] == "1.95"
+    # torch-base's CUDA wheel pins label the source-built torch only; a CPU torch claims no cuDNN
+    def base(profile):
+        plan = make_plan(manifest.load(REPO / "manifests", profile=profile), profile=profile, runtime="torch-base")
+        return plan.images[0].upstream
+    assert base("g5g")["nccl"] == "2.30.7" and base("g5g")["cudnn"] == "9.24.0.43"
+    assert "cudnn" not in base("cpu") and "nccl" not in base("cpu") and base("cpu")["torch"] == "2.13.0+cpu"
+
+
+def test_build_py_generate_for_g5g_writes_what_the_issue_asks(tmp_path):
+    """`build.py generate` as a user runs it: every RUN under bash -e, no namespace package's __file__, CUPTI on the
+    loader path and every DT_NEEDED checked, cuobjdump checks that fail on errors and need sm_75, NVCC_THREADS 1, the
+    bases and toolkit from reachable channels, and the check scripts in each build context."""
+    out = tmp_path / "gen"
+    r = subprocess.run([sys.executable, "build.py", "generate", "--runtime", "all", "--profile", "g5g", "--out",
+                        str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    files = {d.name: (d / "Dockerfile").read_text() for d in out.iterdir() if d.is_dir()}
+    assert set(files) == {"torch-base", "vllm", "jax", "pytorch"}
+    for name, text in files.items():
+        shells = [c.value for c in dockerfile.parse_string(text) if c.cmd == "SHELL"]
+        assert shells and all(s == ("/bin/bash", "-e", "-o", "pipefail", "-c") for s in shells), name
+        assert "__file__)" not in re.sub(r"(torch|vllm)\.__file__\)", "", text), name
+        assert "nvidia/cuda" not in text, name
+        assert name == "pytorch" or "ARG BASE_IMAGE=g5g-local/trixie:arm64" in text, name  # pytorch: FROM torch-base
+    assert "cupti" in files["torch-base"] and "check-needed.sh \"$torch/lib\"" in files["torch-base"]
+    assert 'check-sass.sh "${TORCH_CUDA_ARCH_LIST}" "$torch/lib/libtorch_cuda.so"' in files["torch-base"]
+    assert "check-sass.sh --only" in files["vllm"] and "ARG NVCC_THREADS=1" in files["vllm"]
+    assert "ARG NVCC_THREADS=1" in files["torch-base"] and "ARG CUDA_TOOLKIT_VERSION=13.0.3" in files["vllm"]
+    for ctx in ("torch-base", "vllm"):
+        for script in ("check-sass.sh", "check-needed.sh"):
+            assert (out / ctx / script).read_text() == (REPO / "dockerfiles" / script).read_text()

@@ -9,10 +9,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def tracked(*patterns: str) -> list[Path]:
-    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", *patterns], cwd=REPO, capture_output=True,
+def tracked(*patterns: str, repo: Path = REPO) -> list[Path]:
+    out = subprocess.run(["git", "ls-files", *patterns], cwd=repo, capture_output=True,
                          text=True, check=True).stdout.split()
-    return [REPO / p for p in out if (REPO / p).is_file()]
+    return [repo / p for p in out if (repo / p).is_file()]
+
+
+def test_tracked_reads_what_the_repository_tracks(tmp_path):
+    """A virtualenv made in the checkout under another name than .venv (`python -m venv venv`) is not the project's."""
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "a.py").write_text("")
+    subprocess.run([*git, "add", "a.py"], check=True)
+    (tmp_path / "venv" / "lib").mkdir(parents=True)
+    (tmp_path / "venv" / "lib" / "setupcfg.py").write_text("")
+    assert tracked("*.py", repo=tmp_path) == [tmp_path / "a.py"]
 
 
 def test_every_cited_markdown_file_is_in_the_repository():

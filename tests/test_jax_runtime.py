@@ -280,10 +280,25 @@ def test_weights_convert_in_row_blocks_across_threads(monkeypatch):
     assert turned.flags.c_contiguous
 
 
-def test_pipeline_setting_reads_0_or_1_and_refuses_anything_else():
+def test_pipeline_and_xla_default_switches_read_0_or_1_and_refuse_anything_else():
     assert Settings.from_env({}).pipeline and not Settings.from_env({"G5G_JAX_PIPELINE": "0"}).pipeline
-    with pytest.raises(ValueError, match="G5G_JAX_PIPELINE: 'yes' is not 0 or 1"):
-        Settings.from_env({"G5G_JAX_PIPELINE": "yes"})
+    assert Settings.from_env({}).xla_defaults and not Settings.from_env({"G5G_JAX_XLA_DEFAULTS": "0"}).xla_defaults
+    for name in ("G5G_JAX_PIPELINE", "G5G_JAX_XLA_DEFAULTS"):
+        with pytest.raises(ValueError, match=f"{name}: 'yes' is not 0 or 1"):
+            Settings.from_env({name: "yes"})
+
+
+def test_default_xla_flags_fill_in_what_the_user_did_not_set():
+    from serving.jax_runtime.engine import DEFAULT_XLA_FLAGS, with_default_xla_flags
+
+    every = with_default_xla_flags("")
+    assert every.split() == [f"{k}={v}" for k, v in DEFAULT_XLA_FLAGS.items()]
+    assert "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE" in every
+    # the user's own value of a default flag wins, and their other flags stay in their order
+    mine = with_default_xla_flags("--xla_dump_to=/tmp/d  --xla_gpu_enable_command_buffer=")
+    assert mine.split() == ["--xla_dump_to=/tmp/d", "--xla_gpu_enable_command_buffer=",
+                            "--xla_gpu_graph_min_graph_size=1"]
+    assert with_default_xla_flags(every) == every
 
 
 # ------------------------------------------------------------------------------------- continuous batching

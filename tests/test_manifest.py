@@ -34,8 +34,8 @@ def test_real_manifests_load():
     assert set(m.profiles) == {"g5g", "g4dn", "cpu"}
     assert set(m.runtimes) == {"torch-base", "vllm", "jax", "pytorch"}
     g5g = m.profiles["g5g"]
-    assert g5g.platforms == ("linux/arm64",) and g5g.cuda.archs == ("7.5",) and g5g.cuda.version == "13.2"
-    assert g5g.python == "3.12" and g5g.dtype == "float16"
+    assert g5g.platforms == ("linux/arm64",) and g5g.cuda.archs == ("7.5",) and g5g.cuda.version == "13.0"
+    assert g5g.python == "3.13" and g5g.dtype == "float16"
     assert m.profiles["cpu"].cuda is None
     vllm = m.runtimes["vllm"]
     assert vllm.pins["vllm"] == "0.33.0" and vllm.pins["torch"] == m.runtimes["torch-base"].pins["torch"] == "2.14.0"
@@ -99,7 +99,11 @@ BROKEN = [
     ("profiles/g5g.yaml", _set("cuda.archs", ["sm_75"]), ["profiles/g5g.yaml", "cuda.archs"]),
     ("profiles/g5g.yaml", _set("platforms", ["linux/riscv64"]), ["profiles/g5g.yaml", "platforms", "linux/riscv64"]),
     ("profiles/g5g.yaml", _set("cuda.version", 13.2), ["profiles/g5g.yaml", "cuda.version", "quoted string"]),
-    ("profiles/g5g.yaml", _del("cuda"), ["profiles/g5g.yaml", "cuda"]),
+    ("profiles/g5g.yaml", _del("cuda.pip_toolkit"), ["profiles/g5g.yaml", "cuda.pip_toolkit", "missing"]),
+    ("profiles/g5g.yaml", _del("base_image"), ["profiles/g5g.yaml", "base_image", "NVIDIA's wheels"]),
+    ("profiles/g5g.yaml", _set("build.nvcc_threads", 2), ["profiles/g5g.yaml", "build.nvcc_threads", "one CUDA arch"]),
+    ("profiles/g5g.yaml", _set("cuda.runtime_image", "nvidia/cuda:13.0.2-runtime-ubuntu24.04"),
+     ["profiles/g5g.yaml", "cuda.runtime_image", "unknown key"]),
     ("profiles/g5g.yaml", _set("build.max_jobs", 0), ["profiles/g5g.yaml", "build.max_jobs"]),
     ("profiles/g5g.yaml", _set("name", "g4dn"), ["profiles/g5g.yaml", "name", "file name"]),
     ("profiles/cpu.yaml", _del("base_image"), ["profiles/cpu.yaml", "base_image"]),

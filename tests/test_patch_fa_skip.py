@@ -295,6 +295,7 @@ def test_rendered_wheel_check(tmp_path, members, ok, listed):
         assert "vllm/vllm_flash_attn/layers/rotary.py missing from the wheel" in r.stderr
 
 
+@pytest.mark.optional
 @pytest.mark.skipif(not os.environ.get("G5G_FA_SRC"),
                     reason="G5G_FA_SRC (a vllm-project/flash-attention checkout) not set: stand-in FA tree only")
 def test_real_fa_tree_installs_an_importable_rotary(trees, tmp_path):

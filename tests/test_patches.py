@@ -32,16 +32,8 @@ def _sha(path) -> str:
 
 
 @pytest.fixture(scope="module")
-def sdist():
-    """The pinned sdist: from .cache/vllm-sdist/ (fetched once), or a skip that says why when neither it nor the
-    package index is there."""
-    pin = patches.manifest_pin()
-    try:
-        return patches.fetch_sdist(_version(), pin[1] if pin else None)
-    except UserError as e:
-        if "unreachable" not in str(e):
-            raise
-        pytest.skip(f"vLLM {_version()} sdist not cached under {patches.CACHE_DIR / 'vllm-sdist'} and {e}")
+def sdist(vllm_sdist):
+    return vllm_sdist
 
 
 def _one_line(e: pytest.ExceptionInfo) -> str:

@@ -33,9 +33,9 @@ def cpu():
 def test_tags_are_deterministic_and_documented(g5g, cpu):
     p = make_plan(g5g, registry="reg.example:5000/me")
     tags = {i.runtime: i.tags for i in p.images}
-    assert tags["vllm"] == ("reg.example:5000/me/g5g-images:vllm-0.33.0-cu132-sm75", "reg.example:5000/me/g5g-images:vllm")
-    assert tags["torch-base"][0] == "reg.example:5000/me/g5g-images:torch-base-2.14.0-cu132-sm75"
-    assert tags["jax"][0].endswith(":jax-0.12.0.1-cu132-sm75")
+    assert tags["vllm"] == ("reg.example:5000/me/g5g-images:vllm-0.33.0-cu130-sm75", "reg.example:5000/me/g5g-images:vllm")
+    assert tags["torch-base"][0] == "reg.example:5000/me/g5g-images:torch-base-2.14.0-cu130-sm75"
+    assert tags["jax"][0].endswith(":jax-0.12.0.1-cu130-sm75")
     c = make_plan(cpu, profile="cpu", registry="127.0.0.1:5000")
     ctags = {i.runtime: i.tags for i in c.images}
     assert ctags["jax"] == ("127.0.0.1:5000/g5g-images:jax-0.10.2-cpu", "127.0.0.1:5000/g5g-images:jax-cpu")
@@ -43,12 +43,24 @@ def test_tags_are_deterministic_and_documented(g5g, cpu):
     assert make_plan(g5g, registry="reg.example:5000/me").to_json() == p.to_json()
 
 
+def test_no_two_images_of_any_profiles_share_a_tag():
+    """g4dn's short alias (…:vllm-g4dn) must not be g5g's (…:vllm): a push of one would overwrite the other."""
+    owner: dict[str, tuple[str, str]] = {}
+    for profile in ("g5g", "g4dn", "cpu"):
+        for image in make_plan(manifest.load(REPO / "manifests", profile=profile), profile=profile).images:
+            assert len(image.tags) == 2, image.tags
+            for tag in image.tags:
+                assert tag not in owner, (tag, owner[tag], (profile, image.runtime))
+                owner[tag] = (profile, image.runtime)
+    assert {owner[t][0] for t in owner} == {"g5g", "g4dn", "cpu"}
+
+
 def test_labels_carry_arch_list_pins_and_patch_digests(g5g, cpu):
     vllm = make_plan(g5g, runtime="vllm").images[0]
     assert vllm.labels["io.g5g.runtime"] == "vllm" and vllm.labels["io.g5g.profile"] == "g5g"
     assert vllm.labels["io.g5g.cuda-archs"] == "7.5"
     up = json.loads(vllm.labels["io.g5g.upstream"])
-    assert up["vllm"] == "0.33.0" and up["torch"] == "2.14.0" and up["cuda"] == "13.2"
+    assert up["vllm"] == "0.33.0" and up["torch"] == "2.14.0" and up["cuda"] == "13.0"
     assert json.loads(vllm.labels["io.g5g.patches"]) == [dict(p) for p in vllm.patches]
     assert all(k.startswith(("org.opencontainers.image.", "io.g5g.")) for k in vllm.labels)
     jax_cpu = make_plan(cpu, runtime="jax", profile="cpu").images[0]
@@ -59,8 +71,20 @@ def test_vllm_build_args(g5g):
     a = make_plan(g5g, runtime="vllm").images[0].build_args
     assert a["TORCH_CUDA_ARCH_LIST"] == "7.5" and "PTX" not in a["TORCH_CUDA_ARCH_LIST"]
     assert a["VLLM_VERSION"] == "0.33.0" and len(a["VLLM_SDIST_SHA256"]) == 64
-    assert a["MAX_JOBS"] == "auto" and a["NVCC_THREADS"] == "2" and a["RUST_VERSION"] == "1.95"
+    assert a["MAX_JOBS"] == "auto" and a["NVCC_THREADS"] == "1" and a["RUST_VERSION"] == "1.95"
     assert not any(w in k for k in a for w in ("TOKEN", "SECRET", "PASSWORD"))
+
+
+@pytest.mark.parametrize("name", ["HF_TOKEN", "AWS_SECRET_KEY", "PIP_PASSWORD", "GIT_CREDENTIALS"])
+def test_a_secret_named_build_arg_is_refused(tmp_path, name):
+    """A build arg ends up in the image's history: secrets travel as BuildKit secrets only."""
+    shutil.copytree(REPO / "manifests", tmp_path / "manifests")
+    runtime = tmp_path / "manifests" / "runtimes" / "pytorch.yaml"
+    text = runtime.read_text()
+    assert "args: {TORCH_BASE: base}" in text
+    runtime.write_text(text.replace("args: {TORCH_BASE: base}", f"args: {{TORCH_BASE: base, {name}: base}}"))
+    with pytest.raises(UserError, match=f"args.{name}: secrets travel only as BuildKit secrets"):
+        make_plan(manifest.load(tmp_path / "manifests", profile="g5g"), runtime="pytorch", repo_root=REPO)
 
 
 def test_vllm_refused_on_cpu(cpu):
@@ -310,6 +334,10 @@ def test_a_registry_cache_gives_every_target_its_own_tag_read_always_written_on_
     ref = "type=registry,ref=localhost:5000/me/cache:jax"
     assert sets(pushed) == [[f"jax.cache-from={ref}", f"jax.cache-to={ref},mode=max"]] * 2
     assert sets(make_plan(cpu, runtime="jax", profile="cpu")) == [[]]
+    # torch-base's cache_mode is min: its image (with the wheel), never PyTorch's multi-GB build tree
+    base = make_plan(cpu, runtime="pytorch", profile="cpu", cache="localhost:5000/me/cache", push=True)
+    assert "torch-base.cache-to=type=registry,ref=localhost:5000/me/cache:torch-base,mode=min" in base.commands()[0]
+    assert "pytorch.cache-to=type=registry,ref=localhost:5000/me/cache:pytorch,mode=max" in base.commands()[0]
 
 
 @pytest.mark.parametrize("cache", ["ghcr.io/me/cache:v1", "ghcr.io/me/cache@sha256:" + "0" * 64, "Ghcr.io/x y"])

@@ -30,6 +30,33 @@ def rendered(profile: str) -> tuple:
     return plan, render.render(plan)
 
 
+SECRET = "/run/secrets/ca-cert"
+# The only ways a step may use the CA secret: test it is there, point a tool's variable or apt's CaInfo at it.
+SECRET_USES = re.compile(r"\[ -s /run/secrets/ca-cert \]|\b[A-Z_]+=/run/secrets/ca-cert\b|"
+                         r'CaInfo \\?"/run/secrets/ca-cert\\?"')
+
+
+@pytest.mark.parametrize("profile", ["g5g", "g4dn", "cpu"])
+def test_the_ca_certificate_is_never_copied_into_a_layer(profile):
+    """--ca-cert travels as a BuildKit secret: mounted for the steps that fetch, only pointed at, never copied
+    (a `cp` or `cat` of it, a COPY of a certificate would leave it in the image's layers)."""
+    _, files = rendered(profile)
+    uses = 0
+    for path, text in files.items():
+        if not path.endswith("Dockerfile"):
+            continue
+        for step in dockerfile.parse_string(text):
+            line = " ".join(step.value)
+            if step.cmd in ("COPY", "ADD"):
+                assert not re.search(r"ca-cert|\.pem\b|\.crt\b", line, re.I), (path, step.original)
+            if SECRET not in step.original:
+                continue
+            assert step.cmd == "RUN" and "--mount=type=secret,id=ca-cert" in step.original, (path, step.original)
+            uses += step.original.count(SECRET)
+            assert SECRET not in SECRET_USES.sub("", step.original), (path, SECRET_USES.sub("", step.original))
+    assert uses
+
+
 def golden_name(rel: str) -> str:
     p = Path(rel)
     return "docker-bake.json" if p.name == "docker-bake.json" else f"{p.parent.name}.Dockerfile"
@@ -122,15 +149,13 @@ def test_write_fills_the_build_contexts(tmp_path):
         assert (root / "out/vllm/patches" / Path(p["path"]).name).read_bytes() == (root / p["path"]).read_bytes()
 
 
-def test_patch_step_applies_in_order_and_names_the_failing_patch(tmp_path):
+def test_patch_step_applies_in_order_and_names_the_failing_patch(tmp_path, vllm_sdist):
     """Run the rendered patch RUN step with bash on a small tree: applies once, then stops naming the patch."""
     _, files = rendered("g5g")
     text = files["build/vllm/Dockerfile"].replace("\\\n", "")
     step = next(ln for ln in text.splitlines() if ln.startswith("RUN { git apply --check"))[4:]
-    # The sdist g5g.patches caches (.cache/vllm-sdist/, `build.py patches verify` fills it), or G5G_VLLM_SDIST.
-    sdist = Path(os.environ.get("G5G_VLLM_SDIST", REPO / ".cache/vllm-sdist/vllm-0.33.0.tar.gz"))
-    if not sdist.is_file():
-        pytest.skip(f"vLLM 0.33.0 sdist not cached at {sdist} (run `build.py patches verify` or set G5G_VLLM_SDIST)")
+    # The pinned sdist, cached or fetched here (tests/fixtures/vllm_sdist.py), or G5G_VLLM_SDIST.
+    sdist = Path(os.environ.get("G5G_VLLM_SDIST", vllm_sdist.path))
     src = tmp_path / "patches"
     shutil.copytree(REPO / "patches/vllm/0.33.0", src)
     step = step.replace("/src/patches/", f"{src}/")
@@ -296,7 +321,7 @@ def test_a_new_runtime_is_a_manifest_and_a_template(profile, tmp_path):
     plan = make_plan(manifest.load(root / "manifests", profile=profile), profile=profile)
     assert [i.runtime for i in plan.images][-1] == "llama-cpp"
     img = plan.images[-1]
-    suffix = {"g5g": "-cu132-sm75", "g4dn": "-cu130-sm75-g4dn", "cpu": "-cpu"}[profile]
+    suffix = {"g5g": "-cu130-sm75", "g4dn": "-cu130-sm75-g4dn", "cpu": "-cpu"}[profile]
     assert img.tags[0] == f"{plan.profile.registry}/g5g-images:llama-cpp-7100{suffix}"
     assert img.build_args.get("CUDA_ARCHS") == (None if profile == "cpu" else "75")
     files = render.render(plan)

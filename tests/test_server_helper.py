@@ -1,6 +1,7 @@
 """tests/fixtures/server.py, the one way tests and benchmarks start a server, against a real process (timed_server)."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import requests
 
 from tests.fixtures.net import free_port
 from tests.fixtures.observe import wait_until
-from tests.fixtures.server import REPO, ServerFailed, launch, running
+from tests.fixtures.server import REPO, ServerFailed, launch, running, serving_env
 
 TIMED = str(REPO / "tests/fixtures/timed_server.py")
 
@@ -93,3 +94,13 @@ def test_a_killed_test_run_leaves_no_server_behind():
         except requests.ConnectionError:
             return True
     wait_until(gone, timeout=30, what="the orphaned server to exit")
+
+
+@pytest.mark.parametrize("before, after", [(None, [str(REPO)]), ("/opt/target:/x", [str(REPO), "/opt/target", "/x"])])
+def test_serving_env_prepends_the_checkout_to_pythonpath(monkeypatch, before, after):
+    """Packages installed with `pip install --target DIR` and PYTHONPATH=DIR stay importable in the server."""
+    if before is None:
+        monkeypatch.delenv("PYTHONPATH", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONPATH", before)
+    assert serving_env()["PYTHONPATH"].split(os.pathsep) == after

@@ -1,46 +1,32 @@
 """The OpenAI-compatible server, live on loopback, driven with the official `openai` client.
 
-The model is the tiny trained Gemma 4 fixture served by the PyTorch runtime (CPU). Where a test needs requests to
-pile up, the real engine is paced (a pause before each decode step): the seam is `create_app(load_engine=…)`.
+The model is the tiny trained Gemma 4 fixture served by the PyTorch runtime (CPU), a `python -m serving` process
+(tests/fixtures/serving.py). Where a test needs requests to pile up, the real engine is paced (a pause before each
+decode step: the `paced` runtime); the health tests use the seam `create_app(load_engine=…)` in this process.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
-import time
 
 import openai
 import pytest
 import requests
-import uvicorn
 
 from serving.api import create_app
 from tests.fixtures.observe import metrics, wait_until
-from tests.fixtures.paced_runtime import Paced
 from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
-from tests.fixtures.net import free_port
+from tests.fixtures.server import in_thread
+from tests.fixtures.serving import tiny_server
 
 ASK = [{"role": "user", "content": QUESTION}]
+NAME = ("--served-model-name", "tiny-gemma4")
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-@contextlib.contextmanager
 def live_server(load_engine, model_dir, **kw):
-    """uvicorn on 127.0.0.1:<free port> in a thread; yields the base URL once it accepts connections."""
-    app = create_app(load_engine, model_dir, **kw)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{server.config.port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
+    """create_app(load_engine, …) in this process (tests/fixtures/server.py's in_thread): the seam for a loader."""
+    return in_thread(create_app(load_engine, model_dir, **kw))
 
 
 def wait_ready(url: str, timeout: float = 60) -> None:
@@ -71,10 +57,9 @@ def engine(tiny_gemma4, torch_one_thread):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_gemma4, engine):
-    with live_server(lambda: engine, tiny_gemma4, served_model_name="tiny-gemma4") as url:
-        wait_ready(url)
-        yield url
+def server(tiny_gemma4):
+    with tiny_server(tiny_gemma4, *NAME) as srv:
+        yield srv.url
 
 
 # ------------------------------------------------------------------------------------------------- tests
@@ -238,17 +223,33 @@ def test_metrics_count_the_requests_made(server):
     assert d("vllm:request_success_total{finished_reason=length}") == 3
     assert d("vllm:request_success_total{finished_reason=stop}") == 1
     assert after["vllm:num_requests_running"] == 0 and after["vllm:num_requests_waiting"] == 0
+    # what vLLM's dashboards read too: per-request token histograms, queue time, preemptions (none: a slot holds a
+    # whole context), the KV cache in use (none once idle)
+    assert d("vllm:request_prompt_tokens_sum") == sum(u.prompt_tokens for u in usages)
+    assert d("vllm:request_generation_tokens_sum") == sum(u.completion_tokens for u in usages)
+    assert d("vllm:request_prompt_tokens_count") == d("vllm:request_queue_time_seconds_count") == 4
+    assert after["vllm:num_preemptions_total"] == 0 and after["vllm:kv_cache_usage_perc"] == 0
     text = requests.get(f"{server}/metrics", timeout=5).text
     assert 'vllm:generation_tokens_total{model_name="tiny-gemma4"}' in text
 
 
+def test_kv_cache_usage_counts_the_running_requests_tokens(paced_server, tiny_gemma4):
+    """vllm:kv_cache_usage_perc: the share of the runtime's KV cache (slots × context) the running requests fill."""
+    long = threading.Thread(target=lambda: client(paced_server).chat.completions.create(
+        model="tiny-gemma4", messages=ASK, max_tokens=100, extra_body={"ignore_eos": True}), daemon=True)
+    long.start()
+    wait_until(lambda: metrics(paced_server)["vllm:kv_cache_usage_perc"] > 0, what="the KV cache to fill")
+    used = metrics(paced_server)["vllm:kv_cache_usage_perc"]
+    assert 0 < used <= 1
+    long.join(60)
+    assert metrics(paced_server)["vllm:kv_cache_usage_perc"] == 0
+
+
 # ------------------------------------------------------------------------------- queueing, with a paced engine
 @pytest.fixture()
-def paced_server(tiny_gemma4, engine):
-    with live_server(lambda: Paced(engine, 0.03), tiny_gemma4, served_model_name="tiny-gemma4",
-                     max_waiting=3) as url:
-        wait_ready(url)
-        yield url
+def paced_server(tiny_gemma4):
+    with tiny_server(tiny_gemma4, *NAME, "--max-waiting", "3", pace=0.03) as srv:
+        yield srv.url
 
 
 def _in_flight(url: str) -> float:

@@ -8,6 +8,7 @@ The bounds are an order of magnitude above what the requests take on a loaded 2-
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
@@ -20,6 +21,20 @@ REQUEST_BOUND = 10.0
 HEALTH_BOUND = 2.0
 ASK = [{"role": "user", "content": QUESTION}]
 CHAT, COMPLETIONS, TOKENIZE, DETOKENIZE = "/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"
+
+
+# Integers past int32 and int64, as vLLM takes them: a top_k of the vocabulary or more is no cut (clamped), a
+# min_tokens beyond what the context leaves is a 400, set max_tokens or not. (path, body, status) on both runtimes.
+BIG = (2**31, 2**63, 10**30)
+BIG_INTS = [
+    *((path, {"model": "tiny", **prompt, "max_tokens": 4, "top_k": k, "stream": stream}, 200)
+      for path, prompt in ((CHAT, {"messages": ASK}), (COMPLETIONS, {"prompt": QUESTION}))
+      for k in BIG for stream in (False, True)),
+    *((path, {"model": "tiny", **prompt, "min_tokens": k, "stream": stream, **extra}, 400)
+      for path, prompt, extra in ((CHAT, {"messages": ASK}, {}),
+                                  (COMPLETIONS, {"prompt": QUESTION}, {"max_tokens": None}))
+      for k in BIG for stream in (False, True)),
+]
 
 
 def _cases() -> list[tuple[str, str, bytes | None, dict]]:
@@ -65,10 +80,15 @@ def _cases() -> list[tuple[str, str, bytes | None, dict]]:
         for v in values:
             post(CHAT, chat(**{name: v}))
     post(CHAT, chat(top_logprobs=3))                                    # top_logprobs without logprobs
+    # Integers past int32 and int64, plain and streamed (test_integers_past_int32 checks each answer).
+    for path, body, _ in BIG_INTS:
+        post(path, body)
     # Parameters we do not honour, set: refused with a 400 naming them.
     unhonoured = {"echo": True, "best_of": 2, "functions": [{"name": "f"}], "use_beam_search": True,
                   "chat_template_kwargs": {"enable_thinking": True}, "skip_special_tokens": False,
-                  "guided_json": {"type": "object"}, "include_stop_str_in_output": True}
+                  "guided_json": {"type": "object"}, "include_stop_str_in_output": True, "priority": 5,
+                  "return_tokens_as_token_ids": True,
+                  "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     for name, v in unhonoured.items():
         post(CHAT, chat(**{name: v}))
     # Structured output and tools: malformed, unusable, contradictory, and odd but valid.
@@ -160,7 +180,9 @@ def _cases() -> list[tuple[str, str, bytes | None, dict]]:
     # Tokenize / detokenize.
     for body in ({}, {"prompt": "a", "messages": ASK}, {"prompt": 5}, {"prompt": "a", "add_special_tokens": "no"},
                  {"messages": [{"role": "wizard", "content": "x"}]}, {"messages": ASK, "add_generation_prompt": False},
-                 {"prompt": "x" * 3_000_000}, {"prompt": "", "model": "other"}):
+                 {"prompt": "x" * 3_000_000}, {"prompt": "", "model": "other"}, {"prompt": "a", "tools": [{}]},
+                 {"prompt": "a", "tools": [{"type": "function", "function": {"name": "f"}}]},
+                 {"prompt": "a", "return_token_strs": True}, {"messages": ASK, "chat_template": "{{ 1 }}"}):
         post(TOKENIZE, body)
     for body in ({}, {"tokens": [-1]}, {"tokens": [10**9]}, {"tokens": "abc"}, {"tokens": [1.5]}, {"tokens": []},
                  {"tokens": [2, 105, 106, 1]}):
@@ -237,6 +259,85 @@ def test_fuzz(runtime_servers, runtime):
     assert max(t for t, _ in watch.samples) <= HEALTH_BOUND, max(watch.samples)
     r = requests.post(f"{url}{CHAT}", json={"model": "tiny", "messages": ASK}, timeout=60)
     assert r.json()["choices"][0]["message"]["content"] == ANSWER
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runtime", ["pytorch", "jax"])
+def test_integers_past_int32(runtime_servers, runtime):
+    url = runtime_servers[runtime]
+    got = []
+    for path, body, _ in BIG_INTS:
+        r = requests.post(url + path, json=body, timeout=60)
+        if r.status_code != 200:
+            got.append((r.status_code, r.json()["error"]["param"]))
+        elif body["stream"]:        # a 200 then an error event is no answer
+            events = [line.removeprefix("data: ") for line in r.text.split("\n") if line]
+            got.append((200, events[-1] == "[DONE]" and all("choices" in json.loads(e) for e in events[:-1])))
+        else:
+            got.append((200, "choices" in r.json()))
+    assert got == [(status, "min_tokens" if status == 400 else True) for _, _, status in BIG_INTS]
+
+
+@pytest.mark.parametrize("runtime", ["pytorch", "jax"])
+def test_huge_requests_do_not_hold_up_other_clients(runtime_servers, runtime):
+    """Three huge requests at once (15 MiB of 480 000 empty messages: refused by count; two of 60 000: refused as
+    too long for the context) while /health is polled and a small chat is asked. Before, their parsing and
+    validation ran on the event loop: /health waited for it. Relative bounds, so that a loaded machine slows both
+    sides: the slowest /health answer takes less than half the fastest huge request's time, and the small chat
+    is answered before the last huge request."""
+    url = runtime_servers[runtime]
+    bodies = [json.dumps({"model": "tiny", "messages": [{"role": "user", "content": ""}] * n, "max_tokens": 4})
+              for n in (480_000, 60_000, 60_000)]
+    answers: dict[int, tuple] = {}
+
+    def ask(i: int, body: str):
+        t0 = time.monotonic()
+        r = requests.post(url + CHAT, data=body, headers={"content-type": "application/json"}, timeout=120)
+        answers[i] = (r.status_code, r.json().get("error", {}).get("message", "")[:60], time.monotonic() - t0,
+                      time.monotonic())
+
+    huge = [threading.Thread(target=ask, args=(i, b), daemon=True) for i, b in enumerate(bodies)]
+    small = threading.Thread(target=ask, args=(3, json.dumps({"model": "tiny", "messages": ASK, "max_tokens": 4})),
+                             daemon=True)
+    for t in huge:
+        t.start()
+    time.sleep(0.05)
+    small.start()
+    health, deadline = [], time.monotonic() + 120
+    with requests.Session() as s:
+        while any(t.is_alive() for t in huge) and time.monotonic() < deadline:
+            t0 = time.monotonic()
+            health.append((s.get(f"{url}/health", timeout=60).status_code, time.monotonic() - t0))
+            time.sleep(0.01)
+    for t in (*huge, small):
+        t.join(60)
+    assert [answers[i][0] for i in range(4)] == [400, 400, 400, 200] and {code for code, _ in health} == {200}
+    slowest_health, fastest_huge = max(dt for _, dt in health), min(answers[i][2] for i in (1, 2))
+    assert slowest_health < fastest_huge / 2, (slowest_health, fastest_huge)
+    assert answers[3][3] < max(answers[i][3] for i in range(3))
+    assert answers[0][1] == "request body has more than 65536 JSON objects"
+
+
+# Requests the HTTP parser itself refuses (uvicorn answered these with a plain-text 400).
+MALFORMED_HTTP = [b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %s\r\n\r\n{}" % v
+                  for v in (b"abc", b"-1", b"1x", b"2, 3", b"99999999999999999999999999")] + \
+                 [b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\nbad header\r\n\r\n"]
+
+
+@pytest.mark.parametrize("runtime", ["pytorch", "jax"])
+def test_requests_the_http_parser_refuses_get_an_openai_error(runtime_servers, runtime):
+    host, port = runtime_servers[runtime].removeprefix("http://").split(":")
+    got = []
+    for raw in MALFORMED_HTTP:
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(raw)
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        status = int(head.split(b" ")[1])
+        got.append((status, _check("POST", "/", status, body.decode(), "")))
+    assert got == [(400, None)] * len(MALFORMED_HTTP)
 
 
 def _check(method: str, path: str, status: int, text: str, ctype: str) -> str | None:

@@ -205,3 +205,49 @@ def test_nonsense_flag_values_are_refused(tiny_gemma4, flag, value):
     proc = subprocess.run([sys.executable, "-m", "serving", "--runtime", "pytorch", "--model", str(tiny_gemma4),
                            flag, value], cwd=REPO, env=serving_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and flag in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_abort_all_ends_requests_taken_from_the_queue_but_not_started(tiny_gemma4):
+    """--shutdown-timeout 0 on JAX: a slow prefill holds the engine thread while the jobs taken with it wait their
+    turn; abort_all must end those too (they ran on to `length`), not only the queued and the running ones."""
+    import asyncio
+
+    from serving.api import Job, Metrics, Scheduler
+    from serving.generation import Finish, SamplingParams, TokenizerInfo
+
+    info = TokenizerInfo.load(tiny_gemma4)
+    prefilling, release = threading.Event(), threading.Event()
+
+    class SlowPrefill:                      # the engine seam: a prefill that waits for the test
+        slots, max_context, vocab_size = 4, 64, info.vocab_size
+
+        def start(self, slot, prompt_ids, params, mask=None):
+            prefilling.set()
+            release.wait(10)
+            return 7
+
+        def step(self, tokens, masks=None):
+            return {slot: 7 for slot in tokens}
+
+    async def main():
+        sched = Scheduler(Metrics("t"), max_waiting=4)
+        sched.engine, sched.info = SlowPrefill(), info
+        runner = asyncio.create_task(sched.run())
+        loop = asyncio.get_running_loop()
+        jobs = [Job([2, 5, 9], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), loop)
+                for _ in range(3)]
+        sched.submit(*jobs)
+        assert await asyncio.to_thread(prefilling.wait, 10)      # job 0 in prefill, jobs 1 and 2 taken with it
+        aborted = sched.abort_all()
+        release.set()
+        ends = []
+        for job in jobs:
+            while not isinstance(ev := (await asyncio.wait_for(job.events.get(), 10))[1], Finish):
+                pass
+            ends.append((ev.reason, job.shutdown))
+        sched.cancel_all()
+        await asyncio.wait_for(runner, 10)
+        return aborted, ends
+
+    aborted, ends = asyncio.run(main())
+    assert (aborted, ends) == (3, [("abort", True)] * 3)

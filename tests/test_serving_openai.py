@@ -215,6 +215,15 @@ def test_out_of_range_sampling_parameters_are_a_400_naming_them(url, kind, kw, p
 @pytest.mark.parametrize("kind,kw,param", [
     ("completions", {"best_of": 2}, "best_of"),
     ("completions", {"suffix": "!"}, "suffix"),
+    # vLLM refuses a priority without --scheduling-policy priority; the others were ignored without a word
+    ("chat", {"extra_body": {"priority": 1}}, "priority"),
+    ("completions", {"extra_body": {"priority": -1}}, "priority"),
+    ("chat", {"extra_body": {"return_tokens_as_token_ids": True}}, "return_tokens_as_token_ids"),
+    ("completions", {"extra_body": {"return_tokens_as_token_ids": True}, "logprobs": 1}, "return_tokens_as_token_ids"),
+    ("chat", {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+    ("completions", {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
 ])
 def test_parameters_we_do_not_honour_are_a_400_naming_them(url, kind, kw, param):
     _assert_400_naming(url, kind, kw, param)
@@ -266,7 +275,8 @@ def test_defaults_of_unhonoured_parameters_are_accepted(url):
 
 # -------------------------------------------------------------------------------- structured output, tools
 PERSON = {"type": "object",
-          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0},
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150},   # bounded: see test_structured
                          "unit": {"enum": ["celsius", "fahrenheit"]}, "tags": {"type": "array", "maxItems": 2,
                                                                                 "items": {"type": "string",
                                                                                           "maxLength": 6}}},
@@ -414,6 +424,18 @@ def test_tokenize_and_detokenize_round_trip(url, tiny_gemma4):
     assert back.json() == {"prompt": QUESTION}
 
 
+def test_tokenize_returns_token_strings_and_shows_tools_as_the_chat_template_does(url, tiny_gemma4):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_gemma4)
+    r = requests.post(f"{url}/tokenize", json={"prompt": QUESTION, "return_token_strs": True}, timeout=30).json()
+    assert r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    with_tools = requests.post(f"{url}/tokenize", json={"messages": ASK, "tools": tools}, timeout=30).json()
+    assert with_tools["tokens"] == tok.apply_chat_template(ASK, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False)
+    assert with_tools["count"] > len(chat_ids(url))
+
+
 def test_version_ping_and_head_health(url):
     assert requests.get(f"{url}/version", timeout=5).json()["version"]
     assert requests.get(f"{url}/ping", timeout=5).status_code == 200
@@ -488,3 +510,111 @@ def test_body_limit_is_a_413_announced_or_chunked(guarded):
     r = requests.post(f"{guarded}/v1/chat/completions", data=(small[i:i + 7] for i in range(0, len(small), 7)),
                       headers=auth, timeout=30)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == ANSWER
+
+
+# ------------------------------------------------------------------------------------------ vLLM parity
+def test_include_stop_str_in_output(url):
+    """vLLM's include_stop_str_in_output: the text ends with the stop string that ended it (streamed too)."""
+    c = client(url)
+    cut = ANSWER.index("discipline")
+    for stream in (False, True):
+        kw = dict(model="tiny", messages=ASK, temperature=0, stop=["discipline"], stream=stream,
+                  extra_body={"include_stop_str_in_output": True})
+        r = c.chat.completions.create(**kw)
+        text = "".join(ch.choices[0].delta.content or "" for ch in r if ch.choices) if stream else \
+            r.choices[0].message.content
+        assert text == ANSWER[:cut + len("discipline")], (stream, text)
+    r = c.completions.create(model="tiny", prompt=chat_ids(url), temperature=0, max_tokens=60, stop="discipline",
+                             extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].text == ANSWER[:cut + len("discipline")] and r.choices[0].finish_reason == "stop"
+
+
+def test_chat_template_options_as_vllm_takes_them(url, tiny_gemma4):
+    """add_generation_prompt, continue_final_message and chat_template_kwargs reach the chat template, in a chat
+    request and in /tokenize; what would bypass the request's own fields is a 400 naming it."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_gemma4)
+    start = [*ASK, {"role": "assistant", "content": "Site Reliability"}]
+
+    def tokenize(**kw):
+        r = requests.post(f"{url}/tokenize", json={"model": "tiny", **kw}, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    def template(msgs, **kw):
+        return tok.apply_chat_template(msgs, tokenize=True, return_dict=False, **kw)
+
+    assert tokenize(messages=ASK, add_generation_prompt=False) == template(ASK, add_generation_prompt=False)
+    assert tokenize(messages=start, add_generation_prompt=False, continue_final_message=True) == \
+        template(start, add_generation_prompt=False, continue_final_message=True)
+    thinking = tokenize(messages=ASK, chat_template_kwargs={"enable_thinking": True})
+    assert thinking == template(ASK, add_generation_prompt=True, enable_thinking=True) != chat_ids(url)
+    c = client(url)
+    r = c.chat.completions.create(model="tiny", messages=start, temperature=0, extra_body={
+        "add_generation_prompt": False, "continue_final_message": True})
+    assert r.choices[0].message.content == ANSWER.removeprefix("Site Reliability")
+    assert r.usage.prompt_tokens == len(template(start, add_generation_prompt=False, continue_final_message=True))
+    for extra, param in (({"continue_final_message": True}, "continue_final_message"),
+                         ({"add_generation_prompt": False, "continue_final_message": True, "messages": ASK},
+                          "continue_final_message"),
+                         ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize")):
+        body = {"model": "tiny", "messages": start, "max_tokens": 2, **extra}
+        for path in ("/v1/chat/completions", "/tokenize"):
+            bad = requests.post(url + path, json=body, timeout=30)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (path, bad.text)
+
+
+def test_allowed_token_ids_are_the_only_tokens_generated(url, tiny_gemma4):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_gemma4)
+    allowed = tok.encode(" discipline that", add_special_tokens=False)
+    names = {tok.decode([i]) for i in allowed}
+    c = client(url)
+    for temperature in (0, 1.5):
+        r = c.chat.completions.create(model="tiny", messages=ASK, temperature=temperature, seed=3, max_tokens=6,
+                                      logprobs=True, extra_body={"allowed_token_ids": allowed})
+        got = [t.token for t in r.choices[0].logprobs.content]
+        assert len(got) == 6 and set(got) <= names and r.choices[0].finish_reason == "length", got
+    for bad in ([], [tok.vocab_size + 5], [-1]):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="tiny", messages=ASK, max_tokens=2, extra_body={"allowed_token_ids": bad})
+        assert e.value.body["param"].startswith("allowed_token_ids"), e.value.body
+
+
+def test_bad_words_are_never_generated(url):
+    """vLLM's bad_words: a word's last token is banned wherever the output ends with the rest of it."""
+    c = client(url)
+    before = ANSWER[:ANSWER.index(" discipline")]
+    for stream in (False, True):
+        r = c.chat.completions.create(model="tiny", messages=ASK, temperature=0, max_tokens=40, stream=stream,
+                                      extra_body={"bad_words": ["discipline", "nonexistentword"]})
+        text = "".join(ch.choices[0].delta.content or "" for ch in r if ch.choices) if stream else \
+            r.choices[0].message.content
+        assert text.startswith(before) and "discipline" not in text, text
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=ASK, max_tokens=2, extra_body={"bad_words": [""]})
+    assert e.value.body["param"].startswith("bad_words"), e.value.body
+
+
+def test_several_prompts_in_one_completions_request(url):
+    """As vLLM: choice index = prompt index × n + choice; each prompt's choices are what it gets alone; usage counts
+    every prompt once and every choice's tokens."""
+    c = client(url)
+    ids = chat_ids(url)
+    kw = dict(model="tiny", max_tokens=5, temperature=1.0, seed=11, n=2)
+    alone = [c.completions.create(prompt=p, **kw) for p in ("Site Reliability", "Hello")]
+    both = c.completions.create(prompt=["Site Reliability", "Hello"], **kw)
+    assert [(ch.index, ch.text) for ch in both.choices] == \
+        [(i, ch.text) for i, ch in enumerate(alone[0].choices + alone[1].choices)]
+    assert both.usage.prompt_tokens == alone[0].usage.prompt_tokens + alone[1].usage.prompt_tokens
+    assert both.usage.completion_tokens == alone[0].usage.completion_tokens + alone[1].usage.completion_tokens
+    token_prompts = [ids, ids[:5]]
+    chunks = list(c.completions.create(prompt=token_prompts, stream=True, echo=True, **kw))
+    texts = ["", "", "", ""]
+    for ch in chunks:
+        texts[ch.choices[0].index] += ch.choices[0].text
+    single = [c.completions.create(prompt=p, echo=True, **kw) for p in token_prompts]
+    assert texts == [ch.text for r in single for ch in r.choices]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tiny", prompt=["a"] * 40, n=10, max_tokens=2)
+    assert e.value.body["param"] == "prompt", e.value.body

@@ -44,6 +44,17 @@ def test_clean_strips_thoughts_special_tokens_and_padding():
     assert smoke.clean("<pad><pad><pad>") == ""
 
 
+@pytest.mark.parametrize("text,reasoning,ok", [
+    ("<think>Paris</think>Lyon.", "", False), ("<|channel>thought\nParis<channel|>Lyon.", "", False),
+    ("Lyon.", "Paris", False),                         # the thoughts in reasoning_content: not the answer either
+    ("<think>Lyon?</think>Paris.", "", True), ("Paris.", "Lyon", True)])
+def test_the_expected_answer_is_matched_in_the_answer_not_in_the_thoughts(text, reasoning, ok):
+    ans = wire.Answer(success=True, text=text, reasoning=reasoning, finish_reason="stop",
+                      usage={"prompt_tokens": 9, "completion_tokens": 6})
+    expected = next(c for c in smoke.check_answer(ans, "paris", 64) if c.name == "expected")
+    assert expected.ok is ok, expected.detail
+
+
 def test_token_counts_must_be_consistent_with_the_text():
     good = wire.Answer(success=True, text=ANSWER, finish_reason="stop", chunks=6,
                        usage={"prompt_tokens": 9, "completion_tokens": 7})
@@ -251,15 +262,13 @@ def test_bench_image_records_boot_then_measures(timed_images, tmp_path):
 
 
 def test_prompt_and_expect_default_to_the_runtime_manifest(timed_server, capsys):
-    pytest.importorskip("g5g.manifest", reason="the driver's manifest loader (issue 2) is not merged here yet")
     import re
 
     from g5g.commands.smoke import manifest_defaults
 
     defaults = manifest_defaults("pytorch")
     assert defaults["prompt"] and defaults["port"]
-    if not re.search(defaults["expect"], "Paris"):
-        pytest.skip(f"the pytorch manifest no longer expects Paris ({defaults['expect']})")
+    assert re.search(defaults["expect"], "Paris") and not re.search(defaults["expect"], "Lyon"), defaults["expect"]
     good = timed_server(answer="Paris", ttft=0.01, gap=0.002)
     wrong = timed_server(answer="Lyon", ttft=0.01, gap=0.002)
     assert main(["smoke", "--url", good.url, "--runtime", "pytorch"]) == 0

@@ -9,13 +9,17 @@ import numpy as np
 import pytest
 
 from serving.generation import Delta, Detokenizer, Finish, SamplingParams, TokenizerInfo, generate
-from serving.structured import MASKED, Grammars, InvalidGrammar, integer_regex, mask_words, token_bytes
+from serving.structured import (ANY_OBJECT, MASKED, Grammars, InvalidGrammar, integer_regex, mask_words,
+                                token_bytes)
 from serving.tool_calls import GemmaCalls, NamedCall, RequiredCalls, merge, parse_call, required_schema
 from tests.fixtures.batching import Job, run_in_batch
 from tests.fixtures.tiny_gemma4 import QUESTION
 
+# Every field bounded (an integer range too: an unbounded one lets a model write digits until max_tokens, which a
+# fixture trained on another CPU did), so whatever the weights the answer ends by itself within max_tokens.
 SCHEMA = {"type": "object",
-          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
+          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0,
+                                                                               "maximum": 150},
                          "unit": {"enum": ["celsius", "fahrenheit"]}, "ok": {"type": "boolean"},
                          "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2}},
           "required": ["name", "age", "unit", "ok"]}
@@ -270,3 +274,52 @@ def test_required_schema_accepts_only_known_calls():
     for bad in ([], [{"name": "h", "parameters": {}}], [{"name": "f", "parameters": {}}], [{"name": "f"}]):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
+
+
+def test_a_long_bounded_string_is_refused_before_its_automaton_is_built(info):
+    """{"type": "string", "maxLength": 100000} kept a core busy for minutes after its client had the 30 s 400."""
+    grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=60)
+    for schema in ({"type": "string", "maxLength": 100000},
+                   {"type": "object", "properties": {"a": {"type": "string", "minLength": 17}}}):
+        with pytest.raises(InvalidGrammar, match="too large: m..Length 1.*at most 16"):
+            grammars.json_schema(schema)
+    assert grammars.json_schema({"type": "string", "maxLength": 12}) is not None
+
+
+def test_slow_compiles_do_not_starve_json_object(info):
+    """Two clients' compiles that outlast their requests hold both compile slots; json_object's fixed grammar
+    must not wait for them (it got the time-limit 400 too)."""
+    import threading
+    grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=5)
+    compile, release, busy = grammars._compile, threading.Event(), threading.Semaphore(0)
+
+    def slow_unless_json_object(key):
+        if key != json.dumps(ANY_OBJECT, separators=(",", ":")):
+            busy.release()
+            release.wait(30)                    # a compile outlines-core cannot be stopped in
+        return compile(key)
+
+    grammars._compile = slow_unless_json_object
+    slow = [threading.Thread(target=grammars.json_schema, args=({"type": "integer", "minimum": i},), daemon=True)
+            for i in range(2)]
+    for t in slow:
+        t.start()
+    try:
+        assert busy.acquire(timeout=10) and busy.acquire(timeout=10)     # both slots taken
+        assert grammars.json_object().words == mask_words(len(info.prompt_tokenizer))
+    finally:
+        release.set()
+
+
+def test_a_mask_after_an_unmasked_step_is_never_served_by_the_speculative_step(engines):
+    """The JAX engine dispatches step t+1 ahead, unmasked; a call that brings a mask for those same slots and tokens
+    (the Engine API allows it, though Batch never makes one) must run a real step under the mask."""
+    engine = engines["jax"]
+    ask = [2, 105, 9, 40, 41]
+    first = engine.start(0, ask, SamplingParams(temperature=0.0))
+    free = engine.step({0: first})[0]                      # dispatches the next step ahead, unmasked
+    ahead = int(np.asarray(engine._spec.out)[0])          # what the speculative step chose
+    forced = 300 if ahead != 300 else 301
+    spec = dict(engine.speculation)
+    assert engine.step({0: free}, {0: only(engine.vocab_size, [forced])})[0] == forced
+    assert engine.speculation["replaced"] == spec["replaced"] + 1

@@ -55,7 +55,7 @@ def plan_from_args(args, push: bool = False, with_secrets: bool = True) -> Plan:
     return make_plan(m, runtime=args.runtime, profile=args.profile, platforms=args.platform,
                      registry=args.registry, out=getattr(args, "out", "build"), push=push,
                      sequential=getattr(args, "sequential", False), secrets=sec, repo_root=REPO_ROOT,
-                     cache=getattr(args, "cache", None))
+                     cache=getattr(args, "cache", None), builder=getattr(args, "builder", None))
 
 
 def check_patches(plan: Plan) -> None:
@@ -98,7 +98,7 @@ def run(args) -> int:
         return OK
     check_contexts(plan, REPO_ROOT)
     buildx.require(buildx.preflight(plan.images[0].platforms, plan.images[0].tags[0].rsplit("/", 1)[0]
-                                    if plan.push else None, plan.sequential))
+                                    if plan.push else None, plan.sequential, plan.builder))
     if not args.skip_patch_check:
         check_patches(plan)
     render.write(plan, REPO_ROOT)
@@ -128,7 +128,8 @@ def execute(plan: Plan, repo_root: Path, as_json: bool = False) -> int:
                 live.update(table())
 
         for argv in plan.commands(metadata=meta_rel):
-            rc = buildx.run_bake(argv, repo_root, log_path, [a for a in argv if a in known], on_event)
+            targets = [a for i, a in enumerate(argv) if a in known and argv[i - 1] != "--builder"]
+            rc = buildx.run_bake(argv, repo_root, log_path, targets, on_event)
             if rc != 0:
                 break
         for name in state:

@@ -30,6 +30,7 @@ from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax._src import xla_bridge  # backends_are_initialized: XLA reads XLA_FLAGS once, when a backend starts
 import numpy as np
 
 from serving.engine import TOP_LOGPROBS, SamplingParams, TokenLogprobs
@@ -97,6 +98,31 @@ def configure_persistent_cache(cache_dir: str | None) -> None:
 
 
 # -- settings ---------------------------------------------------------------------------------------------------
+# XLA flags the runtime sets unless the user's XLA_FLAGS names them (G5G_JAX_XLA_DEFAULTS=0: none): the fastest
+# decode measured on a GPU (benchmarks/decode_variants.py, benchmarks/RESULTS.md) runs the whole step as CUDA graphs,
+# the sampler's conditional and bisection loop included; with XLA's own command-buffer set the pipelined step was
+# no faster than a plain one. XLA's CPU backend reads none of them.
+DEFAULT_XLA_FLAGS = {
+    "--xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE",
+    "--xla_gpu_graph_min_graph_size": "1",
+}
+
+
+def with_default_xla_flags(current: str, defaults: Mapping[str, str] = DEFAULT_XLA_FLAGS) -> str:
+    """XLA_FLAGS `current` plus each default flag it does not name (the user's value of a flag wins)."""
+    named = {flag.split("=", 1)[0] for flag in current.split()}
+    return " ".join([*current.split(), *(f"{k}={v}" for k, v in defaults.items() if k not in named)])
+
+
+def apply_default_xla_flags(env=os.environ) -> str:
+    """Set the defaults into env["XLA_FLAGS"] before XLA reads it (once per process, when a backend starts)."""
+    if xla_bridge.backends_are_initialized():
+        log.warning("XLA backends already started: XLA_FLAGS defaults not applied (%s)", env.get("XLA_FLAGS", ""))
+    else:
+        env["XLA_FLAGS"] = with_default_xla_flags(env.get("XLA_FLAGS", ""))
+    return env.get("XLA_FLAGS", "")
+
+
 def parse_buckets(text: str, where: str = "G5G_JAX_BUCKETS") -> tuple[int, ...]:
     try:
         vals = sorted({int(x) for x in text.replace(" ", "").split(",") if x})
@@ -115,6 +141,7 @@ class Settings:
     slots: int = DEFAULT_SLOTS         # sequences decoded together
     batches: tuple[int, ...] = ()      # decode batch ladder; () = (slots,): see batch_ladder
     pipeline: bool = True              # dispatch decode step t+1 before reading step t's tokens (module doc)
+    xla_defaults: bool = True          # add DEFAULT_XLA_FLAGS to XLA_FLAGS at load
 
     @classmethod
     def from_env(cls, env=os.environ) -> "Settings":
@@ -128,11 +155,14 @@ class Settings:
         if slots < 1:
             raise ValueError(f"G5G_JAX_SLOTS: {slots} must be at least 1")
         cache_dir = env.get("G5G_JAX_CACHE_DIR", s.cache_dir)
-        pipeline = env.get("G5G_JAX_PIPELINE", "1")
-        if pipeline not in ("0", "1"):
-            raise ValueError(f"G5G_JAX_PIPELINE: {pipeline!r} is not 0 or 1")
+        switches = {}
+        for name in ("G5G_JAX_PIPELINE", "G5G_JAX_XLA_DEFAULTS"):
+            switches[name] = env.get(name, "1")
+            if switches[name] not in ("0", "1"):
+                raise ValueError(f"{name}: {switches[name]!r} is not 0 or 1")
         return cls(buckets=buckets, dtype=env.get("G5G_JAX_DTYPE", s.dtype), cache_dir=cache_dir or None,
-                   slots=slots, batches=batches, pipeline=pipeline == "1")
+                   slots=slots, batches=batches, pipeline=switches["G5G_JAX_PIPELINE"] == "1",
+                   xla_defaults=switches["G5G_JAX_XLA_DEFAULTS"] == "1")
 
     def batch_ladder(self) -> tuple[int, ...]:
         """Decode batch sizes, the largest being the slot count. By default only that one: decode streams the
@@ -391,6 +421,7 @@ def load(model_dir: str | Path, settings: Settings | None = None, max_context: i
         settings = dataclasses.replace(
             settings, buckets=tuple(b for b in settings.buckets if b < max_context) + (int(max_context),))
     t0 = time.perf_counter()
+    xla_flags = apply_default_xla_flags() if settings.xla_defaults else os.environ.get("XLA_FLAGS", "")
     _listen()
     configure_persistent_cache(settings.cache_dir)
     cfg = config.load(Path(model_dir))
@@ -400,10 +431,11 @@ def load(model_dir: str | Path, settings: Settings | None = None, max_context: i
     engine = JaxEngine(cfg, params, settings)
     engine.boot.update({"load_s": round(t_load, 3), "boot_s": round(time.perf_counter() - t0, 3),
                         "buckets": list(engine.buckets), "dtype": str(engine.dtype),
-                        "backend": jax.default_backend(), "cache_dir": settings.cache_dir})
+                        "backend": jax.default_backend(), "cache_dir": settings.cache_dir,
+                        "xla_flags": xla_flags})
     b = engine.boot
     log.info("jax runtime ready in %.1fs on %s/%s: %d executables for %d slots, batches %s, buckets %s "
-             "(%d from the persistent cache), compile %.1fs, load %.1fs", b["boot_s"], b["backend"], b["dtype"],
-             b["executables"], b["slots"], b["batches"], b["buckets"], b["boot_cache_hits"], b["compile_s"],
-             b["load_s"])
+             "(%d from the persistent cache), compile %.1fs, load %.1fs; XLA_FLAGS %s", b["boot_s"], b["backend"],
+             b["dtype"], b["executables"], b["slots"], b["batches"], b["buckets"], b["boot_cache_hits"],
+             b["compile_s"], b["load_s"], b["xla_flags"] or "(none)")
     return engine

@@ -1,7 +1,12 @@
-"""Where end-to-end tests are required (G5G_REQUIRE_E2E=1, as .ci/run sets), a skipped `e2e` test fails.
+"""Skips that would hide a failure in CI are failures there.
 
-Registered in tests/conftest.py's pytest_plugins, so it covers every module's e2e tests, not only tests/e2e/:
-on CI a missing engine, buildx, binfmt or base image is a failure with the skip's reason, never a quiet skip.
+- Where end-to-end tests are required (G5G_REQUIRE_E2E=1, as .ci/run sets), a skipped `e2e` test fails: a missing
+  engine, buildx, binfmt or base image is a failure with the skip's reason, never a quiet skip.
+- In CI (CI=true, or G5G_REQUIRE_E2E=1), a skipped unit test fails too: a missing jax or torch, an unreachable
+  package index, a missing cmake would otherwise pass the suite without testing what they guard. A test whose skip
+  is about an optional input, not the product (marked `optional`), may still skip.
+
+Registered in tests/conftest.py's pytest_plugins, so it covers every module, not only tests/e2e/.
 """
 from __future__ import annotations
 
@@ -10,11 +15,21 @@ import os
 import pytest
 
 
+def _in_ci() -> bool:
+    return os.environ.get("G5G_REQUIRE_E2E") == "1" or os.environ.get("CI", "").lower() == "true"
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if report.skipped and os.environ.get("G5G_REQUIRE_E2E") == "1" and item.get_closest_marker("e2e"):
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if not report.skipped or hasattr(report, "wasxfail") or item.get_closest_marker("optional"):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if item.get_closest_marker("e2e"):
+        if os.environ.get("G5G_REQUIRE_E2E") == "1":
+            report.outcome = "failed"
+            report.longrepr = f"G5G_REQUIRE_E2E=1 and this end-to-end test was skipped: {reason}"
+    elif _in_ci():
         report.outcome = "failed"
-        report.longrepr = f"G5G_REQUIRE_E2E=1 and this end-to-end test was skipped: {reason}"
+        report.longrepr = f"in CI (CI=true or G5G_REQUIRE_E2E=1) a skipped test fails: {reason}"

@@ -9,7 +9,7 @@ ARG JAX_VERSION=0.10.2
 USER 0:0
 # root's own HOME, so pip finds its cache mount (/root/.cache/pip) and nothing lands in the user's home.
 ENV HOME=/root
-SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+SHELL ["/bin/bash", "-e", "-o", "pipefail", "-c"]
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH VIRTUAL_ENV=/opt/venv
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \

@@ -8,12 +8,15 @@ FROM ${TORCH_BASE} AS pytorch
 USER 0:0
 # root's own HOME, so pip finds its cache mount (/root/.cache/pip) and nothing lands in the user's home.
 ENV HOME=/root
-SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+SHELL ["/bin/bash", "-e", "-o", "pipefail", "-c"]
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
     pip install "fastapi==0.165.0" "uvicorn==0.54.0" "prometheus-client==0.26.0" "transformers==5.20.2" "safetensors==0.8.0" "numpy>=2.1,<3" "jinja2==3.1.6" "outlines-core==0.2.14"
 COPY serving/ /opt/g5g/serving/
 ENV PYTHONPATH=/opt/g5g PYTHONUNBUFFERED=1
+# The serving requirements ran under torch-base's PIP_CONSTRAINT; torch must be the one torch-base checked.
+RUN if ! python3 -c "import hashlib, importlib.metadata as m; d = m.distribution('torch'); print('torch', d.version, hashlib.sha256((d.read_text('RECORD') or '').encode()).hexdigest())" | diff /opt/g5g/torch.txt -; then \
+      echo "installing the serving requirements replaced torch (<: torch-base's, >: now), despite PIP_CONSTRAINT=$PIP_CONSTRAINT" >&2; exit 1; fi
 # Non-root at run time; uid 1000 with a writable home for caches (Hugging Face, Triton, JAX).
 # Images FROM torch-base already have it; Ubuntu's images ship user `ubuntu` on uid 1000.
 RUN id -u g5g >/dev/null 2>&1 \

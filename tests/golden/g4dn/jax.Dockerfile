@@ -10,7 +10,7 @@ ARG JAX_EXTRA=cuda13
 USER 0:0
 # root's own HOME, so pip finds its cache mount (/root/.cache/pip) and nothing lands in the user's home.
 ENV HOME=/root
-SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+SHELL ["/bin/bash", "-e", "-o", "pipefail", "-c"]
 ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates python3 python3-venv \

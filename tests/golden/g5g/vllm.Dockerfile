@@ -2,31 +2,103 @@
 # runtime=vllm profile=g5g cuda-archs="7.5"
 # vLLM 0.33.0 compiled for TORCH_CUDA_ARCH_LIST="7.5" against the torch of the torch-base image
 # (bake links TORCH_BASE to the torch-base target, so that image is built once).
-ARG TORCH_BASE=ghcr.io/g5g-images/g5g-images:torch-base-2.14.0-cu132-sm75
+ARG TORCH_BASE=ghcr.io/g5g-images/g5g-images:torch-base-2.14.0-cu130-sm75
 
-# --- toolchain: NVIDIA's sbsa devel image (nvcc, headers, cuDNN) + torch-base's venv; GCC >= 13 ------------------------
-# Never `apt-get install cuda-toolkit-X` on top of an nvidia/cuda image: the images apt-mark hold libraries that the
-# repo's newest patch release needs, and apt stops with "held broken packages". The devel image is the toolkit.
-ARG CUDA_DEVEL_IMAGE=nvidia/cuda:13.2.1-cudnn-devel-ubuntu24.04
-FROM ${TORCH_BASE} AS torch-base-image
-FROM ${CUDA_DEVEL_IMAGE} AS toolchain
+ARG BASE_IMAGE=g5g-local/trixie:arm64
+
+# --- cuda-check: the CUDA 13.0.3 toolkit on the bare base; a kernel compiled and linked for sm_75 -----------------
+# (small and torch-free, so CI builds this stage on every change: a broken toolkit layout stops here)
+FROM ${BASE_IMAGE} AS cuda-check
+ARG CUDA_TOOLKIT_VERSION=13.0.3
+ARG CUOBJDUMP_VERSION=13.4.92
+ARG TORCH_CUDA_ARCH_LIST="7.5"
 # Install steps run as root; every image ends with USER 1000 (DL3002 also flags root in build stages).
 # hadolint ignore=DL3002
 USER 0:0
 # root's own HOME, so pip finds its cache mount (/root/.cache/pip) and nothing lands in the user's home.
 ENV HOME=/root
-SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+SHELL ["/bin/bash", "-e", "-o", "pipefail", "-c"]
 ENV DEBIAN_FRONTEND=noninteractive
 RUN --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
     apt-get update \
- && apt-get install -y --no-install-recommends ca-certificates ccache curl g++ gcc git make perl python3-dev python3-venv \
+ && apt-get install -y --no-install-recommends g++ gcc libc6-dev python3 python3-venv \
  && rm -rf /var/lib/apt/lists/*
-# torch-base's Python environment (same Ubuntu release as the runtime image it was made in).
-COPY --from=torch-base-image /opt/venv /opt/venv
-COPY --from=torch-base-image /etc/ld.so.conf.d/ /etc/ld.so.conf.d/
-RUN ldconfig
-ENV CUDA_HOME=/usr/local/cuda PATH=/opt/venv/bin:/usr/local/cuda/bin:$PATH VIRTUAL_ENV=/opt/venv
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+
+# NVIDIA's CUDA wheels as a toolkit: cuda-toolkit's nvcc, crt, cccl, nvvm and cudart at torch's CUDA release, and
+# cuobjdump. They land in site-packages/nvidia/cu13 with lib/ where nvcc looks in lib64/, no unversioned .so links
+# and no link stub for libcuda: /usr/local/cuda points there (CUDA_HOME, CMake's FindCUDAToolkit), lib64 -> lib and
+# the links are made, and a stub libcuda.so is generated from cuda.h (every driver entry point returns 34,
+# CUDA_ERROR_STUB_LIBRARY, as NVIDIA's stub does), for linking only: at run time the driver's libcuda.so.1 is used.
+RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
+    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
+    pip install "cuda-toolkit[nvcc,cccl,crt,nvvm,cudart]==${CUDA_TOOLKIT_VERSION}" "nvidia-cuda-cuobjdump==${CUOBJDUMP_VERSION}" \
+ && nv="$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/nvidia" \
+ && for f in "$nv"/*/lib/lib*.so.*; do [ -e "$f" ] || continue; l="${f%%.so.*}.so"; [ -e "$l" ] || ln -s "$(basename "$f")" "$l"; done \
+ && cu="$nv/cu13" \
+ && ln -sfn "$cu" /usr/local/cuda \
+ && ln -sfn lib "$cu/lib64" \
+ && mkdir -p "$cu/lib/stubs" \
+ && printf '#include <cuda.h>\n' | gcc -E -P -I "$cu/include" - \
+    | grep -oE '\bCUresult +cu[A-Za-z0-9_]+ *\(' | grep -oE 'cu[A-Za-z0-9_]+' | sort -u \
+    | sed 's/.*/int &(void) { return 34; }/' > /tmp/libcuda-stub.c \
+ && gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$cu/lib/stubs/libcuda.so" /tmp/libcuda-stub.c && rm /tmp/libcuda-stub.c \
+ && ldconfig
+ENV CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
+COPY cuda-check.cu /tmp/cuda-check.cu
+# SASS for every target arch and no JIT code: -gencode code=sm_XX (plain -arch=sm_XX embeds ptx too).
+# $gencode is split into flags on purpose.
+# hadolint ignore=SC2086
+RUN --mount=type=bind,source=check-sass.sh,target=/tmp/check/check-sass.sh \
+    sms=$(echo "${TORCH_CUDA_ARCH_LIST}" | tr -d .) \
+ && gencode=$(for a in $sms; do printf -- '-gencode arch=compute_%s,code=sm_%s ' "$a" "$a"; done) \
+ && nvcc ${gencode} -o /tmp/cuda-check /tmp/cuda-check.cu -lcuda -L/usr/local/cuda/lib64/stubs \
+ && { nvcc --version | tail -n 2; bash /tmp/check/check-sass.sh --only "${TORCH_CUDA_ARCH_LIST}" /tmp/cuda-check; } \
+      | tee /cuda-check.txt
+
+FROM scratch AS cuda-check-report
+COPY --from=cuda-check /cuda-check.txt /
+
+# --- toolchain: torch-base + the same CUDA release torch runs on, as a toolkit; GCC >= 13 -----------------------------
+FROM ${TORCH_BASE} AS toolchain
+ARG CUDA_TOOLKIT_VERSION=13.0.3
+ARG CUOBJDUMP_VERSION=13.4.92
+# Install steps run as root; every image ends with USER 1000 (DL3002 also flags root in build stages).
+# hadolint ignore=DL3002
+USER 0:0
+# root's own HOME, so pip finds its cache mount (/root/.cache/pip) and nothing lands in the user's home.
+ENV HOME=/root
+SHELL ["/bin/bash", "-e", "-o", "pipefail", "-c"]
+ENV DEBIAN_FRONTEND=noninteractive
+RUN --mount=type=secret,id=ca-cert,required=false \
+    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
+    apt-get update \
+ && apt-get install -y --no-install-recommends ca-certificates ccache curl g++ gcc git libc6-dev make perl python3-dev \
+ && rm -rf /var/lib/apt/lists/*
+
+# NVIDIA's CUDA wheels as a toolkit: cuda-toolkit's nvcc, crt, cccl, nvvm and cudart at torch's CUDA release, and
+# cuobjdump. They land in site-packages/nvidia/cu13 with lib/ where nvcc looks in lib64/, no unversioned .so links
+# and no link stub for libcuda: /usr/local/cuda points there (CUDA_HOME, CMake's FindCUDAToolkit), lib64 -> lib and
+# the links are made, and a stub libcuda.so is generated from cuda.h (every driver entry point returns 34,
+# CUDA_ERROR_STUB_LIBRARY, as NVIDIA's stub does), for linking only: at run time the driver's libcuda.so.1 is used.
+RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
+    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
+    pip install "cuda-toolkit[nvcc,cccl,crt,nvvm,cudart]==${CUDA_TOOLKIT_VERSION}" "nvidia-cuda-cuobjdump==${CUOBJDUMP_VERSION}" \
+ && nv="$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/nvidia" \
+ && for f in "$nv"/*/lib/lib*.so.*; do [ -e "$f" ] || continue; l="${f%%.so.*}.so"; [ -e "$l" ] || ln -s "$(basename "$f")" "$l"; done \
+ && cu="$nv/cu13" \
+ && ln -sfn "$cu" /usr/local/cuda \
+ && ln -sfn lib "$cu/lib64" \
+ && mkdir -p "$cu/lib/stubs" \
+ && printf '#include <cuda.h>\n' | gcc -E -P -I "$cu/include" - \
+    | grep -oE '\bCUresult +cu[A-Za-z0-9_]+ *\(' | grep -oE 'cu[A-Za-z0-9_]+' | sort -u \
+    | sed 's/.*/int &(void) { return 34; }/' > /tmp/libcuda-stub.c \
+ && gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$cu/lib/stubs/libcuda.so" /tmp/libcuda-stub.c && rm /tmp/libcuda-stub.c \
+ && ldconfig
+ENV CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
+COPY --from=cuda-check /cuda-check.txt /opt/cuda-check.txt
 RUN gcc_major=$(gcc -dumpversion | cut -d. -f1) \
  && if [ "$gcc_major" -lt 13 ]; then echo "GCC >= 13 is required to build vLLM (found $(gcc -dumpversion))" >&2; exit 1; fi
 # vLLM's Rust frontend (vllm-rs): openssl-src needs perl and make (installed above); crates from the registry.
@@ -70,15 +142,21 @@ RUN { git apply --check "/src/patches/0001-triton-attn-turing-smem.patch" \
 
 # --- build: the wheel, for sm_75 only ----------------------------------------------------------------------------
 FROM vllm-source AS vllm-build
-SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+SHELL ["/bin/bash", "-e", "-o", "pipefail", "-c"]
 ARG TORCH_CUDA_ARCH_LIST="7.5"
 ARG MAX_JOBS=auto
-ARG NVCC_THREADS=2
-# Build against the torch already installed (our sm_75 build), not the one vLLM pins on PyPI.
-RUN python3 tools/use_existing_torch.py --prefix
+ARG NVCC_THREADS=1
+# Build against the torch already installed (our sm_75 build), not the one vLLM pins on PyPI. use_existing_torch.py
+# --prefix drops `torch==`-style lines only: `torchcodec >= 0.14` (requirements/cuda.txt) survives it, so every
+# torch, torchvision, torchaudio and torchcodec requirement goes, whatever its operator, and none may remain.
+RUN python3 tools/use_existing_torch.py --prefix \
+ && sed -i -E '/^\s*torch(vision|audio|codec)?\s*([<>=!~;[]|$)/d' requirements/*.txt requirements/*/*.txt \
+ && ! grep -nE '^\s*torch(vision|audio|codec)?\s*([<>=!~;[]|$)' requirements/*.txt requirements/*/*.txt
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
-    pip install -r requirements/build/cuda.txt
+    pip install -r requirements/build/cuda.txt \
+ && if ! python3 -c "import hashlib, importlib.metadata as m; d = m.distribution('torch'); print('torch', d.version, hashlib.sha256((d.read_text('RECORD') or '').encode()).hexdigest())" | diff /opt/g5g/torch.txt -; then \
+      echo "pip install -r requirements/build/cuda.txt replaced torch (<: torch-base's, >: now), despite PIP_CONSTRAINT=$PIP_CONSTRAINT" >&2; exit 1; fi
 # TORCH_CUDA_ARCH_LIST=7.5 (never +PTX) narrows every arch-intersected kernel set to nothing above Turing: vLLM's
 # own sm_90/sm_100/sm_120 kernels and DeepGEMM, DeepSelect, FlashMLA, FlashKDA and QuTLASS compile nothing
 # (README: "What the 7.5-only build skips"); patch 0002 leaves out FlashAttention's FA2/FA3 kernels (sm_80+ only)
@@ -101,27 +179,27 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=cache,target=/root/.
     mkdir -p /report; \
     echo "building vLLM ${VLLM_VERSION} for ${TORCH_CUDA_ARCH_LIST} with MAX_JOBS=${MAX_JOBS} NVCC_THREADS=${NVCC_THREADS}"; \
     start=$(date +%s); \
-    pip wheel -v --no-build-isolation --no-deps --wheel-dir /wheels . 2>&1 | tee /report/build.log; \
-    rc=$?; { echo "wall_s $(( $(date +%s) - start ))"; times; } > /report/times.txt; \
-    find /src/vllm/build -name .ninja_log -exec cp {} /report/ninja_log \; ; \
+    rc=0; pip wheel -v --no-build-isolation --no-deps --wheel-dir /wheels . 2>&1 | tee /report/build.log || rc=$?; \
+    { echo "wall_s $(( $(date +%s) - start ))"; times; } > /report/times.txt; \
+    if [ -d /src/vllm/build ]; then find /src/vllm/build -name .ninja_log -exec cp {} /report/ninja_log \; ; fi; \
     [ $rc = 0 ] || exit $rc; \
-    grep -E "CUDA target arch|CUDA supported arch" /report/build.log | sort -u
+    got=$(sed -n 's/.*CUDA supported target architectures: \([0-9.;]*\).*/\1/p' /report/build.log | sort -u); \
+    echo "vLLM's CMake: CUDA supported target architectures: ${got:-(no such line)}"; \
+    [ "$got" = "$(echo "${TORCH_CUDA_ARCH_LIST}" | tr ' ' ';')" ] \
+      || { echo "vLLM's CMake built for '$got', not TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST}" >&2; exit 1; }
 # The FA extensions the wheel carries (none below 8.0), and FA's rotary module, which Gemma 4's rotary embedding imports.
 RUN python3 -c "import glob, zipfile; n = zipfile.ZipFile(glob.glob('/wheels/vllm-*.whl')[0]).namelist(); \
 print('FlashAttention extensions in the wheel:', [f for f in n if '/_vllm_fa' in f] or 'none'); \
 r = 'vllm/vllm_flash_attn/layers/rotary.py'; assert r in n, r + ' missing from the wheel'"
-# Every .so in the wheel: SASS for the target archs only, no ptx.
+# Every .so in the wheel: SASS for the target archs, present and alone, no PTX (check-sass.sh: a file cuobjdump
+# cannot read fails). The driver stub goes to /driver-stub for the runtime stage's load check.
 WORKDIR /tmp/so
-RUN python3 -m zipfile -e /wheels/vllm-*.whl . \
- && want=$(for a in $(echo "${TORCH_CUDA_ARCH_LIST}" | tr -d .); do printf 'sm_%s\n' "$a"; done) \
- && for f in $(find . -name '*.so' | sort); do \
-      elf=$(cuobjdump --list-elf "$f" 2>/dev/null | grep -o 'sm_[0-9]*[af]\?' | sort -u | tr '\n' ' '); \
-      ptx=$(cuobjdump --list-ptx "$f" 2>/dev/null | grep -c '\.ptx' || true); \
-      echo "$f sass: ${elf:-none} ptx: ${ptx}"; \
-      for s in $elf; do echo "$want" | grep -qx "$s" || { echo "$f: unexpected SASS $s" >&2; exit 1; }; done; \
-      [ "$ptx" = 0 ] || { echo "$f: carries ptx (JIT code), only SASS is expected" >&2; exit 1; }; \
-    done | tee /report/cuobjdump.txt \
- && ls -l /wheels >> /report/times.txt
+RUN --mount=type=bind,source=check-sass.sh,target=/tmp/check/check-sass.sh \
+    python3 -m zipfile -e /wheels/vllm-*.whl . \
+ && find . -name '*.so' -print0 | sort -z | xargs -0 bash /tmp/check/check-sass.sh --only "${TORCH_CUDA_ARCH_LIST}" \
+      | tee /report/cuobjdump.txt \
+ && ls -l /wheels >> /report/times.txt && sha256sum /wheels/*.whl > /report/wheels.sha256 \
+ && mkdir -p /driver-stub && cp -L /usr/local/cuda/lib64/stubs/libcuda.so /driver-stub/libcuda.so.1
 WORKDIR /src/vllm
 
 FROM scratch AS vllm-report
@@ -138,7 +216,7 @@ ARG TRITON_VERSION=3.8.0
 USER 0:0
 # root's own HOME, so pip finds its cache mount (/root/.cache/pip) and nothing lands in the user's home.
 ENV HOME=/root
-SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+SHELL ["/bin/bash", "-e", "-o", "pipefail", "-c"]
 ENV DEBIAN_FRONTEND=noninteractive
 # Triton JIT-compiles its small launcher with the system C compiler at first use: gcc and Python headers stay.
 RUN apt-get update \
@@ -151,7 +229,22 @@ RUN --mount=type=bind,from=vllm-build,source=/wheels,target=/tmp/wheels --mount=
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
     pip install "/tmp/wheels/vllm-${VLLM_VERSION}"*.whl "transformers==${TRANSFORMERS_VERSION}" "triton==${TRITON_VERSION}" \
  && pip install --no-deps "torchvision==${TORCHVISION_VERSION}" \
+ && if ! python3 -c "import hashlib, importlib.metadata as m; d = m.distribution('torch'); print('torch', d.version, hashlib.sha256((d.read_text('RECORD') or '').encode()).hexdigest())" | diff /opt/g5g/torch.txt -; then \
+      echo "installing vLLM's wheel and its requirements replaced torch (<: torch-base's, >: now), despite PIP_CONSTRAINT=$PIP_CONSTRAINT" >&2; exit 1; fi \
  && python3 -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+# No GPU at build time, and `import vllm` loads no compiled extension until it sees one: every DT_NEEDED of vLLM's
+# libraries resolves (torch/lib on the path, as once torch is imported; the driver stub stands in for libcuda.so.1),
+# and _C_stable_libtorch and _moe_C_stable_libtorch load with every symbol bound (RTLD_NOW) and register their ops.
+RUN --mount=type=bind,from=vllm-build,source=/driver-stub,target=/tmp/driver-stub \
+    --mount=type=bind,source=check-needed.sh,target=/tmp/check/check-needed.sh \
+    torch=$(python3 -c "import os, torch; print(os.path.dirname(torch.__file__))") \
+ && vllm=$(python3 -c "import os, vllm; print(os.path.dirname(vllm.__file__))") \
+ && LD_LIBRARY_PATH="$torch/lib:/tmp/driver-stub" bash /tmp/check/check-needed.sh "$vllm" \
+ && LD_LIBRARY_PATH=/tmp/driver-stub python3 -c "import ctypes, glob, os, torch, vllm; d = os.path.dirname(vllm.__file__); \
+libs = [p for n in ('_C_stable_libtorch', '_moe_C_stable_libtorch') for p in glob.glob(os.path.join(d, n + '.*so'))]; \
+assert len(libs) == 2, 'expected _C_stable_libtorch and _moe_C_stable_libtorch, found: %s' % libs; \
+[(ctypes.CDLL(p, mode=os.RTLD_NOW | os.RTLD_GLOBAL), torch.ops.load_library(p)) for p in libs]; \
+print('loaded, every symbol bound:', *map(os.path.basename, libs))"
 # Non-root at run time; uid 1000 with a writable home for caches (Hugging Face, Triton, JAX).
 # Images FROM torch-base already have it; Ubuntu's images ship user `ubuntu` on uid 1000.
 RUN id -u g5g >/dev/null 2>&1 \

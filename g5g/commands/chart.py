@@ -1,0 +1,31 @@
+"""`build.py chart [--out DIR] [--registry R]`: the serving Helm chart's values for every serving image on every
+profile that deploy/fleet.yaml places (g5g, g4dn), from the same plan the images are built from."""
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+from rich.console import Console
+
+from g5g import REPO_ROOT, chart, manifest
+from g5g.errors import OK
+from g5g.plan import make_plan
+
+console = Console(highlight=False, soft_wrap=True)
+TEMPLATES = REPO_ROOT / "deploy" / "chart" / "templates"
+
+
+def files(registry: str | None = None, manifests: str | None = None, overrides: tuple[str, ...] = ()) -> dict:
+    fleet = chart.load_fleet(REPO_ROOT)
+    mdir = Path(manifests) if manifests else REPO_ROOT / "manifests"
+    plans = [make_plan(manifest.load(mdir, profile=p, overrides=list(overrides)), profile=p, registry=registry,
+                       repo_root=REPO_ROOT) for p in fleet["nodes"]]
+    version = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["version"]
+    return chart.chart_files(plans, fleet, REPO_ROOT, version)
+
+
+def run(args) -> int:
+    out = Path(args.out)
+    for path in chart.write(out, files(args.registry, args.manifests, tuple(args.overrides)), TEMPLATES):
+        console.print(f"wrote {path}", markup=False)
+    return OK
