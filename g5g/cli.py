@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: from its labels)")
     s.add_argument("--profile", default=None, help="profile of IMAGE; a CUDA profile's image gets the GPU "
                    "(default: from its labels)")
+    s.add_argument("--no-gpu", action="store_true", help="run a CUDA profile's image without the GPU: its CUDA "
+                   "build of jax or torch falls back to the CPU (a host with no GPU or no NVIDIA container toolkit)")
     s.add_argument("--model", help="model directory (or Hugging Face cache) to mount into the container")
     s.add_argument("--served-model-name", help="model name to ask for (default: the server's first model)")
     s.add_argument("--prompt", help="chat prompt (default: the runtime's from the manifest)")
@@ -114,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--runtime", help="runtime of IMAGE (default: its label)")
     be.add_argument("--profile", default=None, help="profile of IMAGE; a CUDA profile's image gets the GPU "
                     "(default: its label)")
+    be.add_argument("--no-gpu", action="store_true", help="with --image: run a CUDA profile's image without the "
+                    "GPU (its jax or torch falls back to the CPU)")
     be.add_argument("--expect", help="with --image: regex the answer to --prompt must match before the benchmark "
                     "(default: the runtime manifest's smoke prompt and regex)")
     be.add_argument("--boot-timeout", type=float, default=900.0, help="seconds to wait for IMAGE to be ready")

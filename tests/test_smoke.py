@@ -170,7 +170,8 @@ TIMED = Path(__file__).parent / "fixtures" / "timed_server.py"
 
 @pytest.fixture(scope="session")
 def timed_images(docker_client):
-    """Two images from the local Debian base (python3, no pip): the timed server, and one that dies on start."""
+    """Images from the local Debian base (python3, no pip): the timed server, one that dies on start, and the timed
+    server labelled as a g4dn (CUDA profile) image."""
     import docker
 
     base = None
@@ -186,10 +187,12 @@ def timed_images(docker_client):
     entry = ["python3", "/srv/timed_server.py", "--host", "0.0.0.0", "--port", "8000", "--answer", ANSWER,
              "--health-delay", "1"]
     images = {}
-    for name, extra in (("good", []), ("dies", ["--die-after", "1", "--die-message",
-                                                "RuntimeError: CUDA error: no kernel image is available"])):
+    for name, extra, profile in (("good", [], "cpu"),
+                                 ("dies", ["--die-after", "1", "--die-message",
+                                           "RuntimeError: CUDA error: no kernel image is available"], "cpu"),
+                                 ("g4dn", [], "g4dn")):
         dockerfile = (f"FROM {base}\nCOPY timed_server.py /srv/timed_server.py\n"
-                      "LABEL io.g5g.runtime=pytorch io.g5g.profile=cpu\n"
+                      f"LABEL io.g5g.runtime=pytorch io.g5g.profile={profile}\n"
                       f"ENTRYPOINT {json.dumps(entry + extra)}\n")
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:
@@ -293,6 +296,21 @@ def test_g5g_profile_asks_the_engine_for_the_gpu(timed_images, docker_client):
                                     docker_client=docker_client):
             pytest.skip("this engine has a GPU runtime: the request was granted")
     assert "could not start" in str(failed.value) and "NVIDIA container toolkit" in str(failed.value)
+    assert not _leftovers(docker_client)
+
+
+@pytest.mark.e2e
+def test_no_gpu_runs_a_cuda_profile_image_on_the_cpu(timed_images, docker_client, capsys):
+    """A g4dn image asks for the GPU (refused by an engine without the NVIDIA runtime); --no-gpu runs it without
+    one, as a CUDA build of jax or torch can, and the report says so."""
+    image = timed_images["g4dn"]
+    rc = main(["smoke", image, "--expect", EXPECT, "--timeout", "60"])
+    if rc == 0:
+        pytest.skip("this engine has a GPU runtime: the request was granted")
+    assert rc == 2 and "NVIDIA container toolkit" in err_text(capsys)
+    assert main(["smoke", image, "--no-gpu", "--expect", EXPECT, "--json", "--timeout", "60"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["profile"] == "g4dn" and report["gpu"] is False
     assert not _leftovers(docker_client)
 
 

@@ -48,7 +48,7 @@ def run(args) -> int:
         report = smoke_image(args.image, runtime=args.runtime, profile=args.profile, model=args.model,
                              served_model_name=None, timeout=args.boot_timeout,
                              # --expect pairs with --prompt; alone, neither replaces the manifest's smoke pair
-                             prompt=args.prompt if args.expect else None, expect=args.expect,
+                             prompt=args.prompt if args.expect else None, expect=args.expect, no_gpu=args.no_gpu,
                              after_ready=lambda srv: measure(args, srv.url, srv.model_name, count_tokens))
         if not report["ok"]:
             err.print(f"[bold red]bench: {escape(args.image)} failed before the benchmark:[/] "

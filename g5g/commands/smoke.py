@@ -161,14 +161,17 @@ def image_runtime(image: str, labels: dict, runtime: str | None, profile: str | 
 
 def smoke_image(image: str, *, runtime: str | None, profile: str | None, model: str | None,
                 served_model_name: str | None, prompt: str | None, expect: str | None, timeout: float,
-                max_tokens: int | None = None, after_ready=None) -> dict:
+                max_tokens: int | None = None, after_ready=None, no_gpu: bool = False) -> dict:
     """Boot `image`, check it, remove it. Boot timings: container start → port open → /health 200 → first answer
-    that passed. `after_ready(server)` runs on the live server after a passing check (bench uses it)."""
+    that passed. `after_ready(server)` runs on the live server after a passing check (bench uses it). `no_gpu`:
+    no GPU device request even for a CUDA profile's image (its jax/torch then runs on the CPU)."""
     dc = containers.client()
     runtime, profile, gpu = image_runtime(image, containers.image_labels(dc, image), runtime, profile)
+    gpu = gpu and not no_gpu
     defaults = manifest_defaults(runtime)
     prompt, expect = resolve_check(runtime, prompt, expect, defaults)
-    base = {"image": image, "runtime": runtime, "profile": profile, "url": None, "checks": {}, "answers": {}}
+    base = {"image": image, "runtime": runtime, "profile": profile, "gpu": gpu, "url": None, "checks": {},
+            "answers": {}}
     try:
         with containers.serve_image(image, runtime=runtime, gpu=gpu, model=model,
                                     served_model_name=served_model_name, timeout=timeout,
@@ -197,7 +200,7 @@ def run(args) -> int:
     else:
         report = smoke_image(args.image, runtime=args.runtime, profile=args.profile, model=args.model,
                              served_model_name=args.served_model_name, prompt=args.prompt, expect=args.expect,
-                             timeout=args.timeout, max_tokens=args.max_tokens)
+                             timeout=args.timeout, max_tokens=args.max_tokens, no_gpu=args.no_gpu)
     _print(report, args.json)
     return OK if report["ok"] else FAILED
 
