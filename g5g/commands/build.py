@@ -49,13 +49,15 @@ def secrets(ca_cert: str | None, environ: dict[str, str] | None = None) -> tuple
 
 def plan_from_args(args, push: bool = False, with_secrets: bool = True) -> Plan:
     mdir = Path(args.manifests) if args.manifests else REPO_ROOT / "manifests"
-    m = manifest.load(mdir, profile=args.profile, overrides=args.overrides)
+    rehearse = getattr(args, "rehearse", False)
+    m = manifest.load(mdir, profile=args.profile, overrides=args.overrides, rehearse=rehearse)
     manifest.check_patch_digests(m, REPO_ROOT)
     sec = secrets(ca_cert_path(getattr(args, "ca_cert", None))) if with_secrets else ()
     return make_plan(m, runtime=args.runtime, profile=args.profile, platforms=args.platform,
                      registry=args.registry, out=getattr(args, "out", "build"), push=push,
                      sequential=getattr(args, "sequential", False), secrets=sec, repo_root=REPO_ROOT,
-                     cache=getattr(args, "cache", None), builder=getattr(args, "builder", None))
+                     cache=getattr(args, "cache", None), builder=getattr(args, "builder", None),
+                     rehearse=rehearse)
 
 
 def check_patches(plan: Plan) -> None:
