@@ -12,6 +12,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from g5g import REPO_ROOT, buildx, manifest, patches, render
@@ -126,7 +127,7 @@ def execute(plan: Plan, repo_root: Path, as_json: bool = False) -> int:
     with Live(table(), console=err, refresh_per_second=4, transient=False) as live:
         def on_event(target: str, text: str) -> None:
             if target in state:
-                state[target] = f"building {text}"
+                state[target] = f"building {escape(text)}"
                 live.update(table())
 
         for argv in plan.commands(metadata=meta_rel):
@@ -153,7 +154,7 @@ def execute(plan: Plan, repo_root: Path, as_json: bool = False) -> int:
             t.add_row(img["runtime"], "\n".join(img["tags"]), img["digest"] or "-")
         print_table(console, t)
         if error:
-            err.print(f"[bold red]build failed:[/] {error}", markup=True, highlight=False)
+            err.print(f"[bold red]build failed:[/] {escape(error)}", markup=True, highlight=False)  # pip's extras []
         console.print(f"log: {log_path}" + ("" if rc == 0 else f" (docker buildx bake exited {rc})"))
         if plan.push and rc != 0:
             console.print("nothing was pushed: the push runs only after every image built")
