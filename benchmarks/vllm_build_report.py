@@ -22,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STEP = re.compile(r"^#(\d+) \[(?:(\S+) )?(\S+) (\d+)/(\d+)\] (.*)$")  # "#23 [vllm toolchain 1/6] RUN …"
+STEP = re.compile(r"^#(\d+) \[(?:(\S+) )?(\S+) +(\d+)/(\d+)\] (.*)$")  # "#23 [vllm toolchain 1/6] RUN …", "#13 [vllm torch-base  4/10] …"
 DONE = re.compile(r"^#(\d+) DONE ([\d.]+)s$")
 CACHED = re.compile(r"^#(\d+) CACHED$")
 

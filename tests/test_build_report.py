@@ -105,3 +105,10 @@ def test_a_rehearsals_report_names_its_sample_and_their_cuobjdump(tmp_path):
     assert reh["objects"] == ["cuda_view.cu.o"] and reh["cuda_objects_in_build"] == 78 and reh["sample_wall_s"] == 612
     assert "ELF file    1: x.sm_75.cubin" in reh["cuobjdump_list_elf"]
     assert reh["log"] == ["REHEARSAL: vLLM's CMake configures in full"]
+
+
+def test_stage_times_read_steps_buildkit_pads_to_two_digits():
+    """BuildKit pads the step number when a stage has 10 steps or more: "[vllm torch-base  4/10]" (two spaces)."""
+    log = ("#13 [vllm torch-base  4/10] RUN pip install torch\n#13 DONE 900.5s\n"
+           "#14 [vllm torch-base 10/10] RUN python3 -c 1\n#14 CACHED\n")
+    assert report.stage_times(log) == {"vllm/torch-base": {"wall_s": 900.5, "steps": 1, "cached": 1}}
