@@ -112,3 +112,19 @@ def test_stage_times_read_steps_buildkit_pads_to_two_digits():
     log = ("#13 [vllm torch-base  4/10] RUN pip install torch\n#13 DONE 900.5s\n"
            "#14 [vllm torch-base 10/10] RUN python3 -c 1\n#14 CACHED\n")
     assert report.stage_times(log) == {"vllm/torch-base": {"wall_s": 900.5, "steps": 1, "cached": 1}}
+
+
+def test_rehearsal_report_keeps_the_steps_an_attempt_stopped_on(tmp_path):
+    """benchmarks/rehearsal_report.py: a failed attempt's steps are in the record with how long they had run."""
+    import rehearsal_report as rr
+    log = tmp_path / "bake.log"
+    log.write_text("#13 [vllm torch-base  4/10] RUN pip install torch\n#13 1184.2 Installing collected packages: x\n"
+                   "#13 1657.2 ERROR: Could not install packages due to an OSError: [Errno 28] No space left on device\n"
+                   "#13 ERROR: process \"pip install torch\" did not complete successfully: exit code: 1\n"
+                   "#19 [vllm cuda-check 6/6] RUN nvcc\n#19 41.33 /tmp/cuda-check sass: sm_75 ptx: none\n#19 DONE 41.9s\n"
+                   "ERROR: failed to solve: process \"pip install torch\"\n")
+    a = rr.attempt(log)
+    assert [(s["step"], s["status"], s["wall_s"]) for s in a["steps"]] == [("4/10", "error", 1657.2),
+                                                                          ("6/6", "done", 41.9)]
+    assert "/tmp/cuda-check sass: sm_75 ptx: none" in a["proof"] and a["error"].startswith("ERROR: failed to solve")
+    assert any("No space left on device" in p for p in a["proof"])
