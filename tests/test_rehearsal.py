@@ -137,3 +137,17 @@ def test_hadolint_clean(tmp_path):
         r = subprocess.run([hadolint, "--config", str(REPO / ".hadolint.yaml"), str(path)], capture_output=True,
                            text=True, timeout=60)
         assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("source", ["pypi", "image"])
+def test_the_stand_in_check_reads_a_declared_arch_list(source):
+    """Every ${TORCH_STANDIN_ARCHS} the torch-base stage expands comes after its ARG (an undeclared ARG is empty, and
+    an empty list passed the stand-in check: found with `--set torch-base.profiles.g4dn.source=image`)."""
+    sets = [f"torch-base.profiles.g4dn.source={source}", "torch-base.image=127.0.0.1:5055/g5g-images:torch-base-g4dn"]
+    plan, files = rehearsal("g4dn", sets)
+    text = files[next(i for i in plan.all_images if i.runtime == "torch-base").dockerfile]
+    stage = text.split("AS torch-base", 1)[1]
+    uses = [n for n, ln in enumerate(stage.splitlines()) if "${TORCH_STANDIN_ARCHS}" in ln]
+    arg = next(n for n, ln in enumerate(stage.splitlines()) if ln.startswith("ARG TORCH_STANDIN_ARCHS="))
+    assert uses and arg < min(uses)
+    assert "sys.exit(0 if want and set(want) <= set(flags)" in stage

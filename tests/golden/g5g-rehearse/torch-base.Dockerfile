@@ -55,11 +55,13 @@ ENV PIP_CONSTRAINT=/opt/g5g/constraints.txt
 ENV TORCH_CUDA_ARCH_LIST="7.5"
 # The build fails unless torch carries sm_75 kernels. get_arch_list() is empty without a GPU (none during a build),
 # so read the list it is built on: the arch flags torch was compiled with.
+# (declared again: with `source: image` the check above is not rendered, and an undeclared ARG expands to nothing)
+ARG TORCH_STANDIN_ARCHS="8.0 9.0 10.0 12.0"
 RUN python3 -c "import sys, torch; flags = (getattr(torch._C, '_cuda_getArchFlags', str)() or '').split(); \
 print('torch', torch.__version__, 'arch list:', *flags); \
 print('REHEARSAL: a stand-in torch, sm_75', 'present' if 'sm_75' in flags else 'absent (expected: the compile was cut)'); \
 want = ['sm_' + a.replace('.', '') for a in '${TORCH_STANDIN_ARCHS}'.split()]; \
-sys.exit(0 if set(want) <= set(flags) else 'torch ' + torch.__version__ + ' lacks the stand-in archs ' + ' '.join(want))"
+sys.exit(0 if want and set(want) <= set(flags) else 'torch ' + torch.__version__ + ' lacks the stand-in archs ' + ' '.join(want))"
 # Non-root at run time; uid 1000 with a writable home for caches (Hugging Face, Triton, JAX).
 # Images FROM torch-base already have it; Ubuntu's images ship user `ubuntu` on uid 1000.
 RUN id -u g5g >/dev/null 2>&1 \
