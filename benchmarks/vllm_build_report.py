@@ -71,8 +71,9 @@ def rehearsal(report_dir: Path, build_log: str) -> dict | None:
             "cuda_objects_in_build": int(sample["cuda_objects_in_build"]),
             "sample_wall_s": int(sample["sample_wall_s"]),
             "cuobjdump_list_elf": listing.read_text().splitlines() if listing.is_file() else None,
-            "log": list(dict.fromkeys(re.sub(r"^#\d+ [\d.]+ ", "", ln).strip() for ln in build_log.splitlines()
-                                      if re.search(r"(?i)rehearsal[: ]", ln) and "echo " not in ln))}
+            "log": list(dict.fromkeys(t for ln in build_log.splitlines()
+                                      if (t := re.sub(r"^#\d+ [\d.]+ ", "", ln).strip())
+                                      and re.match(r"(REHEARSAL[: ]|rehearsal: )", t)))}
 
 
 def ninja_units(ninja_log: str) -> list[dict]:
@@ -167,7 +168,8 @@ def markdown(r: dict) -> str:
     what = "the sampled objects" if r.get("rehearsal") else "every .so in the wheel"
     lines += ["", f"cuobjdump over {what}:", "", "| file | SASS | ptx |", "|---|---|---:|"]
     lines += [f"| `{s['so']}` | {' '.join(s['sass']) or 'none'} | {s['ptx']} |" for s in r["sass"]]
-    lines += ["", "```", json.dumps(r.get("image_checks", {}), indent=1)[:4000], "```"]
+    if r.get("image_checks"):
+        lines += ["", "```", json.dumps(r["image_checks"], indent=1)[:4000], "```"]
     return "\n".join(lines) + "\n"
 
 
