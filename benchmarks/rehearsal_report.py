@@ -80,8 +80,9 @@ def sha256(path: Path) -> str:
 
 def markdown(r: dict) -> str:
     out = [f"# {r['title']}", "", f"Project commit `{r['provenance']['project_commit']}`"
-           f"{' (dirty)' if r['provenance']['project_dirty'] else ''}; base image "
-           f"`{(r.get('base_image') or {}).get('ref')}` `{(r.get('base_image') or {}).get('id')}`.", ""]
+           f"{' (dirty)' if r['provenance']['project_dirty'] else ''}; images built FROM: "
+           + ", ".join(f"`{b['ref']}` `{b['id']}`" for b in r["base_images"]) + "; inputs (sha256): "
+           + ", ".join(f"`{k}` `{v}`" for k, v in r["inputs"].items()) + ".", ""]
     for i, a in enumerate(r["attempts"], 1):
         out += [f"## Attempt {i}: `{a['log']}`", "", "| stage | step | s | command |", "|---|---|---:|---|"]
         for s in a["steps"]:
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resolve", type=Path)
     ap.add_argument("--report", type=Path, help="a rehearsal's exported vllm-report stage")
     ap.add_argument("--report-log", type=Path, help="the bake log of --report")
-    ap.add_argument("--base-image")
+    ap.add_argument("--base-image", action="append", default=[], help="an image the runs built FROM (repeatable)")
     ap.add_argument("--input", type=Path, action="append", default=[])
     ap.add_argument("--remaining", action="append", default=[], help="a line on what was not run (repeatable)")
     ap.add_argument("--json", type=Path, required=True)
@@ -118,10 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     r: dict = {"title": a.title, "provenance": vbr.provenance(a.report or Path("/nonexistent"), None),
                "inputs": {p.name: sha256(p) for p in a.input}, "attempts": [attempt(p) for p in a.bake_log]}
-    if a.base_image:
-        d = subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", a.base_image], capture_output=True,
-                           text=True, timeout=60)
-        r["base_image"] = {"ref": a.base_image, "id": d.stdout.strip() or None}
+    r["base_images"] = [{"ref": ref, "id": subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", ref],
+                                                          capture_output=True, text=True, timeout=60).stdout.strip()
+                         or None} for ref in a.base_image]
     if a.resolve:
         r["resolution"] = resolution(a.resolve)
     if a.report and a.report_log:
