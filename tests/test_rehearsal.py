@@ -151,3 +151,18 @@ def test_the_stand_in_check_reads_a_declared_arch_list(source):
     arg = next(n for n, ln in enumerate(stage.splitlines()) if ln.startswith("ARG TORCH_STANDIN_ARCHS="))
     assert uses and arg < min(uses)
     assert "sys.exit(0 if want and set(want) <= set(flags)" in stage
+
+
+def test_inspect_claims_no_coverage_for_a_rehearsal_image():
+    """A rehearsal's torch-base carries the target's arch label (7.5) over a stand-in torch without sm_75: inspect
+    must not say "covers 7.5" (exit 3: cannot tell), and says why."""
+    from g5g import inspect
+    plan, _ = rehearsal()
+    labels = next(i for i in plan.all_images if i.runtime == "torch-base").labels
+    cfg = {"config": {"Env": ["TORCH_CUDA_ARCH_LIST=7.5"], "Labels": labels}}
+    r = inspect.result("reg/g5g-images:torch-base-rehearsal", None, "http", "7.5", {"linux/arm64": cfg})
+    e = r["platforms"]["linux/arm64"]
+    assert e["covered"] is None and "compile cut" in e["rehearsal"] and inspect.exit_code([r]) == inspect.UNKNOWN
+    assert "proves no kernel coverage" in inspect.coverage_note(r)[0]
+    real = {"config": {"Env": ["TORCH_CUDA_ARCH_LIST=7.5"], "Labels": {}}}
+    assert inspect.result("x", None, "http", "7.5", {"linux/arm64": real})["platforms"]["linux/arm64"]["covered"]
