@@ -26,7 +26,7 @@ import vllm_build_report as vbr  # noqa: E402
 
 PROOF = re.compile(r"(Cuda compilation tools|sass: |no device code|CUDA (supported )?target architectures|REHEARSAL|"
                    r"rehearsal:|arch list:|Successfully installed|No space left|Could not find a version|"
-                   r"built for|vllm [0-9.]+ torch|Segmentation fault|MIDR_EL1|uncaught target signal)")
+                   r"built for|vllm [0-9.]+ torch|Segmentation fault|MIDR_EL1|uncaught target signal|^loaded lib|^QEMU_CPU=)")
 WHEEL = re.compile(r"Downloading (\S+\.whl) \(([\d.]+ [kMG]B)\)")
 
 
