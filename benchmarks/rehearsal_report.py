@@ -99,7 +99,7 @@ def markdown(r: dict) -> str:
                 f"{res['distributions']} distributions, all wheels (sdists: {res['sdists'] or 'none'}); newest "
                 f"manylinux tag needs glibc {res['needs_glibc']}.", ""]
     if v := r.get("vllm_report"):
-        out += ["## The rehearsal's vLLM stages, run to the end", "", vbr.markdown(v)]
+        out += [f"## The rehearsal's vLLM stages, run to the end: {r.get('report_note') or ''}", "", vbr.markdown(v)]
     out += ["## Not run here, and what remains", "", *[f"- {x}" for x in r.get("remaining", [])], ""]
     return "\n".join(out) + "\n"
 
@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resolve", type=Path)
     ap.add_argument("--report", type=Path, help="a rehearsal's exported vllm-report stage")
     ap.add_argument("--report-log", type=Path, help="the bake log of --report")
+    ap.add_argument("--report-note", help="where and how --report was made (platform, profile, base)")
     ap.add_argument("--base-image", action="append", default=[], help="an image the runs built FROM (repeatable)")
     ap.add_argument("--input", type=Path, action="append", default=[])
     ap.add_argument("--remaining", action="append", default=[], help="a line on what was not run (repeatable)")
@@ -138,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             "sass": vbr.sass_lines((a.report / "cuobjdump.txt").read_text()),
             "rehearsal": vbr.rehearsal(a.report, log + "\n" + build_log),
             "provenance": vbr.provenance(a.report, None)}
+    r["report_note"] = a.report_note
     r["remaining"] = a.remaining
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(r, indent=2) + "\n")
