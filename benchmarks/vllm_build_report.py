@@ -22,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STEP = re.compile(r"^#(\d+) \[(?:(\S+) )?(\S+) (\d+)/(\d+)\] (.*)$")  # "#23 [vllm toolchain 1/6] RUN …"
+STEP = re.compile(r"^#(\d+) \[(?:(\S+) )?(\S+) +(\d+)/(\d+)\] (.*)$")  # "#23 [vllm toolchain 1/6] RUN …", "#13 [vllm torch-base  4/10] …"
 DONE = re.compile(r"^#(\d+) DONE ([\d.]+)s$")
 CACHED = re.compile(r"^#(\d+) CACHED$")
 
@@ -41,6 +41,39 @@ def stage_times(log: str) -> dict[str, dict]:
         elif (m := CACHED.match(line)) and m.group(1) in steps:
             out[steps[m.group(1)][0]]["cached"] += 1
     return dict(out)
+
+
+def step_times(log: str) -> list[dict]:
+    """Every step BuildKit ran or found cached, in log order: stage, step, the command's start, seconds (None: cached)."""
+    steps: dict[str, dict] = {}
+    for line in log.splitlines():
+        if m := STEP.match(line):
+            steps.setdefault(m.group(1), {"stage": f"{m.group(2) or ''}/{m.group(3)}".lstrip("/"),
+                                          "step": f"{m.group(4)}/{m.group(5)}", "cmd": m.group(6)[:100],
+                                          "wall_s": None, "cached": False})
+        elif (m := DONE.match(line)) and m.group(1) in steps:
+            steps[m.group(1)]["wall_s"] = float(m.group(2))
+        elif (m := CACHED.match(line)) and m.group(1) in steps:
+            steps[m.group(1)]["cached"] = True
+    return [s for s in steps.values() if s["wall_s"] is not None or s["cached"]]
+
+
+def rehearsal(report_dir: Path, build_log: str) -> dict | None:
+    """A rehearsal's sample (build.py --rehearse; dockerfiles/rehearse-cmake.sh): the objects compiled after the full
+    configure, how many CUDA objects the configured build has, the sample's wall time, cuobjdump's ELF listing of
+    each object and what the logs (bake's and the wheel build's) say about the rehearsal. None for a real build."""
+    d = report_dir / "rehearsal"
+    if not d.is_dir():
+        return None
+    sample = dict(ln.split(None, 1) for ln in (d / "sample.txt").read_text().splitlines() if ln.strip())
+    listing = d / "cuobjdump-list.txt"
+    return {"objects": sorted(p.name for p in (d / "objects").glob("*.o")),
+            "cuda_objects_in_build": int(sample["cuda_objects_in_build"]),
+            "sample_wall_s": int(sample["sample_wall_s"]),
+            "cuobjdump_list_elf": listing.read_text().splitlines() if listing.is_file() else None,
+            "log": list(dict.fromkeys(t for ln in build_log.splitlines()
+                                      if (t := re.sub(r"^#\d+ [\d.]+ ", "", ln).strip())
+                                      and re.match(r"(REHEARSAL[: ]|rehearsal: )", t)))}
 
 
 def ninja_units(ninja_log: str) -> list[dict]:
@@ -117,7 +150,7 @@ def image_checks(image: str, sdist_tree: Path | None) -> dict:
 
 
 def markdown(r: dict) -> str:
-    lines = ["## vLLM image build report", ""]
+    lines = ["## vLLM image build report" + (" (rehearsal: build.py --rehearse)" if r.get("rehearsal") else ""), ""]
     lines += ["| stage | wall (s) | steps run | cached |", "|---|---:|---:|---:|"]
     for name, s in sorted(r["stages"].items(), key=lambda kv: -kv[1]["wall_s"]):
         lines.append(f"| {name} | {s['wall_s']} | {s['steps']} | {s['cached']} |")
@@ -127,9 +160,16 @@ def markdown(r: dict) -> str:
     lines += ["", f"ninja: {n['units']} edges, {n['sum_s']} s summed, {n['fa_units']} under vllm-flash-attn/; "
               "the 20 slowest:", "", "| s | output |", "|---:|---|"]
     lines += [f"| {u['seconds']} | `{u['output']}` |" for u in n["slowest"]]
-    lines += ["", "cuobjdump over every .so in the wheel:", "", "| .so | SASS | ptx |", "|---|---|---:|"]
+    if reh := r.get("rehearsal"):
+        lines += ["", f"Rehearsal: {len(reh['objects'])} sampled objects of the build's {reh['cuda_objects_in_build']} "
+                  f"CUDA objects, compiled in {reh['sample_wall_s']} s after the full configure; cuobjdump --list-elf:",
+                  "", "```", *(reh["cuobjdump_list_elf"] or []), "```", "", "What the log says:", "", "```",
+                  *reh["log"], "```"]
+    what = "the sampled objects" if r.get("rehearsal") else "every .so in the wheel"
+    lines += ["", f"cuobjdump over {what}:", "", "| file | SASS | ptx |", "|---|---|---:|"]
     lines += [f"| `{s['so']}` | {' '.join(s['sass']) or 'none'} | {s['ptx']} |" for s in r["sass"]]
-    lines += ["", "```", json.dumps(r.get("image_checks", {}), indent=1)[:4000], "```"]
+    if r.get("image_checks"):
+        lines += ["", "```", json.dumps(r["image_checks"], indent=1)[:4000], "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -143,14 +183,17 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     build_log = (a.report / "build.log").read_text(errors="replace")
     units = ninja_units((a.report / "ninja_log").read_text())
+    log = a.log.read_text(errors="replace")
     r = {
-        "stages": stage_times(a.log.read_text(errors="replace")),
+        "stages": stage_times(log),
+        "steps": step_times(log),
         "build_times": " ".join((a.report / "times.txt").read_text().split()),
         "arch_lines": sorted({ln.split("] ", 1)[-1].strip() for ln in build_log.splitlines()
                               if re.search(r"-- CUDA (supported )?target architectures:", ln)}),
         "ninja": {"units": len(units), "sum_s": round(sum(u["seconds"] for u in units), 1),
                   "fa_units": sum("vllm-flash-attn" in u["output"] for u in units), "slowest": units[:20]},
         "sass": sass_lines((a.report / "cuobjdump.txt").read_text()),
+        "rehearsal": rehearsal(a.report, log + "\n" + build_log),
     }
     r["provenance"] = provenance(a.report, a.image)
     if a.image:

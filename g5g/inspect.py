@@ -26,13 +26,21 @@ PROBE_CODE = ("import json, torch; print(json.dumps({'torch': torch.__version__,
 
 # -- pure: configs → answers -------------------------------------------------------------------------
 
+REHEARSAL_LABEL = "io.g5g.rehearsal"  # g5g/plan.py: a rehearsal's images say what it cut
+
+
 def platform_entry(config: dict, arch: str) -> dict:
     """What one platform's image config says about CUDA archs, and whether `arch` is covered."""
     cfg = config.get("config") or {}
-    found = archlist.find(archlist.env_dict(cfg.get("Env")), cfg.get("Labels") or {})
+    labels = cfg.get("Labels") or {}
+    found = archlist.find(archlist.env_dict(cfg.get("Env")), labels)
     if found is None:
-        return {"cuda_archs": None, "ptx": [], "source": None, "covered": None, "covered_by": None, "raw": None}
-    return entry_from(found, arch)
+        entry = {"cuda_archs": None, "ptx": [], "source": None, "covered": None, "covered_by": None, "raw": None}
+    else:
+        entry = entry_from(found, arch)
+    if REHEARSAL_LABEL in labels:  # build.py --rehearse: the arch list is the target's, the compile was cut
+        entry["rehearsal"], entry["covered"] = labels[REHEARSAL_LABEL], None
+    return entry
 
 
 def entry_from(found: archlist.Found, arch: str) -> dict:
@@ -74,6 +82,8 @@ def coverage_note(inspect_result: dict, arch: str | None = None) -> list[str]:
         elif e["covered"] is False:
             have = " ".join(e["cuda_archs"] or []) or "none"
             lines.append(f"{image} lacks {arch} on {platform} (has {have}, {e['source']}): build from source for it")
+        elif e.get("rehearsal"):
+            lines.append(f"{image} is a rehearsal on {platform} ({e['rehearsal']}): it proves no kernel coverage")
         else:
             lines.append(f"{image}: no CUDA arch list in the {platform} config; `inspect --probe` can ask torch")
     return lines

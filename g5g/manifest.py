@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,6 +213,16 @@ class ProfileSection(_Model):
     source: StrictStr | None = None
 
 
+class Rehearse(_Model):
+    """`build.py --rehearse` (README, "Rehearsing the g5g chain"): every stage for real, the long compile cut to its
+    configure and a sample of objects. What a runtime's rehearsal changes is data: manifest overrides (as --set,
+    applied before the user's), the sampled objects, build args only a rehearsal has."""
+    why: StrictStr  # what the rehearsal cuts or stands in, and why: in the plan and the io.g5g.rehearsal label
+    set: dict[StrictStr, Any] = {}  # DOC.KEY: value, as `--set DOC.KEY=VALUE` (DOC: profile or a runtime)
+    objects: tuple[StrictStr, ...] = ()  # build-system targets compiled instead of everything (ninja's names)
+    args: dict[StrictStr, Value] = {}  # build args only a rehearsal has (the template declares them under `rehearse`)
+
+
 class Runtime(Source):
     runtime: StrictStr
     description: StrictStr
@@ -234,6 +245,7 @@ class Runtime(Source):
     serve_args: tuple[StrictStr, ...] = ()
     port: Annotated[StrictInt, _check(lambda p: 1 <= p <= 65535, "{v} is not a TCP port")] = 8000
     smoke: Smoke | None = None
+    rehearse: Rehearse | None = None  # build.py --rehearse; without it the image builds as always
     _file: str = PrivateAttr("")
 
     @property
@@ -256,8 +268,9 @@ class Runtime(Source):
         src = self.source_for(profile)
         return (f"sources.{src}.", self.sources[src]) if src else ("", self)
 
-    def resolve(self, profile: Profile, base: str | None) -> Resolved:
-        """Evaluate the expressions of the profile's source. base: the tag of the runtime it is built FROM."""
+    def resolve(self, profile: Profile, base: str | None, rehearse: bool = False) -> Resolved:
+        """Evaluate the expressions of the profile's source. base: the tag of the runtime it is built FROM.
+        rehearse: add the build args of the runtime's `rehearse` section."""
         prefix, src = self.build_for(profile.name)
         ns = {"profile": profile, "pins": self.pins_for(profile.name), "runtime": self}
 
@@ -271,6 +284,10 @@ class Runtime(Source):
                                                                 profile.name, hint=src_name)
         ns["base"] = from_image
         args = {k: v for k, e in src.args.items() if (v := value(f"args.{k}", e)) is not None}
+        if rehearse and self.rehearse:
+            prefix, outer = "rehearse.", prefix
+            args |= {k: v for k, e in self.rehearse.args.items() if (v := value(f"args.{k}", e)) is not None}
+            prefix = outer
         # A pin that only unused args read (rust with the Rust frontend off; torch-base's CUDA wheels for a source
         # other than `build`) is not in the image: no label claims it. Pins no arg reads (e.g. transformers) stay.
         def read(exprs) -> set[str]:
@@ -496,11 +513,16 @@ def names(manifest_dir: str | Path, kind: str) -> list[str]:
     return sorted(p.stem for p in (Path(manifest_dir) / kind).glob("*.yaml"))
 
 
-def load(manifest_dir: str | Path, profile: str | None = None, overrides: list[str] | None = None) -> Manifests:
+def load(manifest_dir: str | Path, profile: str | None = None, overrides: list[str] | None = None,
+         rehearse: bool = False) -> Manifests:
     """Load and validate every manifest (or only `profile` among the profiles); raise UserError on the first problem.
 
     overrides: `DOC.KEY=VALUE` strings applied before validation; DOC is `profile` (the chosen profile) or a runtime.
+    rehearse: apply the runtimes' rehearse.set overrides first (build.py --rehearse); `overrides` still win.
     """
+    if rehearse:
+        first = rehearsal_overrides(load(manifest_dir, profile, overrides))
+        return load(manifest_dir, profile, first + list(overrides or []))
     root = Path(manifest_dir)
     if not root.is_dir():
         raise UserError(f"{root}: manifest directory not found")
@@ -565,7 +587,12 @@ def _check_consistency(m: Manifests) -> None:
                 if got != want:
                     raise UserError(f"{rt.file}: {key}: {got} differs from {base_name}'s {pin} {want} "
                                     f"for profile {prof.name} ({base.file})")
-            rt.resolve(prof, base="" if base else None)
+            rt.resolve(prof, base="" if base else None, rehearse=True)
+
+
+def rehearsal_overrides(m: Manifests) -> list[str]:
+    """What `build.py --rehearse` sets before the user's --set: every runtime's rehearse.set, as DOC.KEY=VALUE."""
+    return [f"{k}={json.dumps(v)}" for rt in m.runtimes.values() if rt.rehearse for k, v in rt.rehearse.set.items()]
 
 
 def check_patch_digests(manifests: Manifests, repo_root: str | Path) -> None:

@@ -41,8 +41,9 @@ class ImagePlan:
     cache_mode: str = "max"  # registry cache export (the runtime's cache_mode)
 
     def contract(self, commands: list[list[str]]) -> dict:
-        """The `--dry-run --json` entry (docs/CONTRACTS.md)."""
-        return {
+        """The `--dry-run --json` entry (docs/CONTRACTS.md); a rehearsal adds `rehearse`."""
+        rehearse = self.context_vars.get("rehearse")
+        return ({"rehearse": rehearse} if rehearse is not None else {}) | {
             "runtime": self.runtime,
             "tags": list(self.tags),
             "platforms": list(self.platforms),
@@ -67,6 +68,7 @@ class Plan:
     templates: str = ""  # the template directory searched first (the manifests' repository), before ours
     cache: str | None = None  # registry repository of layer caches, one tag per bake target (REPO:<target>)
     builder: str | None = None  # buildx builder that runs the bakes (`docker buildx ls`); None: the current one
+    rehearse: bool = False  # build.py --rehearse: the long compiles cut (the runtimes' rehearse sections)
 
     @property
     def bake_file(self) -> str:
@@ -137,6 +139,7 @@ class Plan:
     def to_json(self) -> dict:
         return {
             "profile": self.profile.name,
+            **({"rehearse": True} if self.rehearse else {}),
             "images": [i.contract(self.image_commands(i)) for i in self.images],
             "files": [i.dockerfile for i in self.all_images] + [self.bake_file],
             "commands": self.commands(),
@@ -153,12 +156,13 @@ def serving_requirements(repo_root: Path, extra: str = "serving") -> tuple[str, 
         raise UserError(f"{path}: project.optional-dependencies.{extra}: cannot read it ({e})") from None
 
 
-def _tags(registry: str, runtime: str, version: str, profile: Profile) -> tuple[str, ...]:
+def _tags(registry: str, runtime: str, version: str, profile: Profile, rehearse: bool = False) -> tuple[str, ...]:
     """REG/g5g-images:vllm-0.33.0-cu130-sm75 + REG/g5g-images:vllm (g5g); other profiles add their tag suffix:
-    …:vllm-0.33.0-cu130-sm75-g4dn + …:vllm-g4dn, …:jax-0.10.2-cpu + …:jax-cpu."""
+    …:vllm-0.33.0-cu130-sm75-g4dn + …:vllm-g4dn, …:jax-0.10.2-cpu + …:jax-cpu. A rehearsal's images end in
+    -rehearsal: never mistaken for (or pushed over) the real ones."""
     repo = f"{registry}/{IMAGE_NAME}"
     v = version.split("+")[0]
-    suffix = profile.suffix
+    suffix = profile.suffix + ("-rehearsal" if rehearse else "")
     if profile.cuda:
         cu = "cu" + profile.cuda.version.replace(".", "")
         sm = "sm" + "-".join(a.replace(".", "") for a in profile.cuda.archs)
@@ -188,13 +192,13 @@ def _requirements(rt: Runtime, pins: dict[str, str], repo_root: Path) -> list[st
 
 
 def _image(manifests: Manifests, profile: Profile, name: str, tags: dict[str, tuple[str, ...]],
-           platforms: tuple[str, ...], out: str, repo_root: Path) -> ImagePlan:
+           platforms: tuple[str, ...], out: str, repo_root: Path, rehearse: bool = False) -> ImagePlan:
     """One image, from its runtime manifest: what it is built FROM, its build args and contexts (Runtime.resolve)."""
     rt = manifests.runtimes[name]
     pins = rt.pins_for(profile.name)
     version = pins[rt.version_pin]
     base = manifests.base(rt, profile.name)
-    build = rt.resolve(profile, tags[base.name][0] if base else None)
+    build = rt.resolve(profile, tags[base.name][0] if base else None, rehearse=rehearse)
     archs = " ".join(profile.cuda.archs) if profile.cuda else ""
     upstream = _upstream(rt, profile, build)
     patches = tuple({"path": p.path, "sha256": p.sha256} for p in rt.patches)
@@ -210,6 +214,12 @@ def _image(manifests: Manifests, profile: Profile, name: str, tags: dict[str, tu
         "io.g5g.upstream": json.dumps(upstream, sort_keys=True, separators=(",", ":")),
         "io.g5g.patches": json.dumps([dict(p) for p in patches], separators=(",", ":")),
     }
+    # A rehearsal: what it cut (the runtime's rehearse.why), or that it is built on a rehearsal's images.
+    rehearsal = None
+    if rehearse:
+        rehearsal = {"why": rt.rehearse.why if rt.rehearse else "no rehearse section: built as always",
+                     "objects": list(rt.rehearse.objects) if rt.rehearse else []}
+        labels["io.g5g.rehearsal"] = rehearsal["why"]
     # Build args: exactly the ARGs the image's Dockerfile declares (a render test holds us to it).
     args = build.args
     for k in args:
@@ -222,7 +232,7 @@ def _image(manifests: Manifests, profile: Profile, name: str, tags: dict[str, tu
     while base:  # and what that one is built FROM, and so on
         depends, base = (base.name, *depends), manifests.base(base, profile.name)
     ctx_vars = {"source": build.source, "serve_args": list(rt.serve_args), "port": rt.port,
-                "requirements": _requirements(rt, pins, repo_root)}
+                "requirements": _requirements(rt, pins, repo_root), "rehearse": rehearsal}
     origin = build.context_expr or ""
     origin = (f"{profile.source}: {origin.removeprefix('profile.')}" if re.match(r"^profile\.[\w.]+$", origin)
               else f"{rt.file}: context")
@@ -236,7 +246,7 @@ def _image(manifests: Manifests, profile: Profile, name: str, tags: dict[str, tu
 def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", platforms: str | None = None,
               registry: str | None = None, out: str = "build", push: bool = False, sequential: bool = False,
               secrets: tuple[str, ...] = (), repo_root: Path | None = None, cache: str | None = None,
-              builder: str | None = None) -> Plan:
+              builder: str | None = None, rehearse: bool = False) -> Plan:
     """Every input explicit; the result depends on nothing else.
 
     repo_root: where pyproject.toml (the serving extra) lives; default: the manifest directory's parent."""
@@ -276,9 +286,9 @@ def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", 
         raise UserError(f"--runtime {runtime} --profile {profile}: {runtime} needs CUDA (needs_cuda in {rt.file} or "
                         f"what it is built FROM); the {profile} profile has none and builds {', '.join(names)}: "
                         "use a profile with cuda")
-    tags = {n: _tags(reg, n, manifests.runtimes[n].pins_for(profile)[manifests.runtimes[n].version_pin], prof)
-            for n in names}
-    every = tuple(_image(manifests, prof, n, tags, plats, out, root) for n in names)
+    tags = {n: _tags(reg, n, manifests.runtimes[n].pins_for(profile)[manifests.runtimes[n].version_pin], prof,
+                     rehearse) for n in names}
+    every = tuple(_image(manifests, prof, n, tags, plats, out, root, rehearse) for n in names)
     selected = every if runtime == "all" else tuple(i for i in every if i.runtime == runtime)
     if not selected:
         raise UserError(f"--runtime {runtime}: unknown runtime (known: {', '.join(names)}, all)")
@@ -286,4 +296,4 @@ def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", 
                 secrets=tuple(secrets),
                 all_images=tuple(i for i in every if i in selected or any(i.target in s.depends_on for s in selected)),
                 bases=tuple(n for n in names if any(i.depends_on and i.depends_on[-1] == n for i in every)),
-                templates=str(root / "dockerfiles"), cache=cache, builder=builder)
+                templates=str(root / "dockerfiles"), cache=cache, builder=builder, rehearse=rehearse)

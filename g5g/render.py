@@ -28,7 +28,8 @@ def _env(plan: Plan) -> jinja2.Environment:
 
 def dockerfile(plan: Plan, image: ImagePlan) -> str:
     text = _env(plan).get_template(image.template).render(
-        image=image, profile=plan.profile, requirements=image.context_vars.get("requirements", []))
+        image=image, profile=plan.profile, requirements=image.context_vars.get("requirements", []),
+        rehearse=image.context_vars.get("rehearse"))
     lines = [ln.rstrip() for ln in text.strip("\n").splitlines()]
     out: list[str] = []
     for ln in lines:  # collapse runs of blank lines left by template blocks

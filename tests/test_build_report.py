@@ -80,3 +80,51 @@ def test_main_reads_vllms_arch_lines_and_binds_the_report_to_commit_wheel_and_so
     p = r["provenance"]
     assert len(p["project_commit"]) == 40 and p["wheels"] == {"vllm-0.33.0-cp38-abi3-linux_x86_64.whl": "ab" * 32}
     assert p["sources"]["cutlass"]["ref"] == "v4.7.0"
+    assert r["rehearsal"] is None and [s["wall_s"] for s in r["steps"]] == [185.0, None, 3120.1, 0.1]
+
+
+def test_a_rehearsals_report_names_its_sample_and_their_cuobjdump(tmp_path):
+    """build.py --rehearse leaves report/rehearsal/ (rehearse-cmake.sh + the vllm-build stage): the report says what
+    was sampled, out of how many CUDA objects, and what cuobjdump listed."""
+    rep = tmp_path / "report"
+    (rep / "rehearsal" / "objects").mkdir(parents=True)
+    (rep / "rehearsal" / "objects" / "cuda_view.cu.o").write_bytes(b"\x7fELF")
+    (rep / "rehearsal" / "sample.txt").write_text("cuda_objects_in_build 78\nsample_wall_s 612\n")
+    (rep / "rehearsal" / "cuobjdump-list.txt").write_text("== cuda_view.cu.o\nELF file    1: x.sm_75.cubin\n")
+    (rep / "build.log").write_text("#36 9.0 REHEARSAL: vLLM's CMake configures in full\n"
+                                   "#36 12.0   -- CUDA supported target architectures: 7.5\n")
+    (rep / "ninja_log").write_text(NINJA_LOG)
+    (rep / "times.txt").write_text("wall_s 900\n")
+    (rep / "cuobjdump.txt").write_text("./cuda_view.cu.o sass: sm_75 ptx: none\n")
+    log = tmp_path / "bake.log"
+    log.write_text(BAKE_LOG)
+    out = tmp_path / "r.json"
+    assert report.main(["--log", str(log), "--report", str(rep), "--json", str(out)]) == 0
+    import json
+    reh = json.loads(out.read_text())["rehearsal"]
+    assert reh["objects"] == ["cuda_view.cu.o"] and reh["cuda_objects_in_build"] == 78 and reh["sample_wall_s"] == 612
+    assert "ELF file    1: x.sm_75.cubin" in reh["cuobjdump_list_elf"]
+    assert reh["log"] == ["REHEARSAL: vLLM's CMake configures in full"]
+
+
+def test_stage_times_read_steps_buildkit_pads_to_two_digits():
+    """BuildKit pads the step number when a stage has 10 steps or more: "[vllm torch-base  4/10]" (two spaces)."""
+    log = ("#13 [vllm torch-base  4/10] RUN pip install torch\n#13 DONE 900.5s\n"
+           "#14 [vllm torch-base 10/10] RUN python3 -c 1\n#14 CACHED\n")
+    assert report.stage_times(log) == {"vllm/torch-base": {"wall_s": 900.5, "steps": 1, "cached": 1}}
+
+
+def test_rehearsal_report_keeps_the_steps_an_attempt_stopped_on(tmp_path):
+    """benchmarks/rehearsal_report.py: a failed attempt's steps are in the record with how long they had run."""
+    import rehearsal_report as rr
+    log = tmp_path / "bake.log"
+    log.write_text("#13 [vllm torch-base  4/10] RUN pip install torch\n#13 1184.2 Installing collected packages: x\n"
+                   "#13 1657.2 ERROR: Could not install packages due to an OSError: [Errno 28] No space left on device\n"
+                   "#13 ERROR: process \"pip install torch\" did not complete successfully: exit code: 1\n"
+                   "#19 [vllm cuda-check 6/6] RUN nvcc\n#19 41.33 /tmp/cuda-check sass: sm_75 ptx: none\n#19 DONE 41.9s\n"
+                   "ERROR: failed to solve: process \"pip install torch\"\n")
+    a = rr.attempt(log)
+    assert [(s["step"], s["status"], s["wall_s"]) for s in a["steps"]] == [("4/10", "error", 1657.2),
+                                                                          ("6/6", "done", 41.9)]
+    assert "/tmp/cuda-check sass: sm_75 ptx: none" in a["proof"] and a["error"].startswith("ERROR: failed to solve")
+    assert any("No space left on device" in p for p in a["proof"])

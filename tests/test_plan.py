@@ -344,3 +344,18 @@ def test_a_registry_cache_gives_every_target_its_own_tag_read_always_written_on_
 def test_a_cache_reference_with_a_tag_or_bad_characters_is_refused(cpu, cache):
     with pytest.raises(UserError, match=r"--cache .*: expected a registry repository without a tag"):
         make_plan(cpu, profile="cpu", cache=cache)
+
+
+def test_a_failed_builds_error_line_is_printed_as_written(cpu, tmp_path, monkeypatch, capsys):
+    """BuildKit's error quotes the RUN line: pip's extras (`cuda-toolkit[nvcc,cccl]`) are text, not rich markup."""
+    line = 'ERROR: process "pip install \\"cuda-toolkit[nvcc,cccl,crt,nvvm,cudart]==13.0.3\\"" did not complete'
+
+    def fake_bake(argv, repo_root, log_path, targets, on_event):
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path.write_text(line + "\n")
+        on_event(targets[0], "[pytorch 2/5] RUN pip install x[y]")
+        return 1
+    monkeypatch.setattr(build_cmd.buildx, "run_bake", fake_bake)
+    plan = make_plan(cpu, runtime="pytorch", profile="cpu", out=str(tmp_path / "out"))
+    assert build_cmd.execute(plan, REPO) == 1
+    assert "cuda-toolkit[nvcc,cccl,crt,nvvm,cudart]==13.0.3" in capsys.readouterr().err

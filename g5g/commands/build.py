@@ -12,6 +12,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from g5g import REPO_ROOT, buildx, manifest, patches, render
@@ -49,13 +50,15 @@ def secrets(ca_cert: str | None, environ: dict[str, str] | None = None) -> tuple
 
 def plan_from_args(args, push: bool = False, with_secrets: bool = True) -> Plan:
     mdir = Path(args.manifests) if args.manifests else REPO_ROOT / "manifests"
-    m = manifest.load(mdir, profile=args.profile, overrides=args.overrides)
+    rehearse = getattr(args, "rehearse", False)
+    m = manifest.load(mdir, profile=args.profile, overrides=args.overrides, rehearse=rehearse)
     manifest.check_patch_digests(m, REPO_ROOT)
     sec = secrets(ca_cert_path(getattr(args, "ca_cert", None))) if with_secrets else ()
     return make_plan(m, runtime=args.runtime, profile=args.profile, platforms=args.platform,
                      registry=args.registry, out=getattr(args, "out", "build"), push=push,
                      sequential=getattr(args, "sequential", False), secrets=sec, repo_root=REPO_ROOT,
-                     cache=getattr(args, "cache", None), builder=getattr(args, "builder", None))
+                     cache=getattr(args, "cache", None), builder=getattr(args, "builder", None),
+                     rehearse=rehearse)
 
 
 def check_patches(plan: Plan) -> None:
@@ -124,7 +127,7 @@ def execute(plan: Plan, repo_root: Path, as_json: bool = False) -> int:
     with Live(table(), console=err, refresh_per_second=4, transient=False) as live:
         def on_event(target: str, text: str) -> None:
             if target in state:
-                state[target] = f"building {text}"
+                state[target] = f"building {escape(text)}"
                 live.update(table())
 
         for argv in plan.commands(metadata=meta_rel):
@@ -151,7 +154,7 @@ def execute(plan: Plan, repo_root: Path, as_json: bool = False) -> int:
             t.add_row(img["runtime"], "\n".join(img["tags"]), img["digest"] or "-")
         print_table(console, t)
         if error:
-            err.print(f"[bold red]build failed:[/] {error}", markup=True, highlight=False)
+            err.print(f"[bold red]build failed:[/] {escape(error)}", markup=True, highlight=False)  # pip's extras []
         console.print(f"log: {log_path}" + ("" if rc == 0 else f" (docker buildx bake exited {rc})"))
         if plan.push and rc != 0:
             console.print("nothing was pushed: the push runs only after every image built")

@@ -1,0 +1,154 @@
+"""What a `build.py --rehearse` run proved, stage by stage, bound to what it ran on.
+
+    python benchmarks/rehearsal_report.py --bake-log build/logs/bake-….log [--bake-log …] \
+        [--resolve aarch64-resolve.json] [--report DIR --report-log LOG] [--base-image REF] [--input FILE…] \
+        --json benchmarks/results/g5g_rehearsal.json [--md benchmarks/results/g5g_rehearsal.md]
+
+--bake-log: each attempt's plain BuildKit log (build.py writes them under <out>/logs/), in order: every step with its
+time or "cached", the lines that prove something (nvcc's version, check-sass.sh's verdicts, CMake's arch lines, the
+rehearsal's own lines), the wheels pip took for the platform, and the error the attempt stopped on.
+--resolve: `pip install --dry-run --report` of the runtime stage's requirement set for the target platform.
+--report/--report-log: a rehearsal's exported vllm-report stage and its bake log (benchmarks/vllm_build_report.py).
+--input: files the run used (wheels, sdists), recorded by sha256. Nothing here needs Docker but --base-image.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vllm_build_report as vbr  # noqa: E402
+
+PROOF = re.compile(r"(Cuda compilation tools|sass: |no device code|CUDA (supported )?target architectures|REHEARSAL|"
+                   r"rehearsal:|arch list:|Successfully installed|No space left|Could not find a version|"
+                   r"built for|vllm [0-9.]+ torch|Segmentation fault|MIDR_EL1|uncaught target signal|^loaded lib|^QEMU_CPU=)")
+WHEEL = re.compile(r"Downloading (\S+\.whl) \(([\d.]+ [kMG]B)\)")
+
+
+def steps(log: str) -> list[dict]:
+    """Every step BuildKit started: done (its time), cached, or stopped (error/canceled: seconds it had run)."""
+    out: dict[str, dict] = {}
+    for line in log.splitlines():
+        if m := vbr.STEP.match(line):
+            out.setdefault(m.group(1), {"stage": f"{m.group(2) or ''}/{m.group(3)}".lstrip("/"),
+                                        "step": f"{m.group(4)}/{m.group(5)}", "cmd": m.group(6)[:100],
+                                        "status": "started", "wall_s": None})
+        elif (m := re.match(r"^#(\d+) (DONE ([\d.]+)s|CACHED|ERROR|CANCELED)", line)) and m.group(1) in out:
+            st = out[m.group(1)]
+            st["status"] = m.group(2).split()[0].lower()
+            if m.group(3):
+                st["wall_s"] = float(m.group(3))
+        elif (m := re.match(r"^#(\d+) ([\d.]+) ", line)) and m.group(1) in out and out[m.group(1)]["status"] == "started":
+            out[m.group(1)]["wall_s"] = float(m.group(2))  # still running: the last time it printed
+    return [s for s in out.values() if s["status"] != "started" or s["wall_s"] is not None]
+
+
+def attempt(log_path: Path) -> dict:
+    """One bake: its steps, the lines that prove something, the wheels pip downloaded, the error it stopped on."""
+    log = log_path.read_text(errors="replace")
+    proof = []
+    for line in log.splitlines():
+        m = re.match(r"^#\d+ [\d.]+ (.*)$", line)
+        if m and PROOF.search(m.group(1)) and m.group(1).strip() not in proof:
+            proof.append(m.group(1).strip()[:300])
+    return {"log": log_path.name, "steps": steps(log), "stages": vbr.stage_times(log), "proof": proof,
+            "wheels_downloaded": sorted({f"{w} ({s})" for w, s in WHEEL.findall(log)}),
+            "error": next((ln.strip()[:400] for ln in reversed(log.splitlines()) if ln.startswith("ERROR:")), None)}
+
+
+def resolution(path: Path) -> dict:
+    """pip's --dry-run --report: how many distributions, which files for the platform, the newest manylinux tag."""
+    r = json.loads(path.read_text())
+    files = sorted(i["download_info"]["url"].rsplit("/", 1)[-1] for i in r["install"])
+    tags = [tuple(map(int, t)) for f in files for t in re.findall(r"manylinux_(\d+)_(\d+)_", f)]
+    return {"distributions": len(files), "needs_glibc": "%d.%d" % max(tags) if tags else None,
+            "sdists": [f for f in files if not f.endswith(".whl")], "files": files}
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def markdown(r: dict) -> str:
+    out = [f"# {r['title']}", "", f"Project commit `{r['provenance']['project_commit']}`"
+           f"{' (dirty)' if r['provenance']['project_dirty'] else ''}; images built FROM: "
+           + ", ".join(f"`{b['ref']}` `{b['id']}`" for b in r["base_images"]) + "; inputs (sha256): "
+           + ", ".join(f"`{k}` `{v}`" for k, v in r["inputs"].items()) + ".", ""]
+    for i, a in enumerate(r["attempts"], 1):
+        out += [f"## Attempt {i}: `{a['log']}`", "", "| stage | step | s | command |", "|---|---|---:|---|"]
+        for s in a["steps"]:
+            t = s["wall_s"] if s["status"] == "done" else f"{s['status']} {s['wall_s'] or ''}".strip()
+            if not s["stage"].endswith("internal"):
+                out.append(f"| {s['stage']} | {s['step']} | {t} | `{s['cmd'][:70].replace('|', '/')}` |")
+        out += ["", "What it printed that proves something:", "", "```", *a["proof"], "```"]
+        if a["wheels_downloaded"]:
+            out += ["", f"Wheels pip took for the platform ({len(a['wheels_downloaded'])}): "
+                    + ", ".join(f"`{w}`" for w in a["wheels_downloaded"])]
+        out += ["", f"Stopped on: `{a['error'][:200]}…`" if a["error"] else "Completed.", ""]
+    if res := r.get("resolution"):
+        out += ["## The runtime stage's requirement set, resolved for the platform", "",
+                f"{res['distributions']} distributions, all wheels (sdists: {res['sdists'] or 'none'}); newest "
+                f"manylinux tag needs glibc {res['needs_glibc']}.", ""]
+    if v := r.get("vllm_report"):
+        out += [f"## The rehearsal's vLLM stages, run to the end: {r.get('report_note') or ''}", "", vbr.markdown(v)]
+    out += ["## Not run here, and what remains", "", *[f"- {x}" for x in r.get("remaining", [])], ""]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--title", default="g5g rehearsal (build.py --runtime vllm --rehearse), linux/arm64")
+    ap.add_argument("--bake-log", type=Path, action="append", default=[], required=True)
+    ap.add_argument("--resolve", type=Path)
+    ap.add_argument("--report", type=Path, help="a rehearsal's exported vllm-report stage")
+    ap.add_argument("--report-log", type=Path, help="the bake log of --report")
+    ap.add_argument("--report-note", help="where and how --report was made (platform, profile, base)")
+    ap.add_argument("--base-image", action="append", default=[], help="an image the runs built FROM (repeatable)")
+    ap.add_argument("--input", type=Path, action="append", default=[])
+    ap.add_argument("--remaining", action="append", default=[], help="a line on what was not run (repeatable)")
+    ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("--md", type=Path)
+    a = ap.parse_args(argv)
+    r: dict = {"title": a.title, "provenance": vbr.provenance(a.report or Path("/nonexistent"), None),
+               "inputs": {p.name: sha256(p) for p in a.input}, "attempts": [attempt(p) for p in a.bake_log]}
+    r["base_images"] = [{"ref": ref, "id": subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", ref],
+                                                          capture_output=True, text=True, timeout=60).stdout.strip()
+                         or None} for ref in a.base_image]
+    if a.resolve:
+        r["resolution"] = resolution(a.resolve)
+    if a.report and a.report_log:
+        build_log = (a.report / "build.log").read_text(errors="replace")
+        log = a.report_log.read_text(errors="replace")
+        units = vbr.ninja_units((a.report / "ninja_log").read_text())
+        r["vllm_report"] = {
+            "stages": vbr.stage_times(log), "steps": vbr.step_times(log),
+            "build_times": " ".join((a.report / "times.txt").read_text().split()),
+            "arch_lines": sorted({ln.strip() for ln in build_log.splitlines()
+                                  if re.search(r"-- CUDA (supported )?target architectures:", ln)}),
+            "ninja": {"units": len(units), "sum_s": round(sum(u["seconds"] for u in units), 1),
+                      "fa_units": sum("vllm-flash-attn" in u["output"] for u in units), "slowest": units[:20]},
+            "sass": vbr.sass_lines((a.report / "cuobjdump.txt").read_text()),
+            "rehearsal": vbr.rehearsal(a.report, log + "\n" + build_log),
+            "provenance": vbr.provenance(a.report, None)}
+    r["report_note"] = a.report_note
+    r["remaining"] = a.remaining
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps(r, indent=2) + "\n")
+    text = markdown(r)
+    if a.md:
+        a.md.write_text(text)
+    sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
