@@ -325,11 +325,8 @@ def test_vllm_build_checks_sass_cmake_archs_and_loads_the_extensions(profile):
         stages(profile, "torch-base")["torch-base"])
 
 
-def test_the_cmake_line_the_build_reads_is_the_one_vllm_prints(tmp_path):
-    sdist = REPO / ".cache/vllm-sdist/vllm-0.33.0.tar.gz"
-    if not sdist.is_file():
-        pytest.skip(f"vLLM 0.33.0 sdist not cached at {sdist} (run `build.py patches verify`)")
-    with tarfile.open(sdist) as t:
+def test_the_cmake_line_the_build_reads_is_the_one_vllm_prints(tmp_path, vllm_sdist):
+    with tarfile.open(vllm_sdist.path) as t:   # the pinned sdist, cached or fetched (tests/fixtures/vllm_sdist.py)
         cmake = t.extractfile("vllm-0.33.0/CMakeLists.txt").read().decode()
     assert 'message(STATUS "CUDA supported target architectures: ${CUDA_ARCHS}")' in cmake
     step = next(c.value[0] for c in stages("g5g", "vllm")["vllm-build"] if "got=$(" in c.value[0])
@@ -357,11 +354,8 @@ def test_nvcc_threads_above_one_with_one_arch_is_refused():
 
 # --- review defect 8: nothing may replace torch; no label for what is not built --------------------------------------------
 
-def test_torchcodec_and_every_torch_requirement_leave_vllms_requirements(tmp_path):
-    sdist = REPO / ".cache/vllm-sdist/vllm-0.33.0.tar.gz"
-    if not sdist.is_file():
-        pytest.skip(f"vLLM 0.33.0 sdist not cached at {sdist} (run `build.py patches verify`)")
-    with tarfile.open(sdist) as t:
+def test_torchcodec_and_every_torch_requirement_leave_vllms_requirements(tmp_path, vllm_sdist):
+    with tarfile.open(vllm_sdist.path) as t:   # the pinned sdist, cached or fetched (tests/fixtures/vllm_sdist.py)
         members = [m for m in t.getmembers() if m.name.startswith(("vllm-0.33.0/requirements/",
                                                                    "vllm-0.33.0/tools/use_existing_torch.py",
                                                                    "vllm-0.33.0/pyproject.toml"))]
