@@ -14,7 +14,6 @@ rehearsal's own lines), the wheels pip took for the platform, and the error the 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import re
 import subprocess
@@ -23,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_build_report as vbr  # noqa: E402
+from image_proof import sha256_file as sha256  # noqa: E402
 
 PROOF = re.compile(r"(Cuda compilation tools|sass: |no device code|CUDA (supported )?target architectures|REHEARSAL|"
                    r"rehearsal:|arch list:|Successfully installed|No space left|Could not find a version|"
@@ -68,14 +68,6 @@ def resolution(path: Path) -> dict:
     tags = [tuple(map(int, t)) for f in files for t in re.findall(r"manylinux_(\d+)_(\d+)_", f)]
     return {"distributions": len(files), "needs_glibc": "%d.%d" % max(tags) if tags else None,
             "sdists": [f for f in files if not f.endswith(".whl")], "files": files}
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def markdown(r: dict) -> str:
