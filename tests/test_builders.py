@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 from g5g import buildx, manifest, render
 from g5g.errors import UserError
 from g5g.plan import make_plan
+from tests.fixtures.scratch_repo import repo_with_runtime
 from tests.fixtures.engine import engine_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -151,12 +151,7 @@ def test_an_unknown_builder_stops_the_build_in_one_line(two_builders):
 def test_the_bake_runs_on_the_named_builder(in_second, tmp_path):
     """Our argv, with --builder, through the real buildx: the named builder builds; another is buildx's error (so
     the flag reaches buildx, not only our preflight)."""
-    root = tmp_path / "repo"
-    shutil.copytree(REPO / "manifests", root / "manifests")
-    shutil.copy(REPO / "pyproject.toml", root)
-    (root / "manifests/runtimes/tiny.yaml").write_text(TINY_MANIFEST)
-    (root / "dockerfiles").mkdir()
-    (root / "dockerfiles/tiny.Dockerfile.j2").write_text(TINY_TEMPLATE)
+    root = repo_with_runtime(tmp_path / "repo", "tiny", TINY_MANIFEST, TINY_TEMPLATE)
     m = manifest.load(root / "manifests", profile="cpu")
     for builder, error in ((SECOND, None), ("default", "use `docker --context=default buildx`"),
                            ("g5g-missing", 'no builder "g5g-missing" found')):

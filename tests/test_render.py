@@ -18,6 +18,7 @@ import pytest
 from g5g import manifest, render
 from g5g.errors import UserError
 from g5g.plan import make_plan
+from tests.fixtures.scratch_repo import repo_with_runtime
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -312,12 +313,7 @@ ENTRYPOINT ["llama-server", "--host", "0.0.0.0", "--port", "{{ image.context_var
 
 @pytest.mark.parametrize("profile", ["g5g", "g4dn", "cpu"])
 def test_a_new_runtime_is_a_manifest_and_a_template(profile, tmp_path):
-    root = tmp_path / "repo"
-    shutil.copytree(REPO / "manifests", root / "manifests")
-    shutil.copy(REPO / "pyproject.toml", root)
-    (root / "manifests/runtimes/llama-cpp.yaml").write_text(LLAMA_MANIFEST)
-    (root / "dockerfiles").mkdir()
-    (root / "dockerfiles/llama-cpp.Dockerfile.j2").write_text(LLAMA_TEMPLATE)
+    root = repo_with_runtime(tmp_path / "repo", "llama-cpp", LLAMA_MANIFEST, LLAMA_TEMPLATE)
     plan = make_plan(manifest.load(root / "manifests", profile=profile), profile=profile)
     assert [i.runtime for i in plan.images][-1] == "llama-cpp"
     img = plan.images[-1]
