@@ -17,7 +17,6 @@ from g5g.errors import UserError
 
 SUBCOMMANDS = ("build", "generate", "chart", "doctor", "inspect", "smoke", "bench", "serve", "patches", "quantize",
                "fits")
-MODULES = {"fits": "quantize"}      # subcommands that share a module
 # The runtimes are the manifests (runtimes/*.yaml): the planner checks --runtime against those of --manifests.
 RUNTIMES = sorted(p.stem for p in (REPO_ROOT / "manifests" / "runtimes").glob("*.yaml"))
 PROFILES = sorted(p.stem for p in (REPO_ROOT / "manifests" / "profiles").glob("*.yaml"))
@@ -196,7 +195,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
-    module = importlib.import_module(f"g5g.commands.{MODULES.get(args.command, args.command)}")
+    module = importlib.import_module(f"g5g.commands.{args.command}")
     try:
         return module.run(args)
     except UserError as e:
