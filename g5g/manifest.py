@@ -274,20 +274,18 @@ class Runtime(Source):
         prefix, src = self.build_for(profile.name)
         ns = {"profile": profile, "pins": self.pins_for(profile.name), "runtime": self}
 
-        def value(key: str, v: When) -> str | None:
-            if not self._eval(f"{prefix}{key}.if", v.if_, ns, profile.name, test=True):
+        def value(key: str, v: When) -> str | None:   # key: where the expression is, for errors
+            if not self._eval(f"{key}.if", v.if_, ns, profile.name, test=True):
                 return None
-            return self._eval(f"{prefix}{key}", v.value, ns, profile.name)
+            return self._eval(key, v.value, ns, profile.name)
 
         src_name = self.source_for(profile.name) or ""
         from_image = base if src.from_.runtime else self._eval(f"{prefix}from.image", src.from_.image, ns,
                                                                 profile.name, hint=src_name)
         ns["base"] = from_image
-        args = {k: v for k, e in src.args.items() if (v := value(f"args.{k}", e)) is not None}
+        args = {k: v for k, e in src.args.items() if (v := value(f"{prefix}args.{k}", e)) is not None}
         if rehearse and self.rehearse:
-            prefix, outer = "rehearse.", prefix
-            args |= {k: v for k, e in self.rehearse.args.items() if (v := value(f"args.{k}", e)) is not None}
-            prefix = outer
+            args |= {k: v for k, e in self.rehearse.args.items() if (v := value(f"rehearse.args.{k}", e)) is not None}
         # A pin that only unused args read (rust with the Rust frontend off; torch-base's CUDA wheels for a source
         # other than `build`) is not in the image: no label claims it. Pins no arg reads (e.g. transformers) stay.
         def read(exprs) -> set[str]:
@@ -295,7 +293,7 @@ class Runtime(Source):
         every = [e.value for s in (self, *self.sources.values()) for e in (*s.args.values(), *s.contexts.values())]
         unused = read(every) - read([e.value for k, e in src.args.items() if k in args]
                                     + [e.value for e in src.contexts.values()] + list(src.upstream.values()))
-        contexts = {k: v for k, e in src.contexts.items() if (v := value(f"contexts.{k}", e)) is not None}
+        contexts = {k: v for k, e in src.contexts.items() if (v := value(f"{prefix}contexts.{k}", e)) is not None}
         context = src.context and self._eval(f"{prefix}context", src.context, ns, profile.name)
         upstream = {k: self._eval(f"{prefix}upstream.{k}", e, ns, profile.name) for k, e in src.upstream.items()}
         copy = tuple(c.path for c in self.copy_ if self._eval("copy.if", c.if_, ns, profile.name, test=True))
