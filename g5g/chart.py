@@ -17,7 +17,6 @@ from g5g.containers import server_command
 from g5g.errors import UserError
 from g5g.plan import ImagePlan, Plan
 
-SERVING_RUNTIMES = ("vllm", "jax", "pytorch")  # the images that serve (torch-base is only built FROM)
 CHART_NAME = "g5g-serving"
 ARCH = {"linux/arm64": "arm64", "linux/amd64": "amd64"}
 MODEL = "gemma-4-E2B-it"
@@ -99,7 +98,8 @@ def values(image: ImagePlan, plan: Plan, fleet: dict, repo_root: Path) -> dict:
         "instanceTypes": list(fleet["nodes"][profile]["instance_types"]),
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
         "resources": {"limits": {"nvidia.com/gpu": 1}, "requests": dict(fleet["resources"]["requests"])},
-        "compileCache": {"path": "", "claimName": ""},
+        # a runtime's compile cache (fleet.yaml compile_cache; the image's own cache dir): a restart boots warm
+        "compileCache": {"path": fleet.get("compile_cache", {}).get(image.runtime, ""), "claimName": ""},
         "service": {"type": "ClusterIP", "port": 80},
         "podDisruptionBudget": {"enabled": True, "maxUnavailable": 1},
         "podMonitor": {"enabled": False, "interval": "15s"},
@@ -107,8 +107,6 @@ def values(image: ImagePlan, plan: Plan, fleet: dict, repo_root: Path) -> dict:
                         "pollingInterval": 15, "cooldownPeriod": 300,
                         "prometheusServer": "http://prometheus-operated.monitoring.svc:9090"},
     }
-    if image.runtime == "jax":  # XLA's compile cache (the image's G5G_JAX_CACHE_DIR): a restart boots warm
-        out["compileCache"]["path"] = "/home/g5g/.cache/g5g-jax"
     return out
 
 
@@ -122,7 +120,7 @@ def chart_files(plans: list[Plan], fleet: dict, repo_root: Path, version: str) -
                        "vLLM, JAX or PyTorch images from g5g-images"}, sort_keys=False)}
     for plan in plans:
         for image in plan.images:
-            if image.runtime in SERVING_RUNTIMES:
+            if image.runtime in fleet["boot"]:   # the images that serve: those with a measured boot
                 v = values(image, plan, fleet, repo_root)
                 text = header + yaml.safe_dump(v, sort_keys=False)
                 files[f"values-{image.runtime}-{plan.profile.name}.yaml"] = text
