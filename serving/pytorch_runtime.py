@@ -301,13 +301,14 @@ def _dequantised(model_dir: Path, num_bits: int, dtype) -> dict[str, torch.Tenso
     sd: dict[str, torch.Tensor] = {}
     for f in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
-            names = set(st.keys())
-            for name in names:
+            def get(n: str) -> np.ndarray:        # scales fp16, shapes int64
+                return st.get_tensor(n).numpy()
+
+            for name in st.keys():
                 if not name.startswith("model.language_model."):
                     continue
                 key = "model." + name.removeprefix("model.language_model.")
                 if name.endswith("_packed"):
-                    get = lambda n: st.get_tensor(n).numpy()  # noqa: E731 (scales fp16, shapes int64)
                     w = quantized.dequantise_named(get, name.removesuffix("_packed"), num_bits)
                     sd[key.removesuffix("_packed")] = torch.from_numpy(w).to(dtype)
                 elif not name.endswith(quantized.SUFFIXES):
