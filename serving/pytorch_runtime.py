@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from serving import memory_plan, quantized
+from serving import memory_plan, packed_matmul, quantized
 from serving.engine import SamplingParams, TokenLogprobs
 from serving.structured import MASKED
 
@@ -293,27 +293,30 @@ def slots_from_env(env=os.environ, device_type: str = "cpu") -> int:
     return int(text)
 
 
-def _dequantised(model_dir: Path, num_bits: int, dtype) -> dict[str, torch.Tensor]:
-    """The text weights of a compressed-tensors checkpoint, named as Gemma4ForCausalLM's; the packed ones as
-    `dtype` (cast one by one: host memory holds one float32 weight at a time beyond the result)."""
+def _quantised_text(model_dir: Path, dtype) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
+    """A compressed-tensors checkpoint's text weights named as Gemma4ForCausalLM's, and its packed linears as
+    {module path: (packed words, scales, in_features)} for packed_matmul.pack_model. The state dict holds an
+    uninitialised `dtype` stand-in for each packed weight: from_pretrained wants a tensor there, and the module
+    is replaced before it is ever read."""
     from safetensors import safe_open
 
     sd: dict[str, torch.Tensor] = {}
+    packed: dict[str, tuple] = {}
     for f in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
-            def get(n: str) -> np.ndarray:        # scales fp16, shapes int64
-                return st.get_tensor(n).numpy()
-
             for name in st.keys():
                 if not name.startswith("model.language_model."):
                     continue
                 key = "model." + name.removeprefix("model.language_model.")
-                if name.endswith("_packed"):
-                    w = quantized.dequantise_named(get, name.removesuffix("_packed"), num_bits)
-                    sd[key.removesuffix("_packed")] = torch.from_numpy(w).to(dtype)
+                if name.endswith(".weight_packed"):
+                    base = name.removesuffix("_packed")
+                    out, cols = (int(v) for v in st.get_tensor(base + "_shape"))
+                    sd[key.removesuffix("_packed")] = torch.empty((out, cols), dtype=dtype)
+                    packed[key.removesuffix(".weight_packed")] = (st.get_tensor(name), st.get_tensor(base + "_scale"),
+                                                                  cols)
                 elif not name.endswith(quantized.SUFFIXES):
                     sd[key] = st.get_tensor(name)
-    return sd
+    return sd, packed
 
 
 def load(model_dir: str | Path, device: str | None = None, max_context: int | None = None,
@@ -336,10 +339,12 @@ def load(model_dir: str | Path, device: str | None = None, max_context: int | No
     hf_logging.set_verbosity_error()     # the towers' tensors are "unexpected" for a text model, by design
     qargs = quantized.weight_args({"quantization_config": getattr(config, "quantization_config", None)})
     try:
-        if qargs:    # compressed-tensors: dequantised here (transformers' integration keeps bf16/fp16 mixed on CPU)
+        if qargs:    # compressed-tensors: the packed linears stay packed (serving/packed_matmul.py)
+            state, packed = _quantised_text(model_dir, dtype)
             model, info = Gemma4ForCausalLM.from_pretrained(
-                None, config=text_config, dtype=dtype, state_dict=_dequantised(model_dir, qargs["num_bits"], dtype),
-                output_loading_info=True)
+                None, config=text_config, dtype=dtype, state_dict=state, output_loading_info=True)
+            del state
+            packed_matmul.pack_model(model, packed, qargs["num_bits"], dtype)
         else:
             model, info = Gemma4ForCausalLM.from_pretrained(
                 model_dir, config=text_config, dtype=dtype, key_mapping=_TEXT_PREFIX, output_loading_info=True)

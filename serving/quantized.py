@@ -1,10 +1,10 @@
-"""Read compressed-tensors "pack-quantized" weights (tools/quantize.py writes them) back to floats, in numpy.
+"""Read compressed-tensors "pack-quantized" weights (tools/quantize.py writes them), in numpy: as the signed
+integers and scales the runtimes keep on the device (`unpack`; their matmuls dequantise inside the product:
+serving/packed_matmul.py for PyTorch, jax_runtime/model.py's `matmul` for JAX), or back to floats (`dequantise`).
 
-Both runtimes dequantise at load (the JAX runtime has no torch; the PyTorch runtime serves float weights): memory
-and bandwidth then are those of the 16-bit model. A kernel that reads the packed weights inside the matmul is
-GPU work not done here. Only what tools/quantize.py writes is accepted: symmetric int4/int8, one scale per
-output channel or per group, values packed little-endian into int32 words with an offset of 2**(bits-1)
-(compressed-tensors' pack_to_int32; tests/test_quantize.py checks this reader against its decompress).
+Only what tools/quantize.py writes is accepted: symmetric int4/int8, one scale per output channel or per group,
+values packed little-endian into int32 words with an offset of 2**(bits-1) (compressed-tensors' pack_to_int32;
+tests/test_quantize.py checks this reader against its decompress).
 """
 from __future__ import annotations
 
@@ -37,17 +37,29 @@ def weight_args(raw: dict) -> dict | None:
     return w
 
 
-def dequantise(packed: np.ndarray, scale: np.ndarray, shape, num_bits: int) -> np.ndarray:
-    """float32 [out, in] from int32 words [out, ceil(in*bits/32)] and scales [out, groups] (groups = 1: channel)."""
+def unpack(packed: np.ndarray, shape, num_bits: int) -> np.ndarray:
+    """int8 [out, in] (values in [-2**(bits-1), 2**(bits-1))) from int32 words [out, ceil(in*bits/32)]."""
     out, cols = (int(s) for s in shape)
     b = np.ascontiguousarray(packed).astype("<i4", copy=False).view(np.uint8).reshape(out, -1)
     if num_bits == 4:
         b = np.stack([b & 0xF, b >> 4], axis=-1).reshape(out, -1)
-    q = b[:, :cols].astype(np.int16) - (1 << (num_bits - 1))
+    return (b[:, :cols].astype(np.int16) - (1 << (num_bits - 1))).astype(np.int8)
+
+
+def group_size(scale: np.ndarray, cols: int) -> int:
+    """Inputs per scale of a weight with `cols` inputs and scales [out, groups] (cols: one scale per channel)."""
+    groups = np.shape(scale)[1]
+    if cols % groups:
+        raise QuantizedCheckpointError(f"scales {np.shape(scale)} do not divide a weight of {cols} inputs")
+    return cols // groups
+
+
+def dequantise(packed: np.ndarray, scale: np.ndarray, shape, num_bits: int) -> np.ndarray:
+    """float32 [out, in] from int32 words [out, ceil(in*bits/32)] and scales [out, groups] (groups = 1: channel)."""
+    q = unpack(packed, shape, num_bits)
+    out, cols = q.shape
     s = np.asarray(scale, np.float32)
-    group = cols // s.shape[1]
-    if group * s.shape[1] != cols:
-        raise QuantizedCheckpointError(f"scales {s.shape} do not divide a weight of {cols} inputs")
+    group = group_size(s, cols)
     return (q.reshape(out, s.shape[1], group) * s[:, :, None]).reshape(out, cols)
 
 

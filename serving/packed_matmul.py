@@ -1,0 +1,137 @@
+"""Weight-only int8/int4 linear layers for the PyTorch runtime: the weights stay on the device as the checkpoint
+packs them, and a decode step's matmul unpacks and scales them inside the product (a Triton kernel that reads
+each packed byte once), so a token streams about 1/2 (int8) or 1/4 (int4) of the 16-bit weight bytes.
+
+The layout is compressed-tensors' "pack-quantized" one (serving/quantized.py) read as bytes: weight [out, in] as
+uint8 [out, in * bits / 8], input 2j in the low nibble of byte j for int4, every value stored with an offset of
+2**(bits-1); scales [out, groups] (one group: a scale per output channel).
+
+Rows beyond KERNEL_MAX_ROWS (a prefill) and any CPU tensor take the plain path: the layer's weight dequantised
+once, then cuBLAS / the CPU's matmul; those are bound by compute, not by the weight bytes.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+KERNEL_MAX_ROWS = 16        # the kernel's row block: a decode step of up to 16 sequences
+# (BLOCK_N, BLOCK_K, num_warps) per bits, chosen on the H200 by benchmarks/packed_matmul_bench.py.
+KERNEL_CONFIG = {8: (32, 256, 4), 4: (32, 256, 4)}
+
+
+class PackedLinear(torch.nn.Module):
+    """nn.Linear's forward (no bias) over a packed weight; buffers move with .to() like a Linear's weight."""
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, in_features: int, bits: int, dtype):
+        super().__init__()
+        if bits not in KERNEL_CONFIG:
+            raise ValueError(f"{bits}-bit weights: only {sorted(KERNEL_CONFIG)} are served")
+        out = packed.shape[0]
+        self.register_buffer("packed", packed.contiguous().view(torch.uint8).reshape(out, -1)[:, :in_features * bits // 8])
+        self.register_buffer("scale", scale.to(dtype).contiguous())
+        self.in_features, self.out_features, self.bits = in_features, out, bits
+        if in_features % self.scale.shape[1]:
+            raise ValueError(f"scales {tuple(scale.shape)} do not divide a weight of {in_features} inputs")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, " \
+               f"group={self.in_features // self.scale.shape[1]}"
+
+    def dequantised(self, dtype) -> torch.Tensor:
+        """The [out, in] weight in `dtype`."""
+        b = self.packed
+        if self.bits == 4:
+            b = torch.stack([b & 0xF, b >> 4], dim=-1).reshape(self.out_features, -1)
+        q = (b.to(torch.int16) - (1 << (self.bits - 1))).to(dtype)
+        groups = self.scale.shape[1]
+        return (q.reshape(self.out_features, groups, -1) * self.scale.to(dtype)[:, :, None]).reshape(q.shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if x.is_cuda and rows <= KERNEL_MAX_ROWS:
+            y = packed_mm(x.reshape(rows, self.in_features), self.packed, self.scale, self.bits)
+            return y.reshape(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.dequantised(x.dtype))
+
+
+def packed_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bits: int,
+              config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] (M <= KERNEL_MAX_ROWS) @ W.T with W [N, K] packed as PackedLinear keeps it -> [M, N] in x's dtype."""
+    import triton     # only here: a CPU-only install never needs it
+
+    m, k = x.shape
+    n = packed.shape[0]
+    block_n, block_k, warps = config or KERNEL_CONFIG[bits]
+    groups = scale.shape[1]
+    group = k // groups
+    if m > KERNEL_MAX_ROWS or (groups > 1 and block_k % group and group % block_k):
+        raise ValueError(f"packed_mm: {m} rows / group {group} against block {block_k}")
+    x = x.contiguous()
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _kernel()[(triton.cdiv(n, block_n),)](
+        x, packed, scale, y, m, n, k, group, x.stride(0), packed.stride(0), scale.stride(0), y.stride(0),
+        BITS=bits, PER_CHANNEL=groups == 1, BLOCK_M=KERNEL_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps)
+    return y
+
+
+_KERNEL = None
+
+
+def _kernel():
+    """The Triton kernel, defined on first use (TRITON_INTERPRET, read when a kernel is defined, then applies)."""
+    global _KERNEL
+    if _KERNEL is None:
+        _KERNEL = _define()
+    return _KERNEL
+
+
+def _define():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def packed_mm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, GROUP, stride_xm, stride_wn, stride_sn, stride_ym,
+                         BITS: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # One program: BLOCK_N output columns for every row, walking K; each packed byte is loaded once.
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        per_byte: tl.constexpr = 8 // BITS
+        bk: tl.constexpr = BLOCK_K // per_byte            # bytes of one row per step
+        rb = tl.arange(0, bk)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
+                        mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+            b = tl.load(w_ptr + rn[:, None] * stride_wn + (k0 // per_byte + rb)[None, :],
+                        mask=(rn[:, None] < N) & ((k0 // per_byte + rb)[None, :] < K // per_byte), other=0)
+            if BITS == 4:       # byte j: input 2j low nibble, 2j+1 high nibble
+                b = tl.reshape(tl.join(b & 0xF, b >> 4), (BLOCK_N, BLOCK_K))
+            w = (b.to(tl.int32) - (1 << (BITS - 1))).to(x.dtype)
+            if not PER_CHANNEL:
+                s = tl.load(s_ptr + rn[:, None] * stride_sn + (rk // GROUP)[None, :],
+                            mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+                w = w * s
+            acc += tl.dot(x, tl.trans(w))
+        if PER_CHANNEL:
+            acc *= tl.load(s_ptr + rn * stride_sn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    return packed_mm_kernel
+
+
+def pack_model(model: torch.nn.Module, packed: dict[str, tuple[torch.Tensor, torch.Tensor, int]], bits: int,
+               dtype) -> int:
+    """Replace each Linear named in `packed` ({module path: (packed int32 words, scales, in_features)}) by a
+    PackedLinear; returns how many were replaced."""
+    for path, (words, scale, in_features) in packed.items():
+        parent, _, child = path.rpartition(".")
+        owner = model.get_submodule(parent)
+        old = getattr(owner, child)
+        if not isinstance(old, torch.nn.Linear) or old.bias is not None or old.in_features != in_features:
+            raise ValueError(f"{path}: not a bias-free Linear of {in_features} inputs ({old})")
+        setattr(owner, child, PackedLinear(words, scale, in_features, bits, dtype))
+    return len(packed)
