@@ -168,8 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--max-model-len", type=int, required=True, help="context per sequence, as the servers take it")
     ft.add_argument("--slots", type=int, default=1, help="sequences held at once (default: 1)")
     ft.add_argument("--runtime", choices=("vllm", "jax", "pytorch"), default="vllm",
-                    help="with --model: vllm holds packed weights and the towers; jax and pytorch dequantise at "
-                    "load (16-bit weights) and skip the towers (default: vllm)")
+                    help="with --model: vllm loads the vision/audio towers too; jax and pytorch serve the text "
+                    "model only (default: vllm)")
     ft.add_argument("--gpu", choices=("t4g", "t4"), default="t4g", help="target GPU (15 360 MiB; default: t4g)")
     ft.add_argument("--overhead-mib", type=int, default=1024,
                     help="CUDA context, workspaces, activations (default: 1024, a stated allowance)")

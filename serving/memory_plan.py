@@ -204,8 +204,9 @@ def plan(raw: dict, scheme: str, max_model_len: int, slots: int, gpu_mib: int = 
                 kv=slots * max_model_len * per_tok, overhead=overhead_mib * MIB, gpu=gpu_mib * MIB)
 
 
-# Runtimes that dequantise at load (serving/quantized.py) and never load the towers: weights resident in 16 bits.
-DEQUANTISING = ("jax", "pytorch")
+# Runtimes that serve the text model only: the vision/audio towers are never loaded. Packed weights stay packed in
+# every runtime (vLLM's Marlin, our PackedLinear and JAX's model.Packed).
+TEXT_ONLY = ("jax", "pytorch")
 
 
 def plan_checkpoint(model_dir: Path, scheme: str | None, max_model_len: int, slots: int, runtime: str = "vllm",
@@ -214,8 +215,8 @@ def plan_checkpoint(model_dir: Path, scheme: str | None, max_model_len: int, slo
     (compressed-tensors config → w8a16/w4a16, else fp16), as `runtime` holds it in memory."""
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     tensors, towers = checkpoint_tensors(model_dir)
-    if runtime in DEQUANTISING:
-        scheme, towers = "fp16", 0
+    if runtime in TEXT_ONLY:
+        towers = 0
     packed = {n.removesuffix("_packed"): s for n, s in tensors.items() if n.endswith(".weight_packed")}
     if packed:   # a quantised checkpoint: plan on the unpacked shapes (weight_shape) under its scheme
         tensors = {n: s for n, s in tensors.items() if not n.endswith(("_packed", "_scale", "_shape"))}

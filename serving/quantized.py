@@ -61,8 +61,3 @@ def dequantise(packed: np.ndarray, scale: np.ndarray, shape, num_bits: int) -> n
     s = np.asarray(scale, np.float32)
     group = group_size(s, cols)
     return (q.reshape(out, s.shape[1], group) * s[:, :, None]).reshape(out, cols)
-
-
-def dequantise_named(get, name: str, num_bits: int) -> np.ndarray:
-    """`name` (a `….weight`) from its `name_packed`, `name_scale` and `name_shape` through get(tensor name)."""
-    return dequantise(get(name + "_packed"), get(name + "_scale"), get(name + "_shape"), num_bits)

@@ -257,3 +257,39 @@ def test_servers_answer_from_the_int8_checkpoint(tiny_quantised, runtime):
         r = requests.post(f"{srv.url}/v1/chat/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == ANSWER
+
+
+@pytest.mark.parametrize("scheme", sorted(BOUNDS))
+def test_runtimes_hold_the_packed_weights_the_plan_counts(tiny_quantised, scheme):
+    """Neither runtime dequantises at load: every packed linear stays int8/int4 (PyTorch: PackedLinear over the
+    checkpoint's bytes; JAX: model.Packed of int8/int4), and the bytes they hold for the text model are the plan's."""
+    import jax
+    import ml_dtypes
+
+    from serving import pytorch_runtime
+    from serving.jax_runtime import checkpoint, config, model
+    from serving.packed_matmul import PackedLinear
+
+    out = tiny_quantised[1][scheme]
+    bits = memory_plan.SCHEMES[scheme][0]
+    n_packed = sum(k.endswith("_packed") for k in memory_plan.safetensors_headers(out))
+    plan = memory_plan.plan_checkpoint(out, None, 64, 1, runtime="pytorch")
+
+    torch_model = pytorch_runtime.load(out, device="cpu", slots=1).model
+    layers = [m for m in torch_model.modules() if isinstance(m, PackedLinear)]
+    assert len(layers) == n_packed and all(m.bits == bits for m in layers)
+    # the plan counts fp16 scales and 16-bit everything else; the CPU runtime holds float32: compare packed bytes
+    assert sum(m.packed.numel() for m in layers) == sum(
+        r * c * bits // 8 for r, c in (memory_plan.text_tensors(json.loads((out / "config.json").read_text()))
+                                       [n.removeprefix("model.language_model.").removesuffix("_packed")]
+                                       for n in memory_plan.safetensors_headers(out) if n.endswith("_packed")))
+
+    cfg = config.load(out)
+    params = checkpoint.load_params(out, cfg, np.float16)
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, model.Packed))
+    packed = [p for p in leaves if isinstance(p, model.Packed)]
+    assert len(packed) == n_packed
+    assert {p.q.dtype for p in packed} == {np.dtype(ml_dtypes.int4 if bits == 4 else np.int8)}
+    held = sum(x.size * (bits / 8 if x.dtype == ml_dtypes.int4 or x.dtype == np.int8 else x.itemsize)
+               for x in jax.tree.leaves(params))
+    assert held == plan.weights

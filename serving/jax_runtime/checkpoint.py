@@ -20,6 +20,7 @@ import numpy as np
 from serving import quantized
 
 from .config import CheckpointError, TextConfig
+from .model import Packed
 
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -131,8 +132,8 @@ def load_params(model_dir: Path, cfg: TextConfig, dtype, workers: int | None = N
     """
     pending: list[Future] = []
     with ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
-        params = _read_params(Path(model_dir), cfg, lambda src, transpose=False: _converted(
-            pool, pending, src, np.dtype(dtype), transpose))
+        params = _read_params(Path(model_dir), cfg, lambda src, transpose=False, to=None: _converted(
+            pool, pending, src, np.dtype(to or dtype), transpose))
         for task in pending:
             task.result()
     return params
@@ -147,9 +148,7 @@ def _read_params(model_dir: Path, cfg: TextConfig, convert) -> dict:
 
     def raw(key: str, shape: tuple | None = None) -> np.ndarray:
         full = prefix + key
-        if qargs and full not in names and full + "_packed" in names:   # compressed-tensors: dequantised here
-            arr = quantized.dequantise_named(st.get, full, qargs["num_bits"])
-        elif full not in names:
+        if full not in names:
             raise CheckpointError(f"{model_dir}: tensor {full!r} missing from the checkpoint")
         else:
             arr = st.get(full)
@@ -162,12 +161,21 @@ def _read_params(model_dir: Path, cfg: TextConfig, convert) -> dict:
             return convert(np.asarray(optional_default, np.float32))
         return convert(raw(key, shape))
 
-    def linear(key: str, n_in: int, n_out: int | None = None) -> np.ndarray:
-        w = raw(key)
+    def linear(key: str, n_in: int, n_out: int | None = None):
+        """[in, out] of a linear weight: an array, or model.Packed for a compressed-tensors packed one."""
+        full = prefix + key
+        packed = qargs and full not in names and full + "_packed" in names
+        w = quantized.unpack(st.get(full + "_packed"), st.get(full + "_shape"), qargs["num_bits"]) if packed \
+            else raw(key)
         if w.ndim != 2 or w.shape[1] != n_in or (n_out is not None and w.shape[0] != n_out):
-            raise CheckpointError(f"{model_dir}: tensor {prefix + key!r} has shape {w.shape}, expected "
+            raise CheckpointError(f"{model_dir}: tensor {full!r} has shape {w.shape}, expected "
                                   f"[{n_out if n_out is not None else 'N'}, {n_in}]")
-        return convert(w, transpose=True)
+        if not packed:
+            return convert(w, transpose=True)
+        scale = st.get(full + "_scale")
+        quantized.group_size(scale, n_in)          # refuses scales that do not divide the inputs
+        q_type = ml_dtypes.int4 if qargs["num_bits"] == 4 else np.int8
+        return Packed(convert(w, transpose=True, to=q_type), convert(scale, transpose=True))
 
     d, h, v = cfg.hidden_size, cfg.num_heads, cfg.vocab_size
     embed = get("embed_tokens.weight", (v, d))
@@ -200,7 +208,7 @@ def _read_params(model_dir: Path, cfg: TextConfig, convert) -> dict:
             "gate": linear(pre + "mlp.gate_proj.weight", d),
             "layer_scalar": get(pre + "layer_scalar", (1,), optional_default=[1.0]),
         }
-        ff = lp["gate"].shape[1]
+        ff = (lp["gate"].q if isinstance(lp["gate"], Packed) else lp["gate"]).shape[1]
         lp["up"] = linear(pre + "mlp.up_proj.weight", d, ff)
         lp["down"] = linear(pre + "mlp.down_proj.weight", ff, d)
         if spec.kv_source == i:  # shared layers have no k/v weights of their own (any in the file are unused)

@@ -16,6 +16,8 @@ written yet (or a previous sequence's) are always masked.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -23,6 +25,25 @@ from .config import TextConfig
 
 F32 = jnp.float32
 NEG = -1e30  # mask value (finite: a fully masked row must not produce NaNs in padded rows)
+
+
+class Packed(NamedTuple):
+    """A weight-only quantised linear weight (serving/quantized.py): q int8 or int4 [in, out], scale [groups, out]
+    (groups = 1: one scale per output channel; else one per `in // groups` inputs)."""
+    q: jax.Array
+    scale: jax.Array
+
+
+def matmul(x, w):
+    """x @ w for a 16-bit weight or a Packed one. The packed weight is converted inside the product: XLA fuses the
+    convert (and the group scales) into the dot's operand, so the bytes read are the packed ones."""
+    if not isinstance(w, Packed):
+        return x @ w
+    groups, out = w.scale.shape
+    if groups == 1:                       # per channel: scale the product's columns
+        return (x @ w.q.astype(x.dtype)) * w.scale[0].astype(x.dtype)
+    deq = w.q.astype(x.dtype).reshape(groups, -1, out) * w.scale[:, None, :].astype(x.dtype)
+    return x @ deq.reshape(w.q.shape)
 
 
 def rms_norm(x, w, eps):
@@ -80,11 +101,11 @@ def _embed(cfg: TextConfig, params, tokens):
 def _qkv(cfg: TextConfig, spec, lp, x, cos, sin, own_kv: bool):
     """Projections of normed hidden states x [T, D]: q [T, H, hd] and, for KV-owning layers, k, v [T, kvh, hd]."""
     t, hd, kvh = x.shape[0], spec.head_dim, spec.num_kv_heads
-    q = _rope(rms_norm((x @ lp["q"]).reshape(t, cfg.num_heads, hd), lp["q_norm"], cfg.rms_norm_eps), cos, sin)
+    q = _rope(rms_norm(matmul(x, lp["q"]).reshape(t, cfg.num_heads, hd), lp["q_norm"], cfg.rms_norm_eps), cos, sin)
     if not own_kv:
         return q, None, None
-    k_raw = (x @ lp["k"]).reshape(t, kvh, hd)
-    v_raw = k_raw if spec.k_eq_v else (x @ lp["v"]).reshape(t, kvh, hd)
+    k_raw = matmul(x, lp["k"]).reshape(t, kvh, hd)
+    v_raw = k_raw if spec.k_eq_v else matmul(x, lp["v"]).reshape(t, kvh, hd)
     k = _rope(rms_norm(k_raw, lp["k_norm"], cfg.rms_norm_eps), cos, sin)
     v = rms_norm(v_raw, None, cfg.rms_norm_eps)
     return q, k, v
@@ -105,13 +126,13 @@ def _attend(q, k, v, mask):
 def _finish_layer(cfg: TextConfig, lp, h, attn, ple):
     """Everything after attention: o_proj, norms, residuals, MLP, per-layer input, layer scalar."""
     eps = cfg.rms_norm_eps
-    h = h + rms_norm(attn @ lp["o"], lp["post_attn_ln"], eps)
+    h = h + rms_norm(matmul(attn, lp["o"]), lp["post_attn_ln"], eps)
     x = rms_norm(h, lp["pre_ff_ln"], eps)
-    x = (_act(cfg, x @ lp["gate"]) * (x @ lp["up"])) @ lp["down"]
+    x = matmul(_act(cfg, matmul(x, lp["gate"])) * matmul(x, lp["up"]), lp["down"])
     h = h + rms_norm(x, lp["post_ff_ln"], eps)
     if ple is not None:
-        g = _act(cfg, h @ lp["ple_gate"]) * ple
-        h = h + rms_norm(g @ lp["ple_proj"], lp["ple_ln"], eps)
+        g = _act(cfg, matmul(h, lp["ple_gate"])) * ple
+        h = h + rms_norm(matmul(g, lp["ple_proj"]), lp["ple_ln"], eps)
     return h * lp["layer_scalar"]
 
 
