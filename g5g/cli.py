@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(a plan: nothing is started; exit 1 when it does not fit)")
     src = ft.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint directory (config.json and safetensors headers are read)")
-    src.add_argument("--shape", choices=("e2b",), help="a known model shape instead of a checkpoint")
+    src.add_argument("--shape", choices=("e2b", "e4b"), help="a known model shape instead of a checkpoint")
     ft.add_argument("--scheme", choices=("fp16", "w8a16", "w4a16"),
                     help="weight scheme (default: the checkpoint's own; fp16 for --shape)")
     ft.add_argument("--max-model-len", type=int, required=True, help="context per sequence, as the servers take it")

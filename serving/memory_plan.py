@@ -120,8 +120,18 @@ def _gemma4_e2b_text(layers: int = 35) -> dict:
                 layer_types=["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(layers)])
 
 
-# --shape presets. E4B is not here: no config of it was read (give --model DIR with its config.json).
-SHAPES = {"e2b": {"text_config": _gemma4_e2b_text()}}
+def _gemma4_e4b_text() -> dict:
+    """google/gemma-4-E4B-it's text_config, the fields the plan reads: as public ports of Gemma 4 write it
+    (docs/FACTS.md: 42 layers, 5 sliding + 1 full, 18 KV-shared, no double-wide MLP); not read from the hub here."""
+    return dict(vocab_size=262144, vocab_size_per_layer_input=262144, hidden_size=2560, intermediate_size=10240,
+                num_hidden_layers=42, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                global_head_dim=512, sliding_window=512, num_kv_shared_layers=18, use_double_wide_mlp=False,
+                hidden_size_per_layer_input=256, tie_word_embeddings=True,
+                layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(42)])
+
+
+# --shape presets.
+SHAPES = {"e2b": {"text_config": _gemma4_e2b_text()}, "e4b": {"text_config": _gemma4_e4b_text()}}
 
 
 def tensor_bytes(name: str, shape: tuple[int, ...], scheme: str) -> int:

@@ -1,0 +1,384 @@
+"""16-bit vs weight-only int8 / int4 (compressed-tensors, tools/quantize.py) on a GPU, at Gemma 4 E2B and E4B text
+shapes with random weights (no download), beside transformers.
+
+    python benchmarks/quantized_decode.py OUT_DIR [--phase kernels|models] [--shapes e2b,e4b] [--tiny]
+
+kernels: every distinct packed linear of the shapes, 1 and 8 rows. PyTorch: cuBLAS fp16 (F.linear) against
+  serving/packed_matmul.py's kernel for each config in CONFIGS; JAX: an fp16 dot against model.matmul on Packed
+  int8/int4. Time per matmul over enough distinct weights to overflow L2 (so the bytes come from HBM), PyTorch
+  replayed from a CUDA graph (kernel time, launch excluded); effective GB/s of the bytes a matmul must read; the
+  largest error against the dequantised weight.
+models: per shape, a random fp16 checkpoint, quantised to w8a16 and w4a16; per checkpoint, in a child process
+  per runtime: GPU memory held after load against serving/memory_plan.py's plan, and engine decode tokens/s with
+  1 and 8 live sequences (greedy, no HTTP). Peer: transformers generate() with a static cache, fp16 and
+  transformers' own compressed-tensors path on the quantised checkpoints (run_compressed).
+Each result lands in OUT_DIR/quantized_decode.json as it is measured.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+from serving import memory_plan  # noqa: E402
+
+RESULT: dict = {}
+CONFIGS = [(32, 256, 4), (64, 128, 4), (16, 512, 4), (64, 256, 8), (128, 128, 4), (32, 512, 4)]
+SCHEMES = ("fp16", "w8a16", "w4a16")
+TOP_SHAPES = 5
+L2_BYTES = 256 << 20            # weights cycled per timing: well beyond any GPU's L2 (H200: 50 MB) ...
+MAX_COPIES = 64                 # ... up to this many (the smallest weights then partly stay in L2: noted per row)
+
+
+def note(out: Path, **kw) -> None:
+    RESULT.update(kw)
+    (out / "quantized_decode.json").write_text(json.dumps(RESULT, indent=1))
+    print(json.dumps(kw)[:3000], flush=True)
+
+
+def text_config(shape: str, tiny: bool) -> dict:
+    """The text_config of a shape (memory_plan.SHAPES), plus what transformers needs to build a model."""
+    t = dict(memory_plan.SHAPES[shape]["text_config"], final_logit_softcapping=30.0, max_position_embeddings=131072,
+             pad_token_id=0, eos_token_id=[1, 106], bos_token_id=2)
+    if tiny:        # a local run of this script on CPU: the code paths, not a measurement
+        t.update(vocab_size=1024, vocab_size_per_layer_input=1024, hidden_size=128, intermediate_size=256,
+                 head_dim=32, global_head_dim=64, sliding_window=16, hidden_size_per_layer_input=32,
+                 num_hidden_layers=6, num_kv_shared_layers=2,
+                 layer_types=["sliding_attention", "full_attention", "sliding_attention"] * 2)
+    return t
+
+
+def linear_shapes(shape: str, tiny: bool) -> dict[tuple[int, int], int]:
+    """{(out, in): count} of the packed linears."""
+    counts: dict = {}
+    raw = {"text_config": text_config(shape, tiny)}
+    for name, s in memory_plan.text_tensors(raw).items():
+        if memory_plan.quantisable(name, s, "w4a16"):
+            counts[tuple(s)] = counts.get(tuple(s), 0) + 1
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+def _copies(nbytes: int) -> int:
+    return min(MAX_COPIES, max(4, -(-L2_BYTES // max(1, nbytes))))
+
+
+def kernels_torch(n: int, k: int, rows: int) -> dict:
+    import torch
+    import quantize
+    from serving.packed_matmul import PackedLinear, packed_mm
+
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    w = torch.randn(n, k, device=dev, generator=gen) / k ** 0.5
+    x = torch.randn(rows, k, device=dev, dtype=torch.float16)
+    res: dict = {}
+
+    def timed(fn, copies: int) -> float:
+        fn(0)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(copies):
+                fn(i)
+        g.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(5):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3 / copies)
+        return statistics.median(times)
+
+    w16 = w.half()
+    c = _copies(w16.numel() * 2)
+    ws = [w16.clone() for _ in range(c)]
+    us = timed(lambda i: torch.nn.functional.linear(x, ws[i]), c)
+    res["fp16"] = {"us": round(us, 2), "GB_s": round(w16.numel() * 2 / us / 1e3, 1), "set_MB": c * w16.numel() * 2 >> 20}
+    for scheme in ("w8a16", "w4a16"):
+        args = quantize.scheme_args(scheme, None)
+        p = quantize.pack(w.float().cpu(), args)
+        layer = PackedLinear(p["weight_packed"], p["weight_scale"], k, args.num_bits, torch.float16).to(dev)
+        ref = x.float() @ layer.dequantised(torch.float32).T
+        nbytes = layer.packed.numel() + layer.scale.numel() * 2
+        c = _copies(nbytes)
+        packs = [(layer.packed.clone(), layer.scale.clone()) for _ in range(c)]
+        per = {}
+        for cfg in CONFIGS:
+            try:
+                y = packed_mm(x, layer.packed, layer.scale, args.num_bits, config=cfg)
+                err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                us = timed(lambda i, cfg=cfg: packed_mm(x, *packs[i], args.num_bits, config=cfg), c)
+                per[str(cfg)] = {"us": round(us, 2), "GB_s": round(nbytes / us / 1e3, 1), "rel_err": round(err, 5)}
+            except Exception as e:          # a config the shape does not take: recorded, not fatal
+                per[str(cfg)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        best = min((v["us"], kk) for kk, v in per.items() if "us" in v)
+        res[scheme] = {"configs": per, "best": best[1], "us": best[0], "vs_fp16": round(res["fp16"]["us"] / best[0], 2)}
+        del packs
+    return res
+
+
+def kernels_jax(n: int, k: int, rows: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import ml_dtypes
+    import numpy as np
+
+    import quantize
+    import torch
+    from serving import quantized
+    from serving.jax_runtime.model import Packed, matmul
+
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((n, k), np.float32) / k ** 0.5)
+    x = jnp.asarray(rng.standard_normal((rows, k), np.float32), jnp.float16)
+    res: dict = {}
+
+    def grouped_after(x, w):    # the alternative to model.matmul for groups: scale each group's partial product
+        groups, out = w.scale.shape
+        part = jnp.einsum("tgk,gko->tgo", x.reshape(x.shape[0], groups, -1),
+                          w.q.astype(x.dtype).reshape(groups, -1, out), preferred_element_type=jnp.float32)
+        return (part * w.scale.astype(jnp.float32)[None]).sum(1).astype(x.dtype)
+
+    def timed(weights, mm=matmul) -> float:
+        f = jax.jit(lambda x, ws: sum(mm(x, wi).astype(jnp.float32) for wi in ws))
+        f(x, weights).block_until_ready()
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            f(x, weights).block_until_ready()
+            times.append((time.perf_counter() - t0) * 1e6 / len(weights))
+        return statistics.median(times)
+
+    w16 = jnp.asarray(w.T, jnp.float16)
+    c = _copies(n * k * 2)
+    us = timed([w16 + 0 for _ in range(c)])
+    res["fp16"] = {"us": round(us, 2), "GB_s": round(n * k * 2 / us / 1e3, 1)}
+    for scheme in ("w8a16", "w4a16"):
+        args = quantize.scheme_args(scheme, None)
+        p = quantize.pack(torch.from_numpy(w), args)
+        q = quantized.unpack(p["weight_packed"].numpy(), p["weight_shape"].numpy(), args.num_bits).T
+        q = q.astype(ml_dtypes.int4) if args.num_bits == 4 else q
+        scale = p["weight_scale"].numpy().T.astype(np.float16)
+        packed = Packed(jnp.asarray(np.ascontiguousarray(q)), jnp.asarray(np.ascontiguousarray(scale)))
+        ref = np.asarray(x, np.float32) @ quantized.dequantise(p["weight_packed"].numpy(), p["weight_scale"].numpy(),
+                                                               p["weight_shape"].numpy(), args.num_bits).T
+        y = np.asarray(jax.jit(matmul)(x, packed), np.float32)
+        nbytes = n * k * args.num_bits // 8 + scale.size * 2
+        c = _copies(nbytes)
+        us = timed([Packed(packed.q + 0 if args.num_bits == 8 else jnp.array(packed.q), packed.scale + 0)
+                    for _ in range(c)])
+        res[scheme] = {"us": round(us, 2), "GB_s": round(nbytes / us / 1e3, 1), "vs_fp16": round(res["fp16"]["us"] / us, 2),
+                       "rel_err": round(float(np.abs(y - ref).max() / np.abs(ref).max()), 5)}
+        if args.num_bits == 4:
+            alt = timed([Packed(jnp.array(packed.q), packed.scale + 0) for _ in range(c)], grouped_after)
+            res[scheme]["grouped_after_us"] = round(alt, 2)
+    return res
+
+
+def run_kernels(out: Path, shapes: list[str], tiny: bool) -> None:
+    seen = set()
+    for shape in shapes:      # the shapes that carry most of a token's packed bytes (each model's top TOP_SHAPES)
+        ranked = sorted(linear_shapes(shape, tiny).items(), key=lambda kv: -kv[1] * kv[0][0] * kv[0][1])
+        for (n, k), count in ranked[:TOP_SHAPES]:
+            if (n, k) in seen:
+                continue
+            seen.add((n, k))
+            for rows in (1, 8):
+                key = f"{n}x{k}/rows{rows}"
+                note(out, **{f"kernels.torch.{key}": kernels_torch(n, k, rows)})
+                note(out, **{f"kernels.jax.{key}": kernels_jax(n, k, rows)})
+
+
+# ------------------------------------------------------------------------------------------------ models
+def build_checkpoint(ckpt: Path, shape: str, tiny: bool) -> None:
+    import torch
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = Gemma4Config(text_config=text_config(shape, tiny), vision_config=None, audio_config=None)
+    with torch.device(dev):
+        model = Gemma4ForConditionalGeneration(cfg).half()
+    gen = torch.Generator(device=dev).manual_seed(0)
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            if "norm" in name:     # small q/k norms keep a random model's attention soft (jax_gpu_e2b_shape.py)
+                t.copy_((0.25 if ("q_norm" in name or "k_norm" in name) else 1.0)
+                        * (1 + 0.2 * torch.randn(t.shape, generator=gen, device=dev)))
+            elif name.endswith("layer_scalar"):
+                t.copy_(torch.rand(t.shape, generator=gen, device=dev) * 0.5 + 0.5)
+            else:
+                t.copy_(torch.randn(t.shape, generator=gen, device=dev) / t.shape[-1] ** 0.5)
+    model.save_pretrained(ckpt)
+    del model
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure_engine(runtime: str, ckpt: Path, steps: int) -> dict:
+    """In this (child) process: load, memory held against the plan, decode tokens/s with 1 and 8 live rows."""
+    import numpy as np
+
+    from serving.engine import SamplingParams
+    slots, context = 8, 1024
+    plan = memory_plan.plan_checkpoint(ckpt, None, context, slots, runtime=runtime)
+    t0 = time.perf_counter()
+    if runtime == "pytorch":
+        import torch
+        from serving import pytorch_runtime
+        engine = pytorch_runtime.load(ckpt, max_context=context, slots=slots)
+        gpu = torch.cuda.is_available()
+        held, peak = (torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()) if gpu else (None, None)
+    else:
+        import jax
+        from serving.jax_runtime import Settings, load
+        engine = load(ckpt, Settings(buckets=(64, context), cache_dir=None, slots=slots, batches=(1, slots)))
+        stats = jax.devices()[0].memory_stats() or {}
+        held, peak = stats.get("bytes_in_use"), stats.get("peak_bytes_in_use")
+    res = {"load_s": round(time.perf_counter() - t0, 1), "held_bytes": held, "peak_bytes": peak,
+           "plan_weights_bytes": plan.weights, "plan_kv_bytes": plan.kv, "plan_weights_plus_kv": plan.weights + plan.kv}
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+    prompt = [2] + list(range(100, 131))
+    for live in (1, slots):
+        rates = []
+        for _ in range(3):
+            toks = {s: engine.start(s, prompt, greedy) for s in range(live)}
+            toks = engine.step(toks)                            # the first step may carry one-off work
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                toks = engine.step(toks)
+            rates.append(steps / (time.perf_counter() - t0))
+        res[f"decode_tok_s_{live}"] = round(statistics.median(rates), 1)
+        res[f"aggregate_tok_s_{live}"] = round(live * statistics.median(rates), 1)
+    res["first_tokens"] = [int(t) for t in np.asarray(list(toks.values()))[:4]]
+    return res
+
+
+def measure_peer(ckpt: Path, steps: int) -> dict:
+    """transformers generate(cache_implementation="static") on Gemma4ForCausalLM as transformers loads the
+    directory: fp16, or for a compressed-tensors one its own integration (compressed linears)."""
+    import torch
+    from transformers import AutoConfig, Gemma4ForCausalLM
+
+    config = AutoConfig.from_pretrained(ckpt)
+    text = getattr(config, "text_config", config)
+    if getattr(config, "quantization_config", None):
+        text.quantization_config = config.quantization_config
+    t0 = time.perf_counter()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = Gemma4ForCausalLM.from_pretrained(ckpt, config=text, dtype=torch.float16 if dev == "cuda" else None,
+                                              key_mapping={"^model.language_model.": "model."}).to(dev).eval()
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    res = {"load_s": round(time.perf_counter() - t0, 1),
+           "held_bytes": torch.cuda.memory_allocated() if dev == "cuda" else None,
+           "linear_types": sorted({type(m).__name__ for m in model.modules() if "Linear" in type(m).__name__})}
+    ids = torch.tensor([[2] + list(range(100, 131))], device=dev)
+    for batch in (1, 8):
+        x = ids.repeat(batch, 1)
+
+        def timed(n: int) -> float:
+            sync()
+            t = time.perf_counter()
+            with torch.inference_mode():
+                model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                               cache_implementation="static", eos_token_id=None, pad_token_id=0)
+            sync()
+            return time.perf_counter() - t
+
+        timed(steps)
+        rates = [(steps - 1) / (timed(steps) - timed(1)) for _ in range(2)]
+        res[f"decode_tok_s_{batch}"] = round(statistics.median(rates), 1)
+        res[f"aggregate_tok_s_{batch}"] = round(batch * statistics.median(rates), 1)
+    return res
+
+
+def child(kind: str, ckpt: Path, steps: int, timeout: int) -> dict:
+    """One measurement in its own process (each runtime owns the GPU's memory while it runs)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    try:
+        r = subprocess.run([sys.executable, __file__, "--child", kind, str(ckpt), "--steps", str(steps)],
+                           env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode or not lines:
+        return {"error": (r.stdout + r.stderr)[-1500:]}
+    return json.loads(lines[-1])
+
+
+def run_models(out: Path, shapes: list[str], tiny: bool, steps: int, work: Path, peer: bool) -> None:
+    import quantize
+
+    for shape in shapes:
+        src = work / f"{shape}-fp16"
+        t0 = time.perf_counter()
+        if not (src / "config.json").exists():
+            build_checkpoint(src, shape, tiny)
+        note(out, **{f"models.{shape}.build_s": round(time.perf_counter() - t0, 1)})
+        dirs = {"fp16": src}
+        for scheme in SCHEMES[1:]:
+            dirs[scheme] = work / f"{shape}-{scheme}"
+            if not (dirs[scheme] / "config.json").exists():
+                t0 = time.perf_counter()
+                quantize.quantize(src, dirs[scheme], scheme, log=lambda *_: None, device=_device())
+                note(out, **{f"models.{shape}.{scheme}.quantize_s": round(time.perf_counter() - t0, 1)})
+        for scheme, d in dirs.items():
+            p = memory_plan.plan_checkpoint(d, None, 1024, 8, runtime="pytorch")
+            note(out, **{f"models.{shape}.{scheme}.plan": {"weights_bytes": p.weights,
+                                                          "streamed_per_token_bytes": p.streamed_per_token}})
+        for kind in ("pytorch", "jax") + (("peer",) if peer else ()):
+            for scheme, d in dirs.items():
+                note(out, **{f"models.{shape}.{scheme}.{kind}": child(kind, d, steps, timeout=420)})
+        for d in dirs.values():             # the next shape's checkpoints need the disk
+            shutil.rmtree(d)
+
+
+def _device() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path, nargs="?")
+    ap.add_argument("--phase", choices=("kernels", "models"), action="append")
+    ap.add_argument("--shapes", default="e2b,e4b")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/qdecode"))
+    ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="tiny widths: a CPU run of the code paths")
+    ap.add_argument("--child", nargs=2, metavar=("KIND", "CKPT"))
+    a = ap.parse_args()
+    if a.child:
+        kind, ckpt = a.child[0], Path(a.child[1])
+        print(json.dumps(measure_peer(ckpt, a.steps) if kind == "peer" else measure_engine(kind, ckpt, a.steps)))
+        return 0
+    a.out.mkdir(parents=True, exist_ok=True)
+    a.work.mkdir(parents=True, exist_ok=True)
+    shapes = a.shapes.split(",")
+    note(a.out, started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), shapes=shapes)
+    for phase in a.phase or ("kernels", "models"):
+        if phase == "kernels":
+            run_kernels(a.out, shapes, a.tiny)
+        else:
+            run_models(a.out, shapes, a.tiny, a.steps, a.work, not a.no_peer)
+    note(a.out, finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
