@@ -26,6 +26,9 @@ import sys
 import time
 from pathlib import Path
 
+# JAX takes 75% of the GPU at its first array unless told otherwise: the kernel phase runs in this process, and the
+# models phase builds checkpoints here with torch (the H200 run of 2026-12-01 lost E4B to exactly that).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
@@ -210,8 +213,13 @@ def build_checkpoint(ckpt: Path, shape: str, tiny: bool) -> None:
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = Gemma4Config(text_config=text_config(shape, tiny), vision_config=None, audio_config=None)
-    with torch.device(dev):
-        model = Gemma4ForConditionalGeneration(cfg).half()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)       # built in 16 bits: E4B in float32 would be 29 GB
+    try:
+        with torch.device(dev):
+            model = Gemma4ForConditionalGeneration(cfg)
+    finally:
+        torch.set_default_dtype(default)
     gen = torch.Generator(device=dev).manual_seed(0)
     with torch.no_grad():
         for name, t in model.named_parameters():
