@@ -34,6 +34,8 @@ def table(r: dict) -> Table:
     for platform, e in r["platforms"].items():
         if e.get("probe_error"):
             t.caption += f"\n[yellow]{platform}: probe failed: {e['probe_error']}[/]"
+        if e.get("rehearsal"):
+            t.caption += f"\n[yellow]{platform}: a rehearsal ({e['rehearsal']}): it proves no kernel coverage[/]"
     return t
 
 
