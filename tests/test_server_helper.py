@@ -12,7 +12,7 @@ import requests
 
 from tests.fixtures.net import free_port
 from tests.fixtures.observe import wait_until
-from tests.fixtures.server import REPO, ServerFailed, launch, running, serving_env
+from tests.fixtures.server import REPO, ServerFailed, launch, running, serving_env, wait_ready
 
 TIMED = str(REPO / "tests/fixtures/timed_server.py")
 
@@ -30,6 +30,19 @@ def test_waits_for_health_then_stops_with_sigterm(tmp_path):
     assert "timed_server: listening on" in srv.output
     with pytest.raises(requests.ConnectionError):
         requests.get(f"{srv.url}/health", timeout=5)
+
+
+def test_wait_ready_is_the_poll_for_a_server_started_elsewhere(tmp_path):
+    """The same poll Server.wait runs, for a server the helper did not start (an app in a thread, a container)."""
+    srv = launch(*timed("--health-delay", "1"), log=tmp_path / "s.log")
+    try:
+        assert wait_ready(f"{srv.url}/health", timeout=0.3) is None          # still 503: not ready, no exception
+        assert wait_ready(f"{srv.url}/health", ok=(503,), timeout=30) is not None
+        waited = wait_ready(f"{srv.url}/health", timeout=30, started=srv.started)
+        assert waited is not None and waited >= 1.0
+        assert wait_ready(f"{srv.url}/health", timeout=30, alive=lambda: False) is None
+    finally:
+        srv.stop()
 
 
 def test_a_server_that_dies_in_start_up_is_an_error_with_its_output():
