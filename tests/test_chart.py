@@ -201,7 +201,7 @@ def test_the_real_server_answers_health_while_busy_and_exits_within_the_grace(ti
 
     import requests
 
-    from tests.fixtures.server import serving
+    from g5g.devtools.server import serving
 
     v = yaml.safe_load((CHART / "values-pytorch-g5g.yaml").read_text())
     live_timeout = v["probes"]["liveness"]["timeoutSeconds"]
