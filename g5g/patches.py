@@ -243,7 +243,7 @@ def patches_for(version: str) -> list[tuple[str, str | None]]:
     pin = manifest_pin()
     if pin and pin[0] == version and pin[2]:
         return list(pin[2])
-    found = sorted((REPO_ROOT / "patches" / "vllm" / version).glob("*.patch"))
+    found = sorted((REPO_ROOT / "patches" / PACKAGE / version).glob("*.patch"))
     if not found:
         raise UserError(f"vLLM {version}: no patches under patches/vllm/{version}/")
     return [(str(p.relative_to(REPO_ROOT)), None) for p in found]

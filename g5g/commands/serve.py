@@ -15,7 +15,6 @@ from g5g.errors import UserError
 from g5g.manifest import Local
 
 
-
 def local_runtimes(manifest_dir: Path | None = None) -> dict[str, Local]:
     """The runtimes `build.py serve` runs here: those whose manifest has a serve.local section."""
     m = manifest.load(manifest_dir or REPO_ROOT / "manifests")
