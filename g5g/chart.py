@@ -65,7 +65,7 @@ def values(image: ImagePlan, plan: Plan, fleet: dict, repo_root: Path) -> dict:
         raise UserError(f"deploy/fleet.yaml: nodes.{profile}: no instance types for profile {profile}")
     repo, tag = image.tags[0].rsplit(":", 1)
     mount = f"/models/{MODEL}"
-    cmd = server_command(image.runtime, mount, None) or []  # how this runtime takes its model: a flag or positional
+    cmd = server_command(image.context_vars["model_arg"], mount, None) or []  # how this runtime takes its model: a flag or positional
     probes = fleet["probes"]
     boot = boot_seconds(fleet, image.runtime, repo_root)
     out = {
@@ -124,7 +124,7 @@ def chart_files(plans: list[Plan], fleet: dict, repo_root: Path, version: str) -
                 v = values(image, plan, fleet, repo_root)
                 text = header + yaml.safe_dump(v, sort_keys=False)
                 files[f"values-{image.runtime}-{plan.profile.name}.yaml"] = text
-                if (image.runtime, plan.profile.name) == ("vllm", "g5g"):
+                if [image.runtime, plan.profile.name] == fleet.get("default"):   # values.yaml: the chart's default
                     files["values.yaml"] = text
     return files
 

@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--push", action="store_true", help="push every tag of every image (all or none)")
     b.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     b.add_argument("--json", action="store_true", help="print the plan (or the result) as JSON")
-    b.add_argument("--out", default="build", help="where generated Dockerfiles and docker-bake.json go")
+    b.add_argument("--out", help="where generated Dockerfiles and docker-bake.json go (a relative DIR is from the "
+                   "current directory; default: build/ in the checkout)")
     b.add_argument("--cache", metavar="REPO", help="registry layer cache, one tag per image (REPO:<image>): read on "
                    "every build, written by a --push build, e.g. ghcr.io/me/g5g-images-cache")
     b.add_argument("--ca-cert", help="CA bundle passed to the build as a secret "
@@ -66,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="write Dockerfiles and docker-bake.json, build nothing")
     _add_plan_options(g)
-    g.add_argument("--out", default="build", help="output directory (default: build)")
+    g.add_argument("--out", help="output directory (a relative DIR is from the current directory; default: build/ "
+                   "in the checkout)")
     g.add_argument("--sequential", action="store_true", help="bake file without named contexts (see build --help)")
 
     c = sub.add_parser("chart", help="write the serving Helm chart's values (every runtime x profile) from the "
@@ -147,8 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="run the jax or pytorch server locally, as the image does", allow_abbrev=False,
                         description="Runs `python -m serving`; every other flag (--host, --port, --served-model-name, "
                         "--max-model-len, …: `python -m serving --help`) passes through to it unchanged.")
-    sv.add_argument("--runtime", choices=("jax", "pytorch"), required=True)
+    sv.add_argument("--runtime", required=True, metavar="RUNTIME",
+                    help="a runtime whose manifest has serve.local (runtimes/*.yaml), e.g. jax or pytorch")
     sv.add_argument("--model", required=True, help="checkpoint directory")
+    sv.add_argument("--manifests", default=None, help="manifest directory (default: ./manifests)")
 
     q = sub.add_parser("quantize", help="write a compressed-tensors (int8/int4 weight-only) copy of a Gemma 4 "
                        "checkpoint, as vLLM's Marlin runs it on sm_75 (needs the `quantize` extra)")
@@ -167,9 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="weight scheme (default: the checkpoint's own; fp16 for --shape)")
     ft.add_argument("--max-model-len", type=int, required=True, help="context per sequence, as the servers take it")
     ft.add_argument("--slots", type=int, default=1, help="sequences held at once (default: 1)")
-    ft.add_argument("--runtime", choices=("vllm", "jax", "pytorch"), default="vllm",
-                    help="with --model: vllm loads the vision/audio towers too; jax and pytorch serve the text "
-                    "model only (default: vllm)")
+    ft.add_argument("--runtime", default="vllm", metavar="RUNTIME",
+                    help="a serving runtime (runtimes/*.yaml with smoke:); with --model: vllm loads the vision/audio "
+                    "towers too; jax and pytorch serve the text model only (default: vllm)")
     ft.add_argument("--gpu", choices=("t4g", "t4"), default="t4g", help="target GPU (15 360 MiB; default: t4g)")
     ft.add_argument("--overhead-mib", type=int, default=1024,
                     help="CUDA context, workspaces, activations (default: 1024, a stated allowance)")

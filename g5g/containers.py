@@ -1,6 +1,6 @@
 """Run a serving image with the docker SDK, wait until it answers, always remove it.
 
-    with serve_image(image, runtime="pytorch", gpu=False, model="/models/tiny") as server:
+    with serve_image(image, gpu=False, model="/models/tiny") as server:
         ... server.url, server.boot (container start → port open → /health 200, in seconds) ...
 
 The container gets the GPU through a device request when asked (a CUDA profile's image), the model directory
@@ -72,7 +72,7 @@ def image_labels(docker_client, image: str) -> dict[str, str]:
         raise UserError(f"image {image} is not in the local engine (docker pull it first)") from None
 
 
-def model_mount(model: str | None, runtime: str) -> tuple[dict, dict, str | None, str | None]:
+def model_mount(model: str | None) -> tuple[dict, dict, str | None, str | None]:
     """(volumes, environment, model argument inside the container, served model name) for `model`:
     a directory is mounted read-only under /models/<basename>; anything else is a Hugging Face repo id, served
     from the host's Hugging Face cache mounted at /hf-cache (writable: a missing file gets downloaded)."""
@@ -89,14 +89,14 @@ def model_mount(model: str | None, runtime: str) -> tuple[dict, dict, str | None
     return {str(cache.resolve()): {"bind": HF_MOUNT, "mode": "rw"}}, {"HF_HOME": HF_MOUNT}, model, model
 
 
-def server_command(runtime: str, model_arg: str | None, served_name: str | None, port: int = PORT) -> list[str] | None:
-    """Arguments after the image's entrypoint, which is `python3 -m serving --runtime R --host … --port …` for
-    jax/pytorch and `vllm serve <serve_args> --host … --port …` for vllm (dockerfiles/*.j2): the model, its name.
+def server_command(style: str, model_arg: str | None, served_name: str | None, port: int = PORT) -> list[str] | None:
+    """Arguments after the image's entrypoint (dockerfiles/*.j2): the model, its name. style: the runtime
+    manifest's serve.model_arg, "flag" (`python3 -m serving … --model DIR`) or "positional" (`vllm serve DIR`).
     Host and port are repeated so that an image with another entrypoint still listens where we look."""
     if model_arg is None:
         return None  # the image's own CMD
     listen = ["--host", "0.0.0.0", "--port", str(port)]
-    cmd = [model_arg, *listen] if runtime == "vllm" else ["--model", model_arg, *listen]
+    cmd = [model_arg, *listen] if style == "positional" else ["--model", model_arg, *listen]
     return cmd + (["--served-model-name", served_name] if served_name else [])
 
 
@@ -166,15 +166,15 @@ def wait_ready(container, timeout: float, t0: float | None = None, port: int = P
 
 
 @contextlib.contextmanager
-def serve_image(image: str, *, runtime: str, gpu: bool, model: str | None = None,
+def serve_image(image: str, *, gpu: bool, model_style: str = "flag", model: str | None = None,
                 served_model_name: str | None = None, timeout: float = 900.0, port: int = PORT,
                 command: list[str] | None = None, docker_client=None) -> Iterator[Server]:
     """Run `image` (with every GPU of the host when `gpu`: a CUDA profile's image), wait until ready, yield a
-    Server; the container is removed whatever happens."""
+    Server; the container is removed whatever happens. model_style: how the image takes --model (server_command)."""
     import docker
 
     dc = docker_client or client()
-    volumes, env, model_arg, name = model_mount(model, runtime)
+    volumes, env, model_arg, name = model_mount(model)
     name = served_model_name or name
     env |= token_env()
     kwargs: dict = dict(detach=True, environment=env, volumes=volumes, ports={f"{port}/tcp": ("127.0.0.1",)},
@@ -182,7 +182,7 @@ def serve_image(image: str, *, runtime: str, gpu: bool, model: str | None = None
     if gpu:
         kwargs["device_requests"] = [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])]
         kwargs["shm_size"] = "2g"  # NCCL/torch workers need more than docker's 64 MiB default
-    cmd = command if command is not None else server_command(runtime, model_arg, name, port)
+    cmd = command if command is not None else server_command(model_style, model_arg, name, port)
     try:
         container = dc.containers.create(image, command=cmd, **kwargs)
     except docker.errors.ImageNotFound:

@@ -69,31 +69,6 @@ def exit_code(results: list[dict]) -> int:
     return OK
 
 
-def coverage_note(inspect_result: dict, arch: str | None = None) -> list[str]:
-    """One line per platform for doctor/plan output, e.g. that upstream's amd64 image already has 7.5
-    (only our Python patch is needed there) while arm64 has to be built from source."""
-    arch = arch or inspect_result.get("arch", "7.5")
-    image = inspect_result["image"]
-    lines = []
-    for platform, e in inspect_result["platforms"].items():
-        if e["covered"] is True:
-            lines.append(f"{image} covers {arch} on {platform} ({e['covered_by']}, {e['source']}): "
-                         "its kernels run there; only our Python patches are needed")
-        elif e["covered"] is False:
-            have = " ".join(e["cuda_archs"] or []) or "none"
-            lines.append(f"{image} lacks {arch} on {platform} (has {have}, {e['source']}): build from source for it")
-        elif e.get("rehearsal"):
-            lines.append(f"{image} is a rehearsal on {platform} ({e['rehearsal']}): it proves no kernel coverage")
-        else:
-            lines.append(f"{image}: no CUDA arch list in the {platform} config; `inspect --probe` can ask torch")
-    return lines
-
-
-def covered_platforms(inspect_result: dict) -> dict[str, bool | None]:
-    """platform → covered (True/False/None), for planners that only want the answer."""
-    return {p: e["covered"] for p, e in inspect_result["platforms"].items()}
-
-
 # -- backends ---------------------------------------------------------------------------------------
 
 def imagetools_available() -> bool:

@@ -208,6 +208,19 @@ class Smoke(_Model):
     expect: Annotated[StrictStr, AfterValidator(_regex)]
 
 
+class Local(_Model):
+    """`build.py serve --runtime R`: run the image's server (`python -m serving`) on this host."""
+    packages: tuple[StrictStr, ...]  # what it imports: checked before it starts, so a missing one is one clear line
+    extras: tuple[StrictStr, ...]  # the pyproject.toml extras that install them (the hint of that line)
+
+
+class Serve(_Model):
+    """How the image's server takes its model: flag (`python -m serving --model DIR`) or positional
+    (`vllm serve DIR`); `local`: `build.py serve` can run it here."""
+    model_arg: Literal["flag", "positional"] = "flag"
+    local: Local | None = None
+
+
 class ProfileSection(_Model):
     pins: dict[StrictStr, Pin] = {}
     source: StrictStr | None = None
@@ -238,11 +251,13 @@ class Runtime(Source):
     sources: dict[StrictStr, Source] = {}
     image: Image | None = None
     sdist_sha256: Sha256 | None = None
-    patches: tuple[Patch, ...] = ()  # copied into the build context's patches/
+    patches: tuple[Patch, ...] = ()  # copied into the build context's patches/; before a build, each must
+    # `git apply` to the package index's sdist of the version pin (checked against sdist_sha256)
     copy_: tuple[Annotated[Copy, _always("path")], ...] = Field((), alias="copy")  # repository paths copied into
     # the build context
     requirements: StrictStr | None = None  # a pyproject.toml extra the image installs (template: `requirements`)
     serve_args: tuple[StrictStr, ...] = ()
+    serve: Serve = Serve()
     port: Annotated[StrictInt, _check(lambda p: 1 <= p <= 65535, "{v} is not a TCP port")] = 8000
     smoke: Smoke | None = None
     rehearse: Rehearse | None = None  # build.py --rehearse; without it the image builds as always
@@ -398,6 +413,8 @@ def _validate(model: type[BaseModel], file: str, data: Any) -> Any:
             msg = f"unknown key (allowed: {', '.join(_allowed(model, loc[:-1]))})"
         elif kind == "string_type" and isinstance(value, (int, float)) and not isinstance(value, bool):
             msg = f"must be a quoted string, got {value!r} (YAML reads it as a number)"
+        elif kind == "literal_error":
+            msg = f"{value!r} must be one of {err['ctx']['expected']}"
         elif kind.endswith("_type"):
             want = {"dict": "a mapping", "model": "a mapping", "tuple": "a list", "string": "a string",
                     "int": "a number", "bool": "true or false"}.get(kind.removesuffix("_type"), kind)

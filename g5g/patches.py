@@ -25,6 +25,9 @@ from g5g import REPO_ROOT, manifest
 from g5g.errors import UserError
 
 CACHE_DIR = REPO_ROOT / ".cache"
+# What `patches verify` probes (the tools/vllm_attn_probe.py kernel) and what the helpers default to; `build` checks
+# any runtime's patches against its own version pin's sdist (check_apply's package).
+PACKAGE = "vllm"
 PROBE = REPO_ROOT / "tools" / "vllm_attn_probe.py"
 # What the probe loads from the sdist, besides the files the patches touch.
 PROBE_FILES = (
@@ -40,6 +43,7 @@ class Sdist:
     version: str
     path: Path
     sha256: str
+    package: str = PACKAGE
 
 
 # --- the package index -------------------------------------------------------------------------------------------
@@ -84,10 +88,10 @@ def _shown(url: str) -> str:
     return re.sub(r"//[^/@]*@", "//", url)
 
 
-def _sdist_entry(version: str) -> tuple[str, str | None]:
-    """(url, sha256 the index publishes or None) of vllm-<version>.tar.gz."""
+def _sdist_entry(version: str, package: str = PACKAGE) -> tuple[str, str | None]:
+    """(url, sha256 the index publishes or None) of <package>-<version>.tar.gz."""
     base = index_url()
-    page = f"{base}/vllm/"
+    page = f"{base}/{package}/"
     try:
         r = requests.get(page, timeout=60, headers={
             "Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"})
@@ -95,7 +99,7 @@ def _sdist_entry(version: str) -> tuple[str, str | None]:
         raise UserError(f"package index {_shown(base)}: unreachable ({type(e).__name__})") from None
     if r.status_code != 200:
         raise UserError(f"package index {_shown(base)}: HTTP {r.status_code} for {_shown(page)}")
-    name = f"vllm-{version}.tar.gz"
+    name = f"{package}-{version}.tar.gz"
     if r.headers.get("content-type", "").startswith("application/vnd.pypi.simple.v1+json"):
         files = [(f["filename"], f["url"], f.get("hashes", {}).get("sha256")) for f in r.json()["files"]]
     else:
@@ -108,14 +112,14 @@ def _sdist_entry(version: str) -> tuple[str, str | None]:
     for fname, url, sha in files:
         if fname == name:
             return requests.compat.urljoin(page, url), sha
-    raise UserError(f"vLLM {version}: no sdist {name} on package index {_shown(base)}")
+    raise UserError(f"{package} {version}: no sdist {name} on package index {_shown(base)}")
 
 
-def fetch_sdist(version: str, expected_sha256: str | None = None) -> Sdist:
-    """vLLM's sdist for `version`, from the cache or the index, checked against the index's and our sha256."""
-    dest = CACHE_DIR / "vllm-sdist" / f"vllm-{version}.tar.gz"
+def fetch_sdist(version: str, expected_sha256: str | None = None, package: str = PACKAGE) -> Sdist:
+    """The package's sdist for `version`, from the cache or the index, checked against the index's and our sha256."""
+    dest = CACHE_DIR / f"{package}-sdist" / f"{package}-{version}.tar.gz"
     if not dest.is_file():
-        url, published = _sdist_entry(version)
+        url, published = _sdist_entry(version, package)
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_suffix(".part")
         try:
@@ -128,16 +132,16 @@ def fetch_sdist(version: str, expected_sha256: str | None = None) -> Sdist:
                         h.update(chunk)
                         f.write(chunk)
         except requests.RequestException as e:
-            raise UserError(f"package index: download of vllm-{version}.tar.gz failed ({type(e).__name__})") from None
+            raise UserError(f"package index: download of {dest.name} failed ({type(e).__name__})") from None
         if published and h.hexdigest() != published:
             tmp.unlink()
-            raise UserError(f"vllm-{version}.tar.gz: sha256 {h.hexdigest()}, the package index says {published}")
+            raise UserError(f"{dest.name}: sha256 {h.hexdigest()}, the package index says {published}")
         tmp.rename(dest)
     digest = hashlib.sha256(dest.read_bytes()).hexdigest()
     if expected_sha256 and digest != expected_sha256:
-        raise UserError(f"vllm-{version}.tar.gz: sha256 {digest}, the vllm manifest pins {expected_sha256} "
+        raise UserError(f"{dest.name}: sha256 {digest}, the {package} manifest pins {expected_sha256} "
                         f"(cached at {dest.relative_to(REPO_ROOT)}; delete it to download again)")
-    return Sdist(version, dest, digest)
+    return Sdist(version, dest, digest, package)
 
 
 # --- patches -------------------------------------------------------------------------------------------------------
@@ -197,10 +201,10 @@ def apply_all(patches: list[tuple[str, str | None]], sdist: Sdist, dest: Path,
         check = _git_apply(p, patched, "--check")
         if check.returncode != 0:
             why = next((ln for ln in check.stderr.splitlines() if ln.startswith("error:")), check.stderr.strip())
-            raise UserError(f"patch {rel} does not apply to vLLM {sdist.version}: {why.removeprefix('error: ')}")
+            raise UserError(f"patch {rel} does not apply to {sdist.package} {sdist.version}: {why.removeprefix('error: ')}")
         applied = _git_apply(p, patched)
         if applied.returncode != 0:
-            raise UserError(f"patch {rel}: git apply failed on vLLM {sdist.version}: {applied.stderr.strip()}")
+            raise UserError(f"patch {rel}: git apply failed on {sdist.package} {sdist.version}: {applied.stderr.strip()}")
     return unpatched, patched
 
 
@@ -209,10 +213,10 @@ def manifest_pin(manifest_dir: Path | None = None) -> tuple[str, str | None, lis
 
     Read through g5g.manifest, so a broken manifest is the same one-line error as in `build`."""
     root = manifest_dir or REPO_ROOT / "manifests"
-    if not (root / "runtimes" / "vllm.yaml").is_file():
+    if not (root / "runtimes" / f"{PACKAGE}.yaml").is_file():
         return None
-    rt = manifest.load(root).runtimes["vllm"]
-    return rt.pins["vllm"], rt.sdist_sha256, [(p.path, p.sha256) for p in rt.patches]
+    rt = manifest.load(root).runtimes[PACKAGE]
+    return rt.pins[rt.version_pin], rt.sdist_sha256, [(p.path, p.sha256) for p in rt.patches]
 
 
 def _sdist_sha_for(version: str) -> str | None:
@@ -220,12 +224,14 @@ def _sdist_sha_for(version: str) -> str | None:
     return pin[1] if pin and pin[0] == version else None
 
 
-def check_apply(patches: list[tuple[str, str]], vllm_version: str, sdist_sha256: str | None = None) -> None:
-    """Every patch has its pinned sha256 and applies, in order, to vLLM `vllm_version`'s sdist; else UserError.
+def check_apply(patches: list[tuple[str, str]], version: str, sdist_sha256: str | None = None,
+                package: str = PACKAGE) -> None:
+    """Every patch has its pinned sha256 and applies, in order, to `package` `version`'s sdist; else UserError.
 
-    sdist_sha256: the pin the build uses (default: manifests/runtimes/vllm.yaml's for that version)."""
+    sdist_sha256: the pin the build uses (default for vLLM: manifests/runtimes/vllm.yaml's for that version)."""
     _resolve(patches)  # sha256s first: no download for a patch we would refuse anyway
-    sdist = fetch_sdist(vllm_version, sdist_sha256 or _sdist_sha_for(vllm_version))
+    pinned = _sdist_sha_for(version) if package == PACKAGE else None
+    sdist = fetch_sdist(version, sdist_sha256 or pinned, package)
     with tempfile.TemporaryDirectory(prefix="g5g-patches-") as tmp:
         apply_all(patches, sdist, Path(tmp))
 
@@ -237,7 +243,7 @@ def patches_for(version: str) -> list[tuple[str, str | None]]:
     pin = manifest_pin()
     if pin and pin[0] == version and pin[2]:
         return list(pin[2])
-    found = sorted((REPO_ROOT / "patches" / "vllm" / version).glob("*.patch"))
+    found = sorted((REPO_ROOT / "patches" / PACKAGE / version).glob("*.patch"))
     if not found:
         raise UserError(f"vLLM {version}: no patches under patches/vllm/{version}/")
     return [(str(p.relative_to(REPO_ROOT)), None) for p in found]

@@ -39,6 +39,7 @@ class ImagePlan:
     context_origin: str = ""  # "FILE: KEY" the context comes from, for errors
     copy: tuple[str, ...] = ()  # repository paths copied into the build context
     cache_mode: str = "max"  # registry cache export (the runtime's cache_mode)
+    patch_base: tuple[str, str, str | None] | None = None  # (package, version, sdist sha256) the patches apply to
 
     def contract(self, commands: list[list[str]]) -> dict:
         """The `--dry-run --json` entry (docs/CONTRACTS.md); a rehearsal adds `rehearse`."""
@@ -231,7 +232,8 @@ def _image(manifests: Manifests, profile: Profile, name: str, tags: dict[str, tu
     depends: tuple[str, ...] = ()
     while base:  # and what that one is built FROM, and so on
         depends, base = (base.name, *depends), manifests.base(base, profile.name)
-    ctx_vars = {"source": build.source, "serve_args": list(rt.serve_args), "port": rt.port,
+    ctx_vars = {"source": build.source, "serve_args": list(rt.serve_args), "model_arg": rt.serve.model_arg,
+                "port": rt.port,
                 "requirements": _requirements(rt, pins, repo_root), "rehearse": rehearsal}
     origin = build.context_expr or ""
     origin = (f"{profile.source}: {origin.removeprefix('profile.')}" if re.match(r"^profile\.[\w.]+$", origin)
@@ -240,7 +242,8 @@ def _image(manifests: Manifests, profile: Profile, name: str, tags: dict[str, tu
                      build_args=dict(sorted(args.items())), labels=labels, patches=patches, upstream=upstream,
                      dockerfile=str(PurePosixPath(out) / name / "Dockerfile"), template=f"{name}.Dockerfile.j2",
                      contexts=contexts, depends_on=depends, context_vars=ctx_vars, context=build.context,
-                     context_origin=origin, copy=build.copy, cache_mode=rt.cache_mode)
+                     context_origin=origin, copy=build.copy, cache_mode=rt.cache_mode,
+                     patch_base=(rt.version_pin, version, rt.sdist_sha256) if patches else None)
 
 
 def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", platforms: str | None = None,

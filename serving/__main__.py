@@ -11,10 +11,19 @@ import importlib
 import json
 import logging
 import os
+import pkgutil
 import sys
 from pathlib import Path
 
-RUNTIMES = {"pytorch": "serving.pytorch_runtime", "jax": "serving.jax_runtime"}
+
+
+def runtimes(package_dir: Path = Path(__file__).parent) -> dict[str, str]:
+    """--runtime NAME -> its module: every serving/<NAME>_runtime module or package (a new runtime is a module)."""
+    return {m.name.removesuffix("_runtime"): f"serving.{m.name}" for m in pkgutil.iter_modules([str(package_dir)])
+            if m.name.endswith("_runtime")}
+
+
+RUNTIMES = runtimes()
 
 
 def _int(text: str) -> int:

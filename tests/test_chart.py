@@ -201,12 +201,12 @@ def test_the_real_server_answers_health_while_busy_and_exits_within_the_grace(ti
 
     import requests
 
-    from tests.fixtures.server import serving
+    from tests.fixtures.serving import tiny_server
 
     v = yaml.safe_load((CHART / "values-pytorch-g5g.yaml").read_text())
     live_timeout = v["probes"]["liveness"]["timeoutSeconds"]
     drain = 2
-    with serving("pytorch", tiny_gemma4, "--shutdown-timeout", str(drain), pace=1.5, timeout=240) as srv:
+    with tiny_server(tiny_gemma4, "--shutdown-timeout", str(drain), pace=1.5, timeout=240) as srv:
         body = {"model": requests.get(f"{srv.url}/v1/models", timeout=10).json()["data"][0]["id"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64,
                 "ignore_eos": True}
         answer: dict = {}

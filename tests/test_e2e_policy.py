@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from tests.fixtures.server import REPO
+from g5g.devtools.server import REPO
 
 TESTS = '''
 import pytest

@@ -180,14 +180,6 @@ def test_exit_codes():
     assert inspector.exit_code([_result(linux_arm64=VLLM_ARM64), _result(linux_amd64=None)]) == FAILED
 
 
-def test_coverage_note_for_the_planner():
-    lines = inspector.coverage_note(_result(linux_amd64=VLLM_AMD64, linux_arm64=VLLM_ARM64, linux_ppc64le=None))
-    assert lines[0].startswith("vllm/vllm-openai:v0.33.0 covers 7.5 on linux/amd64 (sm_75, env:TORCH_CUDA_ARCH_LIST)")
-    assert "lacks 7.5 on linux/arm64 (has 8.0 8.7 8.9 9.0 10.0 11.0 12.0" in lines[1]
-    assert "--probe" in lines[2]
-    assert inspector.covered_platforms(_result(linux_amd64=VLLM_AMD64)) == {"linux/amd64": True}
-
-
 def test_parse_probe_output():
     out = 'Warning: something\n{"torch": "2.14.0+cu130", "cuda": "13.0", "archs": ["sm_75", "sm_80", "compute_80"]}\n'
     found = inspector.parse_probe(out)

@@ -54,7 +54,7 @@ def test_patch_that_no_longer_applies_names_patch_and_version(sdist, tmp_path):
     bad.write_text(text.replace(context, "     return 16 if element_size > 1 else 32\n"))  # upstream moved on
     with pytest.raises(UserError) as e:
         patches.check_apply([(str(bad), None)], sdist.version)
-    assert _one_line(e).startswith(f"patch {bad} does not apply to vLLM {sdist.version}: ")
+    assert _one_line(e).startswith(f"patch {bad} does not apply to vllm {sdist.version}: ")
     assert KERNEL in str(e.value)
 
 
@@ -98,7 +98,7 @@ def local_index(monkeypatch):
 def test_missing_release_names_the_index(local_index):
     with pytest.raises(UserError) as e:
         patches.fetch_sdist("0.0.0.dev424242")
-    assert _one_line(e) == f"vLLM 0.0.0.dev424242: no sdist vllm-0.0.0.dev424242.tar.gz on package index {local_index}"
+    assert _one_line(e) == f"vllm 0.0.0.dev424242: no sdist vllm-0.0.0.dev424242.tar.gz on package index {local_index}"
 
 
 def test_cli_verify_unknown_version_is_one_line_exit_2(capsys):

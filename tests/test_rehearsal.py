@@ -163,6 +163,7 @@ def test_inspect_claims_no_coverage_for_a_rehearsal_image():
     r = inspect.result("reg/g5g-images:torch-base-rehearsal", None, "http", "7.5", {"linux/arm64": cfg})
     e = r["platforms"]["linux/arm64"]
     assert e["covered"] is None and "compile cut" in e["rehearsal"] and inspect.exit_code([r]) == inspect.UNKNOWN
-    assert "proves no kernel coverage" in inspect.coverage_note(r)[0]
+    from g5g.commands.inspect import table
+    assert "linux/arm64: a rehearsal (" in table(r).caption and "proves no kernel coverage" in table(r).caption
     real = {"config": {"Env": ["TORCH_CUDA_ARCH_LIST=7.5"], "Labels": {}}}
     assert inspect.result("x", None, "http", "7.5", {"linux/arm64": real})["platforms"]["linux/arm64"]["covered"]

@@ -270,6 +270,21 @@ def test_generate_writes_outside_the_checkout_and_bake_reads_it(tmp_path, buildx
     assert not (REPO / "build" / "gen").exists()
 
 
+def test_a_relative_generate_out_is_from_the_current_directory(tmp_path):
+    """`generate --out gen` run from another directory writes there (as every command-line tool does), not into the
+    checkout; without --out, build/ in the checkout."""
+    r = subprocess.run([sys.executable, str(REPO / "build.py"), "generate", "--runtime", "pytorch", "--profile", "cpu",
+                        "--out", "gen"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "gen" / "docker-bake.json").is_file() and (tmp_path / "gen" / "pytorch" / "Dockerfile").is_file()
+    assert f"wrote {tmp_path / 'gen' / 'docker-bake.json'}" in r.stdout.splitlines()
+    assert not (REPO / "gen").exists()
+    r = subprocess.run([sys.executable, str(REPO / "build.py"), "--runtime", "pytorch", "--profile", "cpu",
+                        "--dry-run", "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "build/docker-bake.json" in json.loads(r.stdout)["commands"][0]  # the checkout's build/, bake runs there
+
+
 # A new runtime is one manifest and one template: llama.cpp's server, written in a temp dir, no code change.
 LLAMA_MANIFEST = """\
 runtime: llama-cpp

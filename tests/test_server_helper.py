@@ -1,4 +1,4 @@
-"""tests/fixtures/server.py, the one way tests and benchmarks start a server, against a real process (timed_server)."""
+"""g5g/devtools/server.py, the one way tests and benchmarks start a server, against a real process (timed_server)."""
 from __future__ import annotations
 
 import os
@@ -10,11 +10,11 @@ import time
 import pytest
 import requests
 
-from tests.fixtures.net import free_port
+from g5g.devtools.server import free_port
 from tests.fixtures.observe import wait_until
-from tests.fixtures.server import REPO, ServerFailed, launch, running, serving_env
+from g5g.devtools.server import REPO, ServerFailed, launch, running, serving_env, wait_ready
 
-TIMED = str(REPO / "tests/fixtures/timed_server.py")
+TIMED = str(REPO / "g5g/devtools/timed_server.py")
 
 
 def timed(*flags: str) -> tuple[list[str], str]:
@@ -30,6 +30,19 @@ def test_waits_for_health_then_stops_with_sigterm(tmp_path):
     assert "timed_server: listening on" in srv.output
     with pytest.raises(requests.ConnectionError):
         requests.get(f"{srv.url}/health", timeout=5)
+
+
+def test_wait_ready_is_the_poll_for_a_server_started_elsewhere(tmp_path):
+    """The same poll Server.wait runs, for a server the helper did not start (an app in a thread, a container)."""
+    srv = launch(*timed("--health-delay", "1"), log=tmp_path / "s.log")
+    try:
+        assert wait_ready(f"{srv.url}/health", timeout=0.3) is None          # still 503: not ready, no exception
+        assert wait_ready(f"{srv.url}/health", ok=(503,), timeout=30) is not None
+        waited = wait_ready(f"{srv.url}/health", timeout=30, started=srv.started)
+        assert waited is not None and waited >= 1.0
+        assert wait_ready(f"{srv.url}/health", timeout=30, alive=lambda: False) is None
+    finally:
+        srv.stop()
 
 
 def test_a_server_that_dies_in_start_up_is_an_error_with_its_output():
@@ -78,7 +91,7 @@ def test_exited_kills_a_server_that_ignores_sigterm():
 
 def test_a_killed_test_run_leaves_no_server_behind():
     argv, url = timed()
-    code = f"from tests.fixtures.server import running\nwith running({argv!r}, {url!r}): print('up', flush=True); input()"
+    code = f"from g5g.devtools.server import running\nwith running({argv!r}, {url!r}): print('up', flush=True); input()"
     parent = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         assert parent.stdout.readline() == b"up\n"
@@ -104,3 +117,15 @@ def test_serving_env_prepends_the_checkout_to_pythonpath(monkeypatch, before, af
     else:
         monkeypatch.setenv("PYTHONPATH", before)
     assert serving_env()["PYTHONPATH"].split(os.pathsep) == after
+
+
+def test_benchmarks_and_the_package_import_no_test_code():
+    """What benchmarks share with the tests (server start/stop, the timed server, the tiny checkpoint) lives in
+    g5g/devtools/; tests/ is for tests: neither benchmarks/ nor g5g/ imports from it."""
+    import ast
+
+    for path in [*(REPO / "benchmarks").glob("*.py"), *(REPO / "g5g").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n == "tests" or n.startswith("tests.") for n in names), (path, names)

@@ -15,8 +15,8 @@ import requests
 
 from serving.api import create_app
 from tests.fixtures.observe import metrics, wait_until
-from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
-from tests.fixtures.server import in_thread
+from g5g.devtools.tiny_gemma4 import ANSWER, QUESTION
+from g5g.devtools.server import in_thread, wait_ready
 from tests.fixtures.serving import tiny_server
 
 ASK = [{"role": "user", "content": QUESTION}]
@@ -25,12 +25,8 @@ NAME = ("--served-model-name", "tiny-gemma4")
 
 # ----------------------------------------------------------------------------------------------- helpers
 def live_server(load_engine, model_dir, **kw):
-    """create_app(load_engine, …) in this process (tests/fixtures/server.py's in_thread): the seam for a loader."""
+    """create_app(load_engine, …) in this process (g5g/devtools/server.py's in_thread): the seam for a loader."""
     return in_thread(create_app(load_engine, model_dir, **kw))
-
-
-def wait_ready(url: str, timeout: float = 60) -> None:
-    wait_until(lambda: requests.get(f"{url}/health", timeout=5).status_code == 200, timeout, "the server to be ready")
 
 
 def client(url: str) -> openai.OpenAI:
@@ -382,7 +378,7 @@ def test_health_is_503_until_loaded_and_warmed(tiny_gemma4, engine):
         r = requests.post(f"{url}/v1/chat/completions", json={"messages": ASK}, timeout=5)
         assert r.status_code == 503
         release.set()
-        wait_ready(url)
+        assert wait_ready(f"{url}/health", timeout=60) is not None, "not ready 60 s after the model loaded"
         assert client(url).chat.completions.create(model=tiny_gemma4.name, messages=ASK).choices[0].message.content == ANSWER
 
 

@@ -15,7 +15,7 @@ import time
 import pytest
 import requests
 
-from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
+from g5g.devtools.tiny_gemma4 import ANSWER, QUESTION
 
 REQUEST_BOUND = 10.0
 HEALTH_BOUND = 2.0

@@ -16,7 +16,7 @@ import requests
 
 from serving.openai_text import GOLDEN
 from tests.fixtures.serving import tiny_server
-from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
+from g5g.devtools.tiny_gemma4 import ANSWER, QUESTION
 
 ASK = [{"role": "user", "content": QUESTION}]
 RUNTIMES = ["pytorch", "jax"]

@@ -136,24 +136,24 @@ def test_unreachable_server_fails_the_check():
 def test_model_dir_is_mounted_read_only_under_its_basename(tmp_path):
     d = tmp_path / "gemma-4-E2B-it"
     d.mkdir()
-    volumes, env, arg, name = containers.model_mount(str(d), "pytorch")
+    volumes, env, arg, name = containers.model_mount(str(d))
     assert volumes == {str(d): {"bind": "/models/gemma-4-E2B-it", "mode": "ro"}}
     assert (arg, name, env) == ("/models/gemma-4-E2B-it", "gemma-4-E2B-it", {})
-    assert containers.server_command("pytorch", arg, name) == [
+    assert containers.server_command("flag", arg, name) == [
         "--model", "/models/gemma-4-E2B-it", "--host", "0.0.0.0", "--port", "8000",
         "--served-model-name", "gemma-4-E2B-it"]
-    assert containers.server_command("vllm", arg, None, 8001) == [  # after `vllm serve <serve_args>`
+    assert containers.server_command("positional", arg, None, 8001) == [  # after `vllm serve <serve_args>`
         "/models/gemma-4-E2B-it", "--host", "0.0.0.0", "--port", "8001"]
-    assert containers.server_command("jax", None, None) is None  # the image's own CMD
+    assert containers.server_command("flag", None, None) is None  # the image's own CMD
 
 
 def test_repo_id_mounts_the_hf_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    volumes, env, arg, _ = containers.model_mount("google/gemma-4-E2B-it", "vllm")
+    volumes, env, arg, _ = containers.model_mount("google/gemma-4-E2B-it")
     assert volumes == {str(tmp_path / "hf"): {"bind": "/hf-cache", "mode": "rw"}}
     assert env == {"HF_HOME": "/hf-cache"} and arg == "google/gemma-4-E2B-it"
     with pytest.raises(containers.UserError, match="not a Hugging Face repo id"):
-        containers.model_mount(str(tmp_path / "missing" / "dir"), "vllm")
+        containers.model_mount(str(tmp_path / "missing" / "dir"))
 
 
 def test_hf_token_comes_from_the_environment(monkeypatch):
@@ -165,7 +165,7 @@ def test_hf_token_comes_from_the_environment(monkeypatch):
 # ---- images on a real Docker engine ----
 
 BASE_CANDIDATES = [os.environ.get("G5G_TEST_BASE_IMAGE"), "g5g-local/bookworm:amd64", "g5g-local/bookworm:latest"]
-TIMED = Path(__file__).parent / "fixtures" / "timed_server.py"
+TIMED = Path(__file__).parents[1] / "g5g" / "devtools" / "timed_server.py"
 
 
 @pytest.fixture(scope="session")
@@ -230,7 +230,7 @@ def test_image_smoke_passes_and_records_boot(timed_images, docker_client, tmp_pa
 @pytest.mark.e2e
 def test_container_is_local_only_gets_the_token_and_is_removed(timed_images, docker_client, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
-    with containers.serve_image(timed_images["good"], runtime="pytorch", gpu=False, timeout=60,
+    with containers.serve_image(timed_images["good"], gpu=False, timeout=60,
                                 docker_client=docker_client) as srv:
         srv.container.reload()
         assert "HF_TOKEN=hf_not_a_real_token" in srv.container.attrs["Config"]["Env"]
@@ -279,7 +279,7 @@ def test_prompt_and_expect_default_to_the_runtime_manifest(timed_server, capsys)
 @pytest.mark.e2e
 def test_readiness_is_bounded_and_reports_the_stage_and_logs(timed_images, docker_client):
     with pytest.raises(containers.ContainerFailed) as failed:
-        with containers.serve_image(timed_images["good"], runtime="pytorch", gpu=False, timeout=3,
+        with containers.serve_image(timed_images["good"], gpu=False, timeout=3,
                                     command=["--health-delay", "600"], docker_client=docker_client):
             pytest.fail("a server whose /health says 503 for 10 minutes was reported ready")
     assert "not ready after 3 s (waiting for /health 200)" in str(failed.value)
@@ -292,7 +292,7 @@ def test_g5g_profile_asks_the_engine_for_the_gpu(timed_images, docker_client):
     """The g5g profile sends a GPU device request; an engine without the NVIDIA runtime refuses it at start, and
     the error says so (on a G5g host the same request gives the container the T4G)."""
     with pytest.raises(containers.UserError) as failed:
-        with containers.serve_image(timed_images["good"], runtime="pytorch", gpu=True, timeout=10,
+        with containers.serve_image(timed_images["good"], gpu=True, timeout=10,
                                     docker_client=docker_client):
             pytest.skip("this engine has a GPU runtime: the request was granted")
     assert "could not start" in str(failed.value) and "NVIDIA container toolkit" in str(failed.value)

@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from g5g import bench, wire
+from g5g.console import print_table
 from g5g.errors import FAILED, OK, UserError
 
 console = Console(highlight=False)
@@ -166,7 +167,7 @@ def result_table(result: dict) -> Table:
 
 
 def finish(result: dict, json_file: str | None) -> int:
-    console.print(result_table(result))
+    print_table(console, result_table(result))
     if json_file:
         Path(json_file).write_text(json.dumps(result, indent=2) + "\n")
         console.print(f"wrote {json_file}")
@@ -224,7 +225,7 @@ def compare(files: list[str], plot: str | None) -> int:
         if any(v is not None for v in values):
             t.add_row(f"wire/gauge {m.upper()} (that server's own ratio)", *(_fmt(v) if v is None else f"{v:.4f}"
                                                                              for v in values))
-    console.print(t)
+    print_table(console, t)
     if plot:
         write_plot(results, plot)
         console.print(f"wrote {plot}")
@@ -232,23 +233,37 @@ def compare(files: list[str], plot: str | None) -> int:
 
 
 def write_plot(results: list[dict], path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = plot(results)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def plot(results: list[dict]):
+    """One bar panel per plotted metric, a bar per run; the runs are named once, in a legend under the panels (run
+    names such as jax-g5g-cu130-sm75-fp16 are too long for a tick label under every bar)."""
     try:
         import matplotlib
     except ImportError:
         raise UserError("--plot needs matplotlib (pip install -e .[dev])") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     panels = [(k, lbl) for k, lbl in PLOTTED if any(_get(r, k) is not None for r in results)]
     fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.4), squeeze=False)
     labels = [str(r["label"]) for r in results]
+    colors = [f"C{i % 10}" for i in range(len(results))]
     for ax, (key, title) in zip(axes[0], panels):
         values = [_get(r, key) for r in results]
-        bars = ax.bar(labels, [v or 0.0 for v in values], color=[f"C{i}" for i in range(len(results))])
+        bars = ax.bar(range(len(results)), [v or 0.0 for v in values], color=colors)
         ax.bar_label(bars, labels=["n/a" if v is None else f"{v:.1f}" for v in values], fontsize=8)
         ax.set_title(title, fontsize=9)
-        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+        ax.set_xticks([])
     fig.suptitle("g5g-images bench (on the wire)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    handles = [Patch(color=c) for c in colors]
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0), ncol=max(1, min(len(labels), 3)),
+               fontsize=8, frameon=False)
+    return fig

@@ -48,6 +48,11 @@ def secrets(ca_cert: str | None, environ: dict[str, str] | None = None) -> tuple
     return tuple(out)
 
 
+def out_dir(out: str | None) -> str:
+    """--out DIR as the user means it: relative to the current directory; without it, build/ in the checkout."""
+    return str(Path(out).resolve()) if out else str(REPO_ROOT / "build")
+
+
 def plan_from_args(args, push: bool = False, with_secrets: bool = True) -> Plan:
     mdir = Path(args.manifests) if args.manifests else REPO_ROOT / "manifests"
     rehearse = getattr(args, "rehearse", False)
@@ -55,18 +60,19 @@ def plan_from_args(args, push: bool = False, with_secrets: bool = True) -> Plan:
     manifest.check_patch_digests(m, REPO_ROOT)
     sec = secrets(ca_cert_path(getattr(args, "ca_cert", None))) if with_secrets else ()
     return make_plan(m, runtime=args.runtime, profile=args.profile, platforms=args.platform,
-                     registry=args.registry, out=getattr(args, "out", "build"), push=push,
+                     registry=args.registry, out=out_dir(getattr(args, "out", None)), push=push,
                      sequential=getattr(args, "sequential", False), secrets=sec, repo_root=REPO_ROOT,
                      cache=getattr(args, "cache", None), builder=getattr(args, "builder", None),
                      rehearse=rehearse)
 
 
 def check_patches(plan: Plan) -> None:
-    """Our patches must apply to the pinned vLLM sdist before hours of compiling start (g5g.patches, issue 3)."""
+    """A runtime's patches must apply to its pinned sdist (the package index's, of its version pin) before hours of
+    compiling start (g5g.patches, issue 3)."""
     for img in plan.images:
-        if img.runtime == "vllm" and img.patches:
-            patches.check_apply([(p["path"], p["sha256"]) for p in img.patches], img.upstream["vllm"],
-                                img.build_args["VLLM_SDIST_SHA256"])  # the plan's pin (--manifests, --set)
+        if img.patch_base:  # the plan's pins (--manifests, --set)
+            package, version, sha256 = img.patch_base
+            patches.check_apply([(p["path"], p["sha256"]) for p in img.patches], version, sha256, package)
 
 
 def check_contexts(plan: Plan, repo_root: Path) -> None:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from g5g.commands.smoke import servable_runtimes
 from g5g.errors import OK, UserError
 
 console = Console(highlight=False, soft_wrap=True)
@@ -14,6 +15,9 @@ console = Console(highlight=False, soft_wrap=True)
 def run(args) -> int:
     from serving import memory_plan as mp
 
+    servable = servable_runtimes()
+    if args.runtime not in servable:
+        raise UserError(f"fits --runtime {args.runtime}: not a serving runtime (one of {', '.join(servable)})")
     gpu = mp.GPUS[args.gpu]
     kw = dict(gpu_mib=gpu, overhead_mib=args.overhead_mib)
     try:

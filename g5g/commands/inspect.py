@@ -7,10 +7,9 @@ from rich.console import Console
 from rich.table import Table
 
 from g5g import inspect as inspector
+from g5g.console import print_table
 
-console = Console(highlight=False)
-if not console.is_terminal:  # piped or logged: don't wrap arch lists and digests at 80 columns
-    console = Console(highlight=False, width=160)
+console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False)
 
 
@@ -34,6 +33,8 @@ def table(r: dict) -> Table:
     for platform, e in r["platforms"].items():
         if e.get("probe_error"):
             t.caption += f"\n[yellow]{platform}: probe failed: {e['probe_error']}[/]"
+        if e.get("rehearsal"):
+            t.caption += f"\n[yellow]{platform}: a rehearsal ({e['rehearsal']}): it proves no kernel coverage[/]"
     return t
 
 
@@ -46,7 +47,7 @@ def run(args) -> int:
         print(json.dumps(results[0] if len(results) == 1 else results, indent=2))
     else:
         for r in results:
-            console.print(table(r))
+            print_table(console, table(r))
             if any(e["covered"] is None for e in r["platforms"].values()) and not args.probe:
                 console.print(f"[yellow]{r['image']}: no CUDA arch list in some configs; "
                               "--probe runs the image and asks torch (slow)[/]")

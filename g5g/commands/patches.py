@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from rich.console import Console
 from rich.table import Table
 
 from g5g import patches
+from g5g.console import print_table
 from g5g.errors import FAILED, OK
 
-console = Console(highlight=False, width=None if sys.stdout.isatty() else 132)  # CI logs: no wrapping
+console = Console(highlight=False, soft_wrap=True)  # digests and paths on one line, in a terminal or a CI log
 
 
 def _fits(entry: dict) -> str:
@@ -36,7 +36,7 @@ def print_report(r: dict) -> None:
                   f"{u['tile']}/{u['num_stages']}", str(u["shared"]), _fits(u),
                   f"{p['tile']}/{p['num_stages']}", str(p["shared"]), _fits(p),
                   f"{ref['tile']}/{ref['num_stages']} {same}")
-    console.print(t)
+    print_table(console, t)
     for row in r["launches"]:
         p = row["patched"]
         if "wider_tile_shared" in p:

@@ -10,11 +10,15 @@ import os
 import sys
 from pathlib import Path
 
-from g5g import REPO_ROOT
+from g5g import REPO_ROOT, manifest
 from g5g.errors import UserError
+from g5g.manifest import Local
 
-RUNTIME_PACKAGES = {"pytorch": ("torch", "transformers", "fastapi", "uvicorn"),
-                    "jax": ("jax", "transformers", "fastapi", "uvicorn")}
+
+def local_runtimes(manifest_dir: Path | None = None) -> dict[str, Local]:
+    """The runtimes `build.py serve` runs here: those whose manifest has a serve.local section."""
+    m = manifest.load(manifest_dir or REPO_ROOT / "manifests")
+    return {name: rt.serve.local for name, rt in m.runtimes.items() if rt.serve.local is not None}
 
 
 def argv(args) -> list[str]:
@@ -29,10 +33,14 @@ def run(args) -> int:
         raise UserError(f"--model {model}: no such directory")
     if not (model / "config.json").is_file():
         raise UserError(f"--model {model}: no config.json (expected a Hugging Face checkpoint directory)")
-    missing = [p for p in RUNTIME_PACKAGES[args.runtime] if importlib.util.find_spec(p) is None]
+    local = local_runtimes(Path(args.manifests) if args.manifests else None)
+    if args.runtime not in local:
+        raise UserError(f"serve --runtime {args.runtime}: not one that runs here (runtimes with serve.local in "
+                        f"their manifest: {', '.join(local)})")
+    missing = [p for p in local[args.runtime].packages if importlib.util.find_spec(p) is None]
     if missing:
         raise UserError(f"serve --runtime {args.runtime}: missing Python packages {', '.join(missing)} "
-                        f"(pip install -e '.[serving,{'torch' if args.runtime == 'pytorch' else 'jax'}]')")
+                        f"(pip install -e '.[{','.join(local[args.runtime].extras)}]')")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     cmd = argv(args)

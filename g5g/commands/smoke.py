@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from g5g import REPO_ROOT, containers, manifest, smoke, wire
+from g5g.console import print_table
 from g5g.errors import FAILED, OK, UserError
 
 MAX_TOKENS = 256
@@ -47,14 +48,15 @@ def servable_runtimes() -> tuple[str, ...]:
 
 
 def manifest_defaults(runtime: str | None) -> dict:
-    """From the runtime manifest: `smoke: {prompt, expect}` and `port` ({} when there is no manifest)."""
+    """From the runtime manifest: `smoke: {prompt, expect}`, `port` and how it takes the model (`serve.model_arg`)
+    ({} when there is no manifest)."""
     m = _manifests()
     if not runtime or m is None:
         return {}
     rt = m.runtimes.get(runtime)
     if rt is None:
         return {}
-    out = {"port": rt.port}
+    out = {"port": rt.port, "model_style": rt.serve.model_arg}
     if rt.smoke is not None:
         out |= {"prompt": rt.smoke.prompt, "expect": rt.smoke.expect}
     return out
@@ -127,7 +129,7 @@ def _print(report: dict, as_json: bool) -> None:
         print(json.dumps(report, indent=2))
     else:
         if report["checks"]:
-            console.print(_table(report))
+            print_table(console, _table(report))
         for mode, a in report["answers"].items():
             console.print(f"[dim]{mode} answer:[/] {escape(repr(a['text'][:300]))}")
         if report.get("boot"):
@@ -173,7 +175,7 @@ def smoke_image(image: str, *, runtime: str | None, profile: str | None, model: 
     base = {"image": image, "runtime": runtime, "profile": profile, "gpu": gpu, "url": None, "checks": {},
             "answers": {}}
     try:
-        with containers.serve_image(image, runtime=runtime, gpu=gpu, model=model,
+        with containers.serve_image(image, gpu=gpu, model=model, model_style=defaults.get("model_style", "flag"),
                                     served_model_name=served_model_name, timeout=timeout,
                                     port=defaults.get("port", containers.PORT), docker_client=dc) as srv:
             report = base | check_server(srv.url, srv.model_name, prompt, expect, max_tokens)

@@ -132,7 +132,7 @@ def test_inspect_both_backends_agree(engine, built, runtime):
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_smoke_answers_with_the_tiny_model(engine, built, runtime, tiny_gemma4):
-    from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
+    from g5g.devtools.tiny_gemma4 import ANSWER, QUESTION
 
     ref = built(runtime)
     run = engine.cli("smoke", ref, "--model", str(tiny_gemma4), "--prompt", QUESTION,
