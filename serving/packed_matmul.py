@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 
 KERNEL_MAX_ROWS = 16        # the kernel's row block: a decode step of up to 16 sequences
-# (BLOCK_N, BLOCK_K, num_warps) per bits, chosen on the H200 by benchmarks/packed_matmul_bench.py.
-KERNEL_CONFIG = {8: (32, 256, 4), 4: (32, 256, 4)}
+# (BLOCK_N, BLOCK_K, num_warps) per bits: the most frequent winner over E2B/E4B's weights at 1 and 8 rows on the
+# H200 (benchmarks/quantized_decode.py --phase kernels; benchmarks/RESULTS.md, issue 21).
+KERNEL_CONFIG = {8: (32, 256, 4), 4: (16, 512, 4)}
 
 
 class PackedLinear(torch.nn.Module):
@@ -63,13 +64,12 @@ def packed_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bits: 
     n = packed.shape[0]
     block_n, block_k, warps = config or KERNEL_CONFIG[bits]
     groups = scale.shape[1]
-    group = k // groups
-    if m > KERNEL_MAX_ROWS or (groups > 1 and block_k % group and group % block_k):
-        raise ValueError(f"packed_mm: {m} rows / group {group} against block {block_k}")
+    if m > KERNEL_MAX_ROWS:
+        raise ValueError(f"packed_mm: {m} rows; the kernel takes up to {KERNEL_MAX_ROWS}")
     x = x.contiguous()
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _kernel()[(triton.cdiv(n, block_n),)](
-        x, packed, scale, y, m, n, k, group, x.stride(0), packed.stride(0), scale.stride(0), y.stride(0),
+        x, packed, scale, y, m, n, k, k // groups, x.stride(0), packed.stride(0), scale.stride(0), y.stride(0),
         BITS=bits, PER_CHANNEL=groups == 1, BLOCK_M=KERNEL_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps)
     return y
