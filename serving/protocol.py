@@ -5,7 +5,7 @@ A request is parsed in one place (`parse`, in a worker thread: `read`): JSON tha
 too deep, integers too long, lone surrogates) is a 400 like any other malformed body. The work one request costs is
 bounded before it is done, as the body limit bounds its bytes: at most MAX_JSON_OBJECTS objects are built, and the
 parse and the validation of the messages run in small steps, so the worker thread hands the GIL back to the event
-loop (and other clients) between them.
+loop (and other clients) between them. Integers (token ids) are counted the same way: at most MAX_JSON_INTS.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ MAX_BAD_WORDS = 128
 MAX_PROMPTS = 1024              # prompts in one completions request (also bounded by the server's slots + queue)
 MAX_LOGPROBS = 20               # vLLM's default --max-logprobs; OpenAI's top_logprobs bound
 MAX_JSON_OBJECTS = 65_536       # objects in one request body (messages, content parts, tools, schemas ...)
+MAX_JSON_INTS = 2**20           # integers in one request body (token ids): more than slots x context would take
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
@@ -253,23 +254,31 @@ def _may_hold_lone_surrogate(body: bytes) -> bool:
     return low_at >= 0
 
 
-def _too_many() -> APIError:
-    return APIError(400, f"request body has more than {MAX_JSON_OBJECTS} JSON objects")
+def _too_many(limit: int, what: str) -> APIError:
+    return APIError(400, f"request body has more than {limit} {what}")
 
 
 def _load(body: bytes) -> Any:
-    """json.loads, stopped past MAX_JSON_OBJECTS objects. The hook, Python code run per object, also lets the
-    interpreter switch threads in the middle of a long parse."""
-    count = 0
+    """json.loads, stopped past MAX_JSON_OBJECTS objects or MAX_JSON_INTS integers (a flat list of millions of
+    token ids is refused by count, before validation). The hooks, Python code run per object and per integer,
+    also let the interpreter switch threads in the middle of a long parse."""
+    objects = ints = 0
 
     def hook(obj: dict) -> dict:
-        nonlocal count
-        count += 1
-        if count > MAX_JSON_OBJECTS:
-            raise _too_many()
+        nonlocal objects
+        objects += 1
+        if objects > MAX_JSON_OBJECTS:
+            raise _too_many(MAX_JSON_OBJECTS, "JSON objects")
         return obj
 
-    return json.loads(body, object_hook=hook)
+    def parse_int(text: str) -> int:
+        nonlocal ints
+        ints += 1
+        if ints > MAX_JSON_INTS:
+            raise _too_many(MAX_JSON_INTS, "integers (token ids)")
+        return int(text)
+
+    return json.loads(body, object_hook=hook, parse_int=parse_int)
 
 
 def _validation_error(e: ValidationError, prefix: tuple = ()) -> APIError:
