@@ -405,6 +405,13 @@ def test_a_conversation_with_tool_results_renders_through_the_template(url):
 
 
 # ---------------------------------------------------------------------------------------- the rest
+def test_embeddings_are_refused_as_vllm_refuses_them_for_a_generate_model(url):
+    with pytest.raises(openai.BadRequestError) as e:
+        client(url).embeddings.create(model="tiny", input="hi")
+    assert e.value.body == {"message": "The model does not support Embeddings API", "type": "invalid_request_error",
+                            "param": None, "code": None}
+
+
 def test_models_retrieve(url):
     c = client(url)
     m = c.models.retrieve("tiny")
