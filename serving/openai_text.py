@@ -101,6 +101,12 @@ def bad_words_ids(info, words) -> tuple[tuple[int, ...], ...]:
     return tuple(seq for seq in out if seq)
 
 
+def revealed(ctx, req) -> frozenset[int]:
+    """The special tokens the text shows: every one with skip_special_tokens false (as vLLM; a stop token that ends
+    the output and the thinking channel stay out), none by default."""
+    return frozenset() if req.skip_special_tokens else ctx.info.hidden_ids
+
+
 def tool_plan(req: ChatRequest) -> tuple[list[dict] | None, Callable[[], Reader], Any]:
     """What `tools` and `tool_choice` ask for (serving/tool_calls.py): (the tools the chat template shows, a new
     reader of the output, the JSON schema the output is forced to follow or None)."""
@@ -234,9 +240,9 @@ async def chat(request: Request):
     grammar = await asyncio.to_thread(output_grammar, ctx, req.response_format, tool_schema)
     params = sampling(ctx, req, len(ids), max_tokens, (req.top_logprobs or 0) if req.logprobs else None)  # n checked
     readers = [new_reader() for _ in range(req.n)]     # each choice's text -> content and tool_calls deltas
-    reveal = frozenset()
+    reveal = revealed(ctx, req)
     if isinstance(readers[0], GemmaCalls):     # the model's own markup is read: show it, and let no reply go on
-        reveal = ctx.info.tool_markup          # into a tool's answer it would have to make up
+        reveal |= ctx.info.tool_markup         # into a tool's answer it would have to make up
         if ctx.info.tool_response is not None:
             params = replace(params, stop_token_ids=params.stop_token_ids + (ctx.info.tool_response,))
     jobs = submit(request, [(ids, params)], req.n, grammar, reveal)
@@ -310,7 +316,7 @@ async def completions(request: Request):
         echoes = [p if isinstance(p, str) else await asyncio.to_thread(ctx.info.decode, i)
                   for p, i in zip(prompts, ids)]
     jobs = submit(request, [(i, sampling(ctx, req, len(i), req.max_tokens, req.logprobs)) for i in ids], req.n,
-                  grammar)
+                  grammar, revealed(ctx, req))
     rid, created, model = f"cmpl-{request.state.request_id}", int(time.time()), ctx.name
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -151,6 +151,7 @@ class _Sampling(_Strict):
     bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=1000)]],
                          Field(max_length=MAX_BAD_WORDS)] | None = None
     response_format: ResponseFormat | None = None
+    skip_special_tokens: bool = True            # false: the text shows the special tokens generated (not eos)
 
 
 class ChatRequest(_Sampling):
@@ -206,7 +207,8 @@ _NOT_HONOURED = {
     "prompt_logprobs": (None,), "structured_outputs": (None,),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "use_beam_search": (None, False), "length_penalty": (None, 1),
-    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    # Gemma's fast tokenizer never puts spaces between special tokens: only the default has a meaning here
+    "spaces_between_special_tokens": (None, True),
     "truncate_prompt_tokens": (None,),
     "logits_processors": (None,), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
     "return_tokens_as_token_ids": (None, False),

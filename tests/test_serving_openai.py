@@ -571,6 +571,24 @@ def test_chat_template_options_as_vllm_takes_them(url, tiny_gemma4):
             assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (path, bad.text)
 
 
+def test_skip_special_tokens_false_keeps_them_in_the_text(url):
+    """As vLLM: the special tokens generated are in the text (here <bos>, forced), the stop token that ends the
+    answer is not; both endpoints, streamed and not."""
+    c = client(url)
+    forced = {"allowed_token_ids": [2], "skip_special_tokens": False}
+    r = c.completions.create(model="tiny", prompt="Hi", max_tokens=3, extra_body=forced)
+    assert r.choices[0].text == "<bos>" * 3
+    streamed = c.completions.create(model="tiny", prompt="Hi", max_tokens=3, stream=True, extra_body=forced)
+    assert "".join(ch.choices[0].text for ch in streamed) == "<bos>" * 3
+    r = c.chat.completions.create(model="tiny", messages=ASK, max_tokens=2, extra_body=forced)
+    assert r.choices[0].message.content == "<bos>" * 2
+    skipped = c.chat.completions.create(model="tiny", messages=ASK, max_tokens=2,
+                                        extra_body={"allowed_token_ids": [2]})
+    assert skipped.choices[0].message.content == ""
+    shown = c.chat.completions.create(model="tiny", messages=ASK, extra_body={"skip_special_tokens": False})
+    assert (shown.choices[0].message.content, shown.choices[0].finish_reason) == (ANSWER, "stop")
+
+
 def test_allowed_token_ids_are_the_only_tokens_generated(url, tiny_gemma4):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tiny_gemma4)
