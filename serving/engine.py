@@ -20,7 +20,9 @@ Before that, in vLLM's order (its v1 sampler), the logits are adjusted per reque
   token generated at least once);
 - min_p (sampled rows): tokens less likely than min_p times the most likely one, at `temperature`, are dropped.
 Logprobs are vLLM's default `logprobs_mode="raw_logprobs"`: log_softmax of the model's logits before any of the
-above (bias, penalties, temperature, cuts); `logprobs(slot)` has the chosen token's and the top ones.
+above (bias, penalties, temperature, cuts); `logprobs(slot)` has the chosen token's and the top ones,
+`prompt_logprobs(slot)` the same for each prompt token (computed by `start` only when the params ask: it costs the
+LM head over every prompt position).
 
 Allowed tokens (structured output, serving/structured.py): `start` takes a mask and `step` a {slot: mask} for the
 slots whose request follows a grammar. A mask is a packed bitmask row, int32 [ceil(vocab_size / 32)], bit i % 32 of
@@ -57,6 +59,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()        # end generation like eos
     eos_token_ids: tuple[int, ...] = ()         # the checkpoint's stop ids (what min_tokens holds back, with the above)
     logprobs: int | None = None                 # how many top alternatives per token (0: the chosen one's only)
+    prompt_logprobs: int | None = None          # the same for every prompt token after the first (start computes them)
     allowed_token_ids: tuple[int, ...] = ()     # only these may be generated (API layer: a mask); () = any
     bad_words_ids: tuple[tuple[int, ...], ...] = ()     # token sequences never generated (API layer: a mask)
 
@@ -103,6 +106,10 @@ class Engine(Protocol):
     def logprobs(self, slot: int) -> "TokenLogprobs":
         """The raw logprobs of the slot's last chosen token, for a sequence started with params.logprobs set."""
 
+    def prompt_logprobs(self, slot: int) -> list["TokenLogprobs"]:
+        """For a sequence started with params.prompt_logprobs set: per prompt token after the first, its raw logprob
+        given the tokens before it, its rank, and the params.prompt_logprobs most likely tokens there."""
+
 
 TOP_LOGPROBS = 20    # the most alternatives a request may ask for (vLLM's default max_logprobs, OpenAI's top_logprobs)
 
@@ -111,3 +118,4 @@ TOP_LOGPROBS = 20    # the most alternatives a request may ask for (vLLM's defau
 class TokenLogprobs:
     logprob: float                             # of the chosen token
     top: tuple[tuple[int, float], ...]         # the params.logprobs most likely (id, logprob), most likely first
+    rank: int | None = None                    # 1 + how many tokens are more likely (prompt logprobs only)

@@ -119,6 +119,7 @@ class TorchEngine:
         self._gens = [torch.Generator(device=device) for _ in range(slots)]
         self._logits: dict[int, torch.Tensor] = {}
         self._logprobs: dict[int, TokenLogprobs] = {}
+        self._prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
         # what the penalties read, per slot: generated-token counts and the prompt's tokens, over the vocabulary
         self._counts = torch.zeros((slots, vocab), dtype=torch.int32, device=device)
         self._seen = torch.zeros((slots, vocab), dtype=torch.bool, device=device)
@@ -182,8 +183,21 @@ class TorchEngine:
         self._seen[slot, torch.tensor(list(prompt_ids), device=self.device).clamp(0, self.vocab_size - 1)] = True
         self._out[slot] = 0
         self._pos[slot] = n
-        logits = self._forward(self.model.__call__, [list(prompt_ids)], self._kv.prefill(slot, n))
-        return self._took(slot, int(self._choose(slot, logits[0], mask)))
+        kw = self._kv.prefill(slot, n)
+        if params.prompt_logprobs is None:
+            logits = self._forward(self.model.__call__, [list(prompt_ids)], kw)[0]
+        else:      # the model's head over every prompt position (the last one's logits as the call above makes them)
+            h = self.model.model(input_ids=torch.tensor([list(prompt_ids)], device=self.device), use_cache=True,
+                                 **kw).last_hidden_state[0]
+            self._prompt_logprobs[slot] = prompt_logprobs(self._head, h[:-1], prompt_ids[1:], params.prompt_logprobs)
+            logits = self._head(h[-1:])[0].float()
+        return self._took(slot, int(self._choose(slot, logits, mask)))
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of hidden states [T, D], as Gemma4ForCausalLM's forward makes them (lm_head, soft-capping)."""
+        logits = self.model.lm_head(h)
+        cap = self.text_config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @torch.inference_mode()
     def step(self, tokens: Mapping[int, int], masks: Mapping[int, np.ndarray] | None = None) -> dict[int, int]:
@@ -215,6 +229,9 @@ class TorchEngine:
 
     def logprobs(self, slot: int) -> TokenLogprobs:
         return self._logprobs[slot]
+
+    def prompt_logprobs(self, slot: int) -> list[TokenLogprobs]:
+        return self._prompt_logprobs.pop(slot)
 
 
 FLOOR = -80.0   # as serving/jax_runtime/sampling.py: tempered, max-shifted logits are clamped here
@@ -255,6 +272,26 @@ def raw_logprobs(logits: torch.Tensor, chosen: int, k: int) -> TokenLogprobs:
     lp = torch.log_softmax(logits, 0)
     top = lp.topk(k) if k else None
     return TokenLogprobs(float(lp[chosen]), tuple(zip(top.indices.tolist(), top.values.tolist())) if k else ())
+
+
+PROMPT_CHUNK = 128      # prompt positions whose float32 logits [chunk, vocab] exist at once
+
+
+def prompt_logprobs(head, h: torch.Tensor, targets: Sequence[int], k: int) -> list[TokenLogprobs]:
+    """Per position i of hidden states h [T, D]: the raw logprob of targets[i] (the prompt token that follows),
+    its rank and the k most likely tokens, a chunk of positions at a time."""
+    out, want = [], torch.tensor(list(targets), device=h.device)
+    for i in range(0, len(targets), PROMPT_CHUNK):
+        lp = torch.log_softmax(head(h[i:i + PROMPT_CHUNK]).float(), -1)
+        chosen = lp.gather(1, want[i:i + PROMPT_CHUNK, None])[:, 0]
+        rank = ((lp > chosen[:, None]).sum(-1) + 1).tolist()
+        top = lp.topk(k) if k else None
+        for j, value in enumerate(chosen.tolist()):
+            pairs = tuple(zip(top.indices[j].tolist(), top.values[j].tolist())) if k else ()
+            out.append(TokenLogprobs(value, pairs, rank[j]))
+    return out
+
+
 def apply_mask(logits: torch.Tensor, mask: np.ndarray) -> torch.Tensor:
     """float32 logits [V] with every token the packed bitmask row `mask` (serving/engine.py) disallows at MASKED."""
     bits = np.unpackbits(np.ascontiguousarray(mask, "<i4").view(np.uint8), bitorder="little")[:logits.numel()]
