@@ -152,6 +152,7 @@ class _Sampling(_Strict):
                          Field(max_length=MAX_BAD_WORDS)] | None = None
     response_format: ResponseFormat | None = None
     skip_special_tokens: bool = True            # false: the text shows the special tokens generated (not eos)
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None     # vLLM's extension
 
 
 class ChatRequest(_Sampling):
@@ -204,7 +205,7 @@ _FIELDS = {f.alias or name for m in _MODELS for name, f in m.model_fields.items(
 # A request that sets one to anything else gets a 400 naming it: never a 200 that silently ignored it.
 _NOT_HONOURED = {
     "best_of": (None, 1),       # removed from vLLM (0.19); `n` and `logprobs` do what it did
-    "prompt_logprobs": (None,), "structured_outputs": (None,),
+    "structured_outputs": (None,),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "use_beam_search": (None, False), "length_penalty": (None, 1),
     # Gemma's fast tokenizer never puts spaces between special tokens: only the default has a meaning here
@@ -330,6 +331,8 @@ def parse(model: type[_Strict], body: bytes) -> Any:
     options = getattr(req, "stream_options", None)
     if options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if getattr(req, "stream", False) and getattr(req, "prompt_logprobs", None) is not None:     # as vLLM
+        raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs")
     if options is not None and options.continuous_usage_stats:
         raise APIError(400, "stream_options.continuous_usage_stats is not supported by this server (unset it, or "
                             "send false)", param="stream_options.continuous_usage_stats")

@@ -274,7 +274,7 @@ def raw_logprobs(logits: torch.Tensor, chosen: int, k: int) -> TokenLogprobs:
     return TokenLogprobs(float(lp[chosen]), tuple(zip(top.indices.tolist(), top.values.tolist())) if k else ())
 
 
-PROMPT_CHUNK = 128      # prompt positions whose float32 logits [chunk, vocab] exist at once
+PROMPT_CHUNK = 32       # prompt positions whose float32 logits [chunk, vocab] exist at once (32 MiB at 262 144)
 
 
 def prompt_logprobs(head, h: torch.Tensor, targets: Sequence[int], k: int) -> list[TokenLogprobs]:

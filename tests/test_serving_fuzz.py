@@ -163,7 +163,9 @@ def _cases() -> list[tuple[str, str, bytes | None, dict]]:
                {"n": 3, "seed": 1, "stream": True}, {"logprobs": True, "top_logprobs": 20, "stream": True},
                {"logit_bias": {"1": -100, "106": -100, "5": 100}}, {"min_tokens": 4, "stop_token_ids": [1, 106]},
                {"repetition_penalty": 1e-6}, {"logprobs": None},
-               {"presence_penalty": -2, "frequency_penalty": 2, "min_p": 1}):
+               {"presence_penalty": -2, "frequency_penalty": 2, "min_p": 1}, {"prompt_logprobs": 20, "n": 2},
+               {"prompt_logprobs": 1, "max_tokens": 1, "response_format": {"type": "json_object"}},
+               {"skip_special_tokens": False, "allowed_token_ids": [1, 2, 106]}):
         post(CHAT, chat(**kw))
     # Completions.
     for kw in ({"prompt": ""}, {"prompt": []}, {"prompt": [[]]}, {"prompt": [1, 2, 3]}, {"prompt": [10**9]},
@@ -172,6 +174,10 @@ def _cases() -> list[tuple[str, str, bytes | None, dict]]:
                {"prompt": "hi", "suffix": "end"}, {"prompt": "hi", "logprobs": 2}, {"prompt": "hi", "best_of": 3},
                {"prompt": "hi", "logprobs": 21}, {"prompt": "hi", "logprobs": 20, "n": 2, "stream": True},
                {"prompt": "hi", "logprobs": 1, "echo": True},
+               {"prompt": "hi", "logprobs": 20, "echo": True, "max_tokens": 0, "n": 2, "prompt_logprobs": 20},
+               {"prompt": [[2], [2, 105]], "logprobs": 3, "echo": True, "stream": True},
+               {"prompt": "hi", "prompt_logprobs": -1}, {"prompt": "hi", "prompt_logprobs": 3, "stream": True},
+               {"prompt": [2], "prompt_logprobs": 0, "skip_special_tokens": False},
                {"prompt": "hi", "max_tokens": 10**6}, {"prompt": [2] * 300_000}, {"prompt": "hi " * 4_000_000},
                {"prompt": ["hi"], "stream": True, "echo": True, "max_tokens": 2}, {"prompt": [[2, 105]]},
                {"prompt": "hi", "messages": ASK}, {"prompt": 1.5}):

@@ -134,6 +134,42 @@ def test_completion_logprobs_streamed_and_not(url):
     assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
 
 
+def test_prompt_logprobs_and_echo_with_logprobs_as_vllm(url):
+    """prompt_logprobs: null for the first prompt token, then {id: {logprob, rank, decoded_token}} for the token and
+    the top ones (chat: in the response, completions: in each choice); echo with logprobs puts the prompt's tokens
+    first in the logprobs (the first one null), streamed or not, max_tokens 0 too."""
+    c, ids = client(url), chat_ids(url)
+    r = requests.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 3,
+                                                      "temperature": 0, "prompt_logprobs": 2}, timeout=60).json()
+    prompt = r["choices"][0]["prompt_logprobs"]
+    assert len(prompt) == len(ids) and prompt[0] is None
+    for token, entry in zip(ids[1:], prompt[1:]):
+        mine = entry[str(token)]
+        assert mine["logprob"] <= 0 and mine["rank"] >= 1 and 2 <= len(entry) <= 3
+        ranked = sorted((e["rank"], -e["logprob"]) for e in entry.values())
+        assert [r for r, _ in ranked][:2] == [1, 2] and ranked == sorted(ranked, key=lambda e: e[1])
+    chat = requests.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": ASK, "max_tokens": 2,
+                                                              "prompt_logprobs": 2}, timeout=60).json()
+    assert chat["prompt_logprobs"] == prompt
+    plain = c.completions.create(model="tiny", prompt=ids, max_tokens=3, temperature=0, logprobs=2)
+    echoed = c.completions.create(model="tiny", prompt=ids, max_tokens=3, temperature=0, logprobs=2, echo=True)
+    lp, n = echoed.choices[0].logprobs, len(ids)
+    assert lp.tokens[n:] == plain.choices[0].logprobs.tokens and len(lp.tokens) == n + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == [prompt[i][str(ids[i])]["logprob"] for i in range(1, n)]
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(n + 3)]
+    assert all(len(top) <= 3 for top in lp.top_logprobs[1:])
+    chunks = list(c.completions.create(model="tiny", prompt=ids, max_tokens=3, temperature=0, logprobs=2,
+                                       echo=True, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == echoed.choices[0].text
+    streamed = [ch.choices[0].logprobs for ch in chunks if ch.choices[0].logprobs]
+    assert sum((s.tokens for s in streamed), []) == lp.tokens
+    assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+    only = c.completions.create(model="tiny", prompt=ids, max_tokens=0, logprobs=1, echo=True)
+    assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:n] and only.usage.completion_tokens == 0
+
+
 def test_n_choices_are_independent_reproducible_and_indexed(url):
     c = client(url)
     kw = dict(model="tiny", messages=ASK, temperature=1.5, max_tokens=12, seed=7)
@@ -181,12 +217,16 @@ def test_logit_bias_stop_token_ids_and_min_tokens(url):
 
 
 def test_both_runtimes_answer_the_same_with_these_parameters(runtime_servers):
-    """Greedy with penalties, bias and logprobs: the same text and (within float tolerance) the same logprobs."""
+    """Greedy with penalties, bias and logprobs: the same text and (within float tolerance) the same logprobs, the
+    prompt's too."""
     kw = dict(model="tiny", messages=[{"role": "user", "content": "What is a stop string?"}], temperature=0,
               max_tokens=20, logprobs=True, top_logprobs=2, presence_penalty=0.8, frequency_penalty=0.4,
-              logit_bias={"40": 2.5}, extra_body={"repetition_penalty": 1.3, "min_tokens": 5})
-    a, b = (client(runtime_servers[rt]).chat.completions.create(**kw).choices[0] for rt in RUNTIMES)
+              logit_bias={"40": 2.5}, extra_body={"repetition_penalty": 1.3, "min_tokens": 5, "prompt_logprobs": 2})
+    answers = [client(runtime_servers[rt]).chat.completions.create(**kw) for rt in RUNTIMES]
+    a, b = (r.choices[0] for r in answers)
     assert a.message.content == b.message.content
+    for x, y in zip(*(r.model_extra["prompt_logprobs"][1:] for r in answers), strict=True):
+        assert x.keys() == y.keys() and all(abs(x[t]["logprob"] - y[t]["logprob"]) < 2e-3 for t in x)
     for x, y in zip(a.logprobs.content, b.logprobs.content, strict=True):
         assert x.token == y.token and abs(x.logprob - y.logprob) < 2e-3
         assert [t.token for t in x.top_logprobs] == [t.token for t in y.top_logprobs]
@@ -205,7 +245,9 @@ def test_both_runtimes_answer_the_same_with_these_parameters(runtime_servers):
     ("chat", {"extra_body": {"min_tokens": 5}}, "min_tokens"),                       # more than max_tokens
     ("chat", {"extra_body": {"stop_token_ids": [100000]}}, "stop_token_ids"),
     ("completions", {"logprobs": 21}, "logprobs"),
-    ("completions", {"logprobs": 1, "echo": True}, "echo"),
+    ("completions", {"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
+    ("chat", {"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),       # as vLLM
+    ("completions", {"stream": True, "extra_body": {"prompt_logprobs": 0}}, "prompt_logprobs"),
 ])
 def test_out_of_range_sampling_parameters_are_a_400_naming_them(url, kind, kw, param):
     _assert_400_naming(url, kind, kw, param)
