@@ -3,7 +3,8 @@
 `response_format` (json_object, json_schema) and forced tool calls compile, through outlines-core, to an index over
 the checkpoint's tokenizer: JSON schema -> regex -> for every state, the tokens allowed and where each leads. The
 compile runs in a worker thread, bounded in time and size (an unusable schema is the client's 400), and the result
-is cached per schema. The generation loop (serving/generation.py) gives each such request a `Matcher`: before every
+is cached per schema. outlines-core's index build cannot be interrupted, so it runs in a process of its own, killed
+at the time limit: a compile whose requester had its 400 keeps no core and no memory. The generation loop (serving/generation.py) gives each such request a `Matcher`: before every
 sampling step it writes the tokens the grammar allows next as a bitmask (bit i % 32 of int32 word i // 32 is token
 i, the layout outlines-core and the runtimes share) and after every generated token it advances. The runtime sets
 every other token's logit to MASKED before it samples (serving/engine.py). Why outlines-core: README, Design notes.
@@ -14,7 +15,10 @@ import contextlib
 import json
 import math
 import os
+import pickle
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -189,21 +193,21 @@ class Grammars:
         (a pool's workers are joined at exit)."""
         future: Future = Future()
 
+        deadline = time.monotonic() + self.timeout_s
+
         def run():
             with self._running if key != ANY_OBJECT_KEY else contextlib.nullcontext():
                 try:
-                    future.set_result(self._compile(key))
+                    future.set_result(self._compile(key, deadline))
                 except BaseException as e:      # handed to whoever waits on it
                     future.set_exception(e)
 
         threading.Thread(target=run, name="grammar", daemon=True).start()
         return future
 
-    def _compile(self, schema_json: str) -> Grammar:
-        from outlines_core import Index
+    def _compile(self, schema_json: str, deadline: float) -> Grammar:
         from outlines_core.json_schema import build_regex_from_schema
 
-        t0 = time.monotonic()
         try:
             ranges: dict[str, str] = {}
             schema = _bounded_integers(json.loads(schema_json), ranges, self.max_string)
@@ -213,12 +217,12 @@ class Grammars:
             if len(regex) > self.max_regex_chars:
                 raise InvalidGrammar(f"too large: its regex has {len(regex)} characters, over the limit of "
                                      f"{self.max_regex_chars}")
-            index = Index(regex, self._vocab())
+            index = build_index(regex, self._vocab(), deadline)
         except (ValueError, TypeError, RecursionError) as e:    # TypeError: nested past outlines-core's JSON parser
             # outlines-core's reason is its first line; the rest is advice to file bugs
             raise InvalidGrammar(str(e).strip().split("\n")[0].strip()) from None
-        if time.monotonic() - t0 > self.timeout_s:      # finished after its requester gave up: refused for all
-            raise InvalidGrammar(f"compiling it takes longer than {self.timeout_s:g} s")
+        except TimeoutError:                            # its requester gave up too: refused for all
+            raise InvalidGrammar(f"compiling it takes longer than {self.timeout_s:g} s") from None
         return Grammar(index, self.info.stop_ids, mask_words(self.vocab_size))
 
     def _vocab(self):
@@ -231,6 +235,41 @@ class Grammars:
                 # outlines-core knows one end token; Matcher lets any of the checkpoint's stop tokens end.
                 self._vocabulary = Vocabulary(min(self.info.stop_ids), tokens)
             return self._vocabulary
+
+
+# The index build, as a program of its own: (regex, outlines-core Vocabulary) pickled in, (ok, Index or reason) out.
+_INDEX_PROGRAM = """
+import pickle, sys
+from outlines_core import Index
+regex, vocabulary = pickle.load(sys.stdin.buffer)
+try:
+    out = (True, Index(regex, vocabulary))
+except (ValueError, TypeError, RecursionError) as e:
+    out = (False, str(e))
+pickle.dump(out, sys.stdout.buffer)
+"""
+
+
+def build_index(regex: str, vocabulary, deadline: float):
+    """outlines-core's Index of `regex` over `vocabulary`, built in a child process (the server's threads and
+    devices stay out of it) that is killed at `deadline` (TimeoutError). Its reason (ValueError) if it cannot."""
+    proc = subprocess.Popen([sys.executable, "-c", _INDEX_PROGRAM], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(pickle.dumps((regex, vocabulary)), max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        raise TimeoutError from None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    if proc.returncode:             # e.g. out of memory
+        last = (err.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
+        raise ValueError(f"the compile stopped (exit code {proc.returncode}: {last})")
+    ok, result = pickle.loads(out)
+    if not ok:
+        raise ValueError(result)
+    return result
 
 
 class Matcher:

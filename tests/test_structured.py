@@ -3,6 +3,7 @@ over the tiny checkpoint's tokenizer, generation that must follow them, and Gemm
 from __future__ import annotations
 
 import json
+import time
 
 import jsonschema
 import numpy as np
@@ -286,6 +287,23 @@ def test_a_long_bounded_string_is_refused_before_its_automaton_is_built(info):
     assert grammars.json_schema({"type": "string", "maxLength": 12}) is not None
 
 
+def test_a_compile_past_its_time_limit_is_stopped(info):
+    """outlines-core's index build cannot be interrupted: it runs in a process killed at the time limit, so a
+    compile whose requester had its 400 keeps no core busy and no memory (before: it ran on in a thread for
+    minutes). A string bounded at 30 characters takes far longer than the limit to index."""
+    import threading
+    grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=2, max_string=40)
+    t0 = time.monotonic()
+    with pytest.raises(InvalidGrammar, match="longer than 2 s"):
+        grammars.json_schema({"type": "string", "maxLength": 30})
+    assert time.monotonic() - t0 < 10
+    deadline = time.monotonic() + 5
+    while any(t.name == "grammar" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.name == "grammar" for t in threading.enumerate())
+    assert grammars.json_schema({"type": "string", "maxLength": 8}) is not None     # and the next one compiles
+
+
 def test_slow_compiles_do_not_starve_json_object(info):
     """Two clients' compiles that outlast their requests hold both compile slots; json_object's fixed grammar
     must not wait for them (it got the time-limit 400 too)."""
@@ -293,11 +311,11 @@ def test_slow_compiles_do_not_starve_json_object(info):
     grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=5)
     compile, release, busy = grammars._compile, threading.Event(), threading.Semaphore(0)
 
-    def slow_unless_json_object(key):
+    def slow_unless_json_object(key, deadline):
         if key != json.dumps(ANY_OBJECT, separators=(",", ":")):
             busy.release()
             release.wait(30)                    # a compile outlines-core cannot be stopped in
-        return compile(key)
+        return compile(key, deadline)
 
     grammars._compile = slow_unless_json_object
     slow = [threading.Thread(target=grammars.json_schema, args=({"type": "integer", "minimum": i},), daemon=True)
