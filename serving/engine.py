@@ -82,6 +82,38 @@ class SamplingParams:
         return s >> 32, s & 0xFFFFFFFF
 
 
+def _f32(x) -> float:
+    return float(np.float32(x))
+
+
+@dataclass(frozen=True)
+class DeviceRow:
+    """What a request's SamplingParams mean for the math on the device, decided here once for every runtime (the
+    array math stays each framework's): values as float32 holds them, and every "off" spelled one way."""
+    temperature: float                      # 0: greedy (also a negative one, or one that underflows float32)
+    top_k: int                              # 0: off (also k of the vocabulary or more)
+    top_p: float                            # 1: off
+    min_p: float                            # 0: off (also when greedy: min_p is relative at the temperature)
+    presence: float
+    frequency: float
+    repetition: float                       # 1: off
+    bias: tuple[tuple[int, float], ...]     # (id, value) inside the vocabulary
+    held: tuple[int, ...]                   # ids at -inf while fewer than min_tokens tokens are out
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence != 0 or self.frequency != 0 or self.repetition != 1
+
+    @classmethod
+    def of(cls, p: SamplingParams, vocab: int) -> "DeviceRow":
+        t = max(_f32(p.temperature), 0.0)
+        return cls(temperature=t, top_k=p.top_k if 0 < p.top_k < vocab else 0, top_p=_f32(p.top_p),
+                   min_p=_f32(p.min_p) if t > 0 else 0.0, presence=_f32(p.presence_penalty),
+                   frequency=_f32(p.frequency_penalty), repetition=_f32(p.repetition_penalty),
+                   bias=tuple((i, _f32(b)) for i, b in p.logit_bias if 0 <= i < vocab),
+                   held=tuple(i for i in p.min_tokens_ids() if 0 <= i < vocab))
+
+
 class Engine(Protocol):
     #: largest prompt + generated length the runtime accepts
     max_context: int

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax._src import xla_bridge  # backends_are_initialized: XLA reads XLA_FLAGS once, when a backend starts
 import numpy as np
 
-from serving.engine import TOP_LOGPROBS, SamplingParams, TokenLogprobs
+from serving.engine import TOP_LOGPROBS, DeviceRow, SamplingParams, TokenLogprobs
 from serving.structured import mask_words
 
 from . import checkpoint, config, model, sampling
@@ -334,11 +334,10 @@ class JaxEngine:
         bucket = next(b for b in self.buckets if b >= n)
         tokens = np.zeros(bucket, np.int32)
         tokens[:n] = np.asarray(prompt_ids, np.int64).clip(0, self.cfg.vocab_size - 1)
-        self._temp[slot] = max(float(params.temperature), 0.0)
-        self._top_k[slot] = max(int(params.top_k), 0)
-        self._top_p[slot] = float(params.top_p)
+        row = DeviceRow.of(params, self.cfg.vocab_size)
+        self._temp[slot], self._top_k[slot], self._top_p[slot] = row.temperature, row.top_k, row.top_p
         self._keys[slot] = params.seed_words()
-        sampling.set_row(self._rows, slot, params, self.cfg.vocab_size)
+        sampling.set_row(self._rows, slot, row, self.cfg.vocab_size, params.logprobs is not None)
         self._min_tokens[slot] = params.min_tokens
         self._top_n[slot] = params.logprobs or 0
         self._prompt_len[slot] = n

@@ -89,20 +89,20 @@ def empty_rows(n: int, vocab: int) -> dict:
             "logprobs": np.zeros(n, bool)}
 
 
-def set_row(rows: dict, i: int, p, vocab: int) -> None:
-    """Row i of `rows` from a SamplingParams (suppress stays the caller's: it changes as tokens come out)."""
-    held = p.min_tokens_ids()
-    if len(p.logit_bias) > BIAS_WIDTH or len(held) > STOP_WIDTH:
+def set_row(rows: dict, i: int, row, vocab: int, logprobs: bool = False) -> None:
+    """Row i of `rows` from a serving.engine.DeviceRow and whether the request wants logprobs (suppress stays the
+    caller's: it changes as tokens come out)."""
+    if len(row.bias) > BIAS_WIDTH or len(row.held) > STOP_WIDTH:
         raise ValueError(f"at most {BIAS_WIDTH} logit_bias entries and {STOP_WIDTH} stop token ids")
     fresh = empty_rows(1, vocab)
-    fresh.update(presence=p.presence_penalty, frequency=p.frequency_penalty, repetition=p.repetition_penalty,
-                 min_p=p.min_p, logprobs=p.logprobs is not None)
+    fresh.update(presence=row.presence, frequency=row.frequency, repetition=row.repetition, min_p=row.min_p,
+                 logprobs=logprobs)
     for k, v in fresh.items():
         if k != "suppress":
             rows[k][i] = v
-    rows["bias_ids"][i, :len(p.logit_bias)] = [t for t, _ in p.logit_bias]
-    rows["bias_vals"][i, :len(p.logit_bias)] = [b for _, b in p.logit_bias]
-    rows["stop_ids"][i, :len(held)] = held
+    rows["bias_ids"][i, :len(row.bias)] = [t for t, _ in row.bias]
+    rows["bias_vals"][i, :len(row.bias)] = [b for _, b in row.bias]
+    rows["stop_ids"][i, :len(row.held)] = row.held
 
 
 def empty_state(slots: int, vocab: int) -> dict:
