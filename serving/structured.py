@@ -4,8 +4,8 @@
 the checkpoint's tokenizer: JSON schema -> regex -> for every state, the tokens allowed and where each leads. The
 compile runs in a worker thread, bounded in time and size (an unusable schema is the client's 400), and the result
 is cached per schema. outlines-core's index build cannot be interrupted, so it runs in a process of its own, killed
-at the time limit: a compile whose requester had its 400 keeps no core and no memory. The generation loop (serving/generation.py) gives each such request a `Matcher`: before every
-sampling step it writes the tokens the grammar allows next as a bitmask (bit i % 32 of int32 word i // 32 is token
+at the time limit: a compile whose requester had its 400 keeps no core and no memory. The generation loop
+(serving/generation.py) gives each such request a `Matcher`: before every sampling step it writes the tokens the grammar allows next as a bitmask (bit i % 32 of int32 word i // 32 is token
 i, the layout outlines-core and the runtimes share) and after every generated token it advances. The runtime sets
 every other token's logit to MASKED before it samples (serving/engine.py). Why outlines-core: README, Design notes.
 """
