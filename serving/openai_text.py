@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from dataclasses import replace
 from typing import Any, Callable
@@ -130,27 +131,45 @@ def tool_plan(req: ChatRequest) -> tuple[list[dict] | None, Callable[[], Reader]
     return shown, lambda: NamedCall(name), params[name]
 
 
-def output_grammar(ctx, fmt: ResponseFormat | None, tool_schema: Any = None) -> Any:
-    """The grammar the output follows (compiled here: call from a worker thread), or None for free text."""
+def output_grammar(ctx, fmt: ResponseFormat | None, tool_schema: Any = None,
+                   gone: threading.Event | None = None) -> Any:
+    """The grammar the output follows (compiled here: call from a worker thread), or None for free text. `gone`:
+    set when the client left (a compile nobody waits for any more stops)."""
     try:
         if tool_schema is not None:
             if fmt is not None and fmt.type != "text":
                 raise APIError(400, "response_format cannot be combined with tool_choice \"required\" or a named "
                                     "function (the call's arguments are already JSON)", param="response_format")
             try:
-                return ctx.grammars.json_schema(tool_schema)
+                return ctx.grammars.json_schema(tool_schema, gone)
             except InvalidGrammar as e:
                 raise APIError(400, f"tools: a function's parameters are not a usable JSON schema: {e}",
                                param="tools") from None
         if fmt is None or fmt.type == "text":
             return None
         if fmt.type == "json_object":
-            return ctx.grammars.json_object()
+            return ctx.grammars.json_object(gone)
         if fmt.json_schema is None:
             raise InvalidGrammar("type json_schema needs json_schema: {\"name\": …, \"schema\": {…}}")
-        return ctx.grammars.json_schema(fmt.json_schema.schema_)
+        return ctx.grammars.json_schema(fmt.json_schema.schema_, gone)
     except InvalidGrammar as e:
         raise APIError(400, f"response_format: invalid JSON schema: {e}", param="response_format") from None
+
+
+async def while_connected(request: Request, fn: Callable[[threading.Event], Any]) -> Any:
+    """fn(gone) in a worker thread; `gone` is set if the client disconnects meanwhile."""
+    gone = threading.Event()
+
+    async def watch():
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.25)
+        gone.set()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await asyncio.to_thread(fn, gone)
+    finally:
+        watcher.cancel()
 
 
 GOLDEN = 0x9E3779B97F4A7C15     # 2**64 / golden ratio: choice i's seed is the request's plus i times this
@@ -258,7 +277,7 @@ async def chat(request: Request):
         return ctx.info.encode(text, limit=limit)
 
     ids = await prompt_ids(ctx, build, max_tokens, "messages")
-    grammar = await asyncio.to_thread(output_grammar, ctx, req.response_format, tool_schema)
+    grammar = await while_connected(request, lambda gone: output_grammar(ctx, req.response_format, tool_schema, gone))
     params = sampling(ctx, req, len(ids), max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                       req.prompt_logprobs)   # n checked
     readers = [new_reader() for _ in range(req.n)]     # each choice's text -> content and tool_calls deltas
@@ -330,7 +349,7 @@ async def completions(request: Request):
             ctx.info.encode(prompt, add_special_tokens=True, limit=limit)
 
     ids = [await prompt_ids(ctx, build(prompt), req.max_tokens, "prompt") for prompt in prompts]
-    grammar = await asyncio.to_thread(output_grammar, ctx, req.response_format)
+    grammar = await while_connected(request, lambda gone: output_grammar(ctx, req.response_format, None, gone))
     echoes = [""] * len(prompts)
     if req.echo:
         echoes = [p if isinstance(p, str) else await asyncio.to_thread(ctx.info.decode, i)

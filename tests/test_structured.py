@@ -304,6 +304,38 @@ def test_a_compile_past_its_time_limit_is_stopped(info):
     assert grammars.json_schema({"type": "string", "maxLength": 8}) is not None     # and the next one compiles
 
 
+def test_a_compile_every_requester_left_is_stopped(info):
+    """Two requests wait on one slow compile; it goes on while one of them is there, and stops (its process
+    killed, long before the time limit) once both left, and nothing of it is cached."""
+    import threading
+    grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=120, max_string=40)
+    slow = {"type": "string", "maxLength": 30}
+    gone = [threading.Event(), threading.Event()]
+    errors = []
+
+    def ask(i):
+        try:
+            grammars.json_schema(slow, gone[i])
+        except InvalidGrammar as e:
+            errors.append(str(e))
+
+    waiters = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(2)]
+    for t in waiters:
+        t.start()
+    time.sleep(1.0)
+    gone[0].set()
+    waiters[0].join(5)
+    time.sleep(1.0)
+    assert errors == ["its requester left"] and any(t.name == "grammar" for t in threading.enumerate())
+    t0 = time.monotonic()
+    gone[1].set()
+    waiters[1].join(5)
+    while any(t.name == "grammar" for t in threading.enumerate()) and time.monotonic() - t0 < 5:
+        time.sleep(0.05)
+    assert not any(t.name == "grammar" for t in threading.enumerate()), "the compile went on"
+    assert errors == ["its requester left"] * 2 and not grammars._cache
+
+
 def test_slow_compiles_do_not_starve_json_object(info):
     """Two clients' compiles that outlast their requests hold both compile slots; json_object's fixed grammar
     must not wait for them (it got the time-limit 400 too)."""
@@ -311,11 +343,11 @@ def test_slow_compiles_do_not_starve_json_object(info):
     grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=5)
     compile, release, busy = grammars._compile, threading.Event(), threading.Semaphore(0)
 
-    def slow_unless_json_object(key, deadline):
+    def slow_unless_json_object(key, deadline, stop):
         if key != json.dumps(ANY_OBJECT, separators=(",", ":")):
             busy.release()
-            release.wait(30)                    # a compile outlines-core cannot be stopped in
-        return compile(key, deadline)
+            release.wait(30)                    # a compile that goes on
+        return compile(key, deadline, stop)
 
     grammars._compile = slow_unless_json_object
     slow = [threading.Thread(target=grammars.json_schema, args=({"type": "integer", "minimum": i},), daemon=True)
