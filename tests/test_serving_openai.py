@@ -8,6 +8,9 @@ x-request-id; then --api-key and CORS on a server started with those flags.
 from __future__ import annotations
 
 import json
+import os
+import time
+from pathlib import Path
 
 import jsonschema
 import openai
@@ -15,6 +18,7 @@ import pytest
 import requests
 
 from serving.openai_text import GOLDEN
+from tests.fixtures.server import serving_env
 from tests.fixtures.serving import tiny_server
 from tests.fixtures.tiny_gemma4 import ANSWER, QUESTION
 
@@ -430,6 +434,40 @@ def test_a_reply_that_may_call_tools_stops_where_a_tool_answer_would_begin(url):
     r = c.chat.completions.create(**kw, tools=[WEATHER], tool_choice="auto")
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1
     assert c.chat.completions.create(**kw).usage.completion_tokens == 5
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds used by process `pid` and its live children (Linux /proc)."""
+    def used(stat: str) -> float:
+        fields = stat.rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    total = used(Path(f"/proc/{pid}/stat").read_text())
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:                         # gone meanwhile
+            continue
+        if int(text.rsplit(")", 1)[1].split()[1]) == pid:
+            total += used(text)
+    return total
+
+
+def test_a_client_that_leaves_stops_its_schema_compile(tiny_gemma4):
+    """A schema whose index takes minutes (a string of up to 30 characters, allowed here by
+    G5G_GRAMMAR_MAX_STRING_BOUND): the client gives up after 2 s; the compile stops with it, so the server and its
+    children use next to no CPU afterwards (before: the compile went on for the time limit or longer)."""
+    schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "string", "maxLength": 30}}}
+    with tiny_server(tiny_gemma4, env=serving_env(G5G_GRAMMAR_MAX_STRING_BOUND="40")) as srv:
+        with pytest.raises(requests.Timeout):
+            requests.post(f"{srv.url}/v1/chat/completions", timeout=2,
+                          json={"model": "tiny", "messages": ASK, "max_tokens": 4, "response_format": schema})
+        time.sleep(1.5)                           # the server sees the disconnect, the compile stops
+        before = _cpu_s(srv.proc.pid)
+        time.sleep(3)
+        assert _cpu_s(srv.proc.pid) - before < 0.5
+        r = client(srv.url).chat.completions.create(model="tiny", messages=ASK)
+        assert r.choices[0].message.content == ANSWER
 
 
 def test_a_conversation_with_tool_results_renders_through_the_template(url):
