@@ -264,8 +264,15 @@ class Grammars:
 
 
 # The index build, as a program of its own: (regex, outlines-core Vocabulary) pickled in, (ok, Index or reason) out.
+# On Linux it dies with the thread that started it (the server's), so no server exit leaves it running.
 _INDEX_PROGRAM = """
-import pickle, sys
+import ctypes, os, pickle, signal, sys
+try:
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):                # the server went before that took effect
+    sys.exit(1)
 from outlines_core import Index
 regex, vocabulary = pickle.load(sys.stdin.buffer)
 try:
@@ -280,8 +287,8 @@ def build_index(regex: str, vocabulary, deadline: float, stop: threading.Event |
     """outlines-core's Index of `regex` over `vocabulary`, built in a child process (the server's threads and
     devices stay out of it) that is killed at `deadline` or once `stop` is set (TimeoutError). Its reason
     (ValueError) if it cannot."""
-    proc = subprocess.Popen([sys.executable, "-c", _INDEX_PROGRAM], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-c", _INDEX_PROGRAM, str(os.getpid())], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     payload = pickle.dumps((regex, vocabulary))
     try:
         while True:

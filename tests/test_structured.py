@@ -336,6 +336,51 @@ def test_a_compile_every_requester_left_is_stopped(info):
     assert errors == ["its requester left"] * 2 and not grammars._cache
 
 
+def test_a_compile_dies_with_its_server(tiny_gemma4):
+    """A server that exits (killed, or crashed) while a slow schema compiles leaves no compile process behind
+    (before: the orphan went on for minutes)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    server = f"""
+import os, threading, time
+from pathlib import Path
+from serving.generation import TokenizerInfo
+from serving.structured import Grammars
+info = TokenizerInfo.load({str(tiny_gemma4)!r})
+grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=120, max_string=40)
+threading.Thread(target=grammars.json_schema, args=({{"type": "string", "maxLength": 30}},), daemon=True).start()
+def parent(stat):
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[1]
+    except OSError:
+        return None
+end = time.monotonic() + 20     # until the compile's process runs
+while time.monotonic() < end and str(os.getpid()) not in map(parent, Path("/proc").glob("[0-9]*/stat")):
+    time.sleep(0.1)
+print(os.getpid(), flush=True)
+os._exit(0)
+"""
+    out = subprocess.run([sys.executable, "-c", server], capture_output=True, text=True, timeout=60, check=True)
+    pid = out.stdout.split()[-1]
+
+    def compiles() -> list[str]:
+        found = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                argv = cmdline.read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if len(argv) > 3 and argv[1] == b"-c" and b"outlines_core" in argv[2] and argv[3] == pid.encode():
+                found.append(cmdline.parent.name)
+        return found
+
+    deadline = time.monotonic() + 5
+    while compiles() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert compiles() == []
+
+
 def test_slow_compiles_do_not_starve_json_object(info):
     """Two clients' compiles that outlast their requests hold both compile slots; json_object's fixed grammar
     must not wait for them (it got the time-limit 400 too)."""
