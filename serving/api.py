@@ -7,7 +7,8 @@ gets a 429 at once. A client that goes away (mid-stream or while queued) frees i
 the next token.
 
 The endpoints live by family: serving/openai_text.py (chat and completions), serving/tokenization.py; this module
-holds what they share (Context, Scheduler, Metrics) and the small ones (health, models, version, metrics).
+holds what they share (Context, Scheduler, Metrics) and the small ones (health, models, version, metrics,
+embeddings: refused, as vLLM refuses them for a generate model).
 Every error is an OpenAI error body {"error": {"message", "type", "param", "code"}} (serving/protocol.py).
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
@@ -354,114 +355,147 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
     model_dir = Path(model_dir)
     name = served_model_name or model_dir.name
     metrics = Metrics(name)
-    sched = Scheduler(metrics, max_waiting)
-    ctx = Context(name, model_dir, metrics, sched)
-
-    async def startup() -> None:
-        try:
-            sched.info = await asyncio.to_thread(TokenizerInfo.load, model_dir)
-            t0 = time.monotonic()
-            sched.engine = await sched.call(load_engine)
-            warm = sched.info.chat_prompt([{"role": "user", "content": "Hello"}])
-            # One prefill and one decode step: both code paths are compiled/warmed before we say ready.
-            greedy = SamplingParams(temperature=0.0)
-            await sched.call(lambda: sched.engine.step({0: sched.engine.start(0, warm, greedy)}))
-            log.info("model %s ready in %.1fs (context %d)", name, time.monotonic() - t0, sched.engine.max_context)
-            # What boot made (torch, transformers, the tokenizers: millions of objects) lives as long as the server:
-            # out of the collector's sight, a full collection a request's allocations set off (one that holds every
-            # thread, the event loop's too) walks that request's objects only, not the whole process (as vLLM).
-            gc.collect()
-            gc.freeze()
-            ctx.ready = True
-        except asyncio.CancelledError:    # shut down while loading
-            raise
-        except BaseException as e:
-            log.exception("loading %s failed", model_dir)
-            ctx.error = f"{type(e).__name__}: {e}"
-            if on_load_error:
-                on_load_error(e)
-            return
-        await sched.run()
-
-    drains: list[asyncio.Task] = []
-
-    async def drain() -> None:
-        ctx.draining = True
-        deadline = time.monotonic() + shutdown_grace
-        log.info("shutting down: draining requests (up to %.1fs)", shutdown_grace)
-        while sched.busy() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if sched.busy():
-            log.warning("shutdown grace period (%.1fs) over: aborting %d request(s)", shutdown_grace,
-                        sched.abort_all())
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        loop = asyncio.get_running_loop()
-        def start_drain() -> None:
-            if not drains:                                   # a second signal does not start a second drain
-                drains.append(loop.create_task(drain()))     # held: the loop keeps only weak task references
-
-        app.state.begin_shutdown = lambda: loop.call_soon_threadsafe(start_drain)
-        task = asyncio.create_task(startup())
-        try:
-            yield
-        finally:
-            task.cancel()
-            sched.cancel_all()
-            sched.executor.shutdown(wait=False, cancel_futures=True)
-
-    app = FastAPI(title="g5g serving", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    ctx = Context(name, model_dir, metrics, Scheduler(metrics, max_waiting))
+    app = FastAPI(title="g5g serving", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=_lifespan(ctx, load_engine, on_load_error, shutdown_grace))
     app.state.ctx = ctx
     app.state.begin_shutdown = lambda: None          # replaced once the server runs
     app.add_middleware(Guard, max_body_bytes=max_body_bytes, api_key=api_key)
     cors = {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers": ["*"], "allow_credentials": False,
             **(cors or {})}
     app.add_middleware(CORSMiddleware, **cors)       # outermost: preflights never need the API key
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError):
-        return e.response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException):
-        return APIError(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500
-                        else "server_error").response(headers=getattr(e, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, e: Exception):
-        log.exception("unexpected error")
-        return APIError(500, f"internal error: {type(e).__name__}", "server_error").response()
-
-    @app.api_route("/health", methods=["GET", "HEAD"])
-    async def health():
-        ctx.check_serving()
-        return Response(status_code=200)
-
-    @app.api_route("/ping", methods=["GET", "POST", "HEAD"])    # SageMaker's health check, as vLLM
-    async def ping():
-        return await health()
-
-    @app.get("/version")
-    async def get_version():
-        return {"version": version()}
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.scrape(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [ctx.model_card()]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        ctx.check_model(model_id)
-        return ctx.model_card()
-
-    app.include_router(openai_text.router)
-    app.include_router(tokenization.router)
+    for exc, handler in ERROR_HANDLERS.items():
+        app.add_exception_handler(exc, handler)
+    for r in (router, openai_text.router, tokenization.router):
+        app.include_router(r)
     return app
+
+
+async def _startup(ctx: Context, load_engine: Callable[[], Engine],
+                   on_load_error: Callable[[BaseException], None] | None) -> None:
+    """Load the tokenizer and the engine, warm both code paths up, say ready, then run the engine thread."""
+    sched = ctx.scheduler
+    try:
+        sched.info = await asyncio.to_thread(TokenizerInfo.load, ctx.model_dir)
+        t0 = time.monotonic()
+        sched.engine = await sched.call(load_engine)
+        warm = sched.info.chat_prompt([{"role": "user", "content": "Hello"}])
+        # One prefill and one decode step: both code paths are compiled/warmed before we say ready.
+        greedy = SamplingParams(temperature=0.0)
+        await sched.call(lambda: sched.engine.step({0: sched.engine.start(0, warm, greedy)}))
+        log.info("model %s ready in %.1fs (context %d)", ctx.name, time.monotonic() - t0, sched.engine.max_context)
+        # What boot made (torch, transformers, the tokenizers: millions of objects) lives as long as the server:
+        # out of the collector's sight, a full collection a request's allocations set off (one that holds every
+        # thread, the event loop's too) walks that request's objects only, not the whole process (as vLLM).
+        gc.collect()
+        gc.freeze()
+        ctx.ready = True
+    except asyncio.CancelledError:    # shut down while loading
+        raise
+    except BaseException as e:
+        log.exception("loading %s failed", ctx.model_dir)
+        ctx.error = f"{type(e).__name__}: {e}"
+        if on_load_error:
+            on_load_error(e)
+        return
+    await sched.run()
+
+
+async def _drain(ctx: Context, shutdown_grace: float) -> None:
+    """New requests get 503; running and queued ones get `shutdown_grace` seconds, then are aborted."""
+    sched = ctx.scheduler
+    ctx.draining = True
+    deadline = time.monotonic() + shutdown_grace
+    log.info("shutting down: draining requests (up to %.1fs)", shutdown_grace)
+    while sched.busy() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if sched.busy():
+        log.warning("shutdown grace period (%.1fs) over: aborting %d request(s)", shutdown_grace,
+                    sched.abort_all())
+
+
+def _lifespan(ctx: Context, load_engine: Callable[[], Engine],
+              on_load_error: Callable[[BaseException], None] | None, shutdown_grace: float):
+    """The app's lifespan: start loading as the server starts listening; app.state.begin_shutdown starts one drain."""
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop, drains = asyncio.get_running_loop(), []
+
+        def start_drain() -> None:
+            if not drains:                                   # a second signal does not start a second drain
+                drains.append(loop.create_task(_drain(ctx, shutdown_grace)))   # held: the loop keeps weak refs
+
+        app.state.begin_shutdown = lambda: loop.call_soon_threadsafe(start_drain)
+        task = asyncio.create_task(_startup(ctx, load_engine, on_load_error))
+        try:
+            yield
+        finally:
+            task.cancel()
+            ctx.scheduler.cancel_all()
+            ctx.scheduler.executor.shutdown(wait=False, cancel_futures=True)
+
+    return lifespan
+
+
+# ------------------------------------------------------------------------------------------------ errors
+async def _api_error(_: Request, e: APIError):
+    return e.response()
+
+
+async def _http_error(_: Request, e: StarletteHTTPException):
+    return APIError(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500
+                    else "server_error").response(headers=getattr(e, "headers", None))
+
+
+async def _unexpected(_: Request, e: Exception):
+    log.exception("unexpected error")
+    return APIError(500, f"internal error: {type(e).__name__}", "server_error").response()
+
+
+ERROR_HANDLERS = {APIError: _api_error, StarletteHTTPException: _http_error, Exception: _unexpected}
+
+
+# ----------------------------------------------------------------------------------------- small routes
+router = APIRouter()
+
+
+@router.api_route("/health", methods=["GET", "HEAD"])
+async def health(request: Request):
+    request.app.state.ctx.check_serving()
+    return Response(status_code=200)
+
+
+@router.api_route("/ping", methods=["GET", "POST", "HEAD"])    # SageMaker's health check, as vLLM
+async def ping(request: Request):
+    return await health(request)
+
+
+@router.get("/version")
+async def get_version():
+    return {"version": version()}
+
+
+@router.get("/metrics")
+async def prometheus(request: Request):
+    return Response(request.app.state.ctx.metrics.scrape(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    return {"object": "list", "data": [request.app.state.ctx.model_card()]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(request: Request, model_id: str):
+    ctx = request.app.state.ctx
+    ctx.check_model(model_id)
+    return ctx.model_card()
+
+
+@router.post("/v1/embeddings")
+async def embeddings():
+    # vLLM serves embeddings for pooling models only; Gemma 4 is a generate model, and vLLM answers the same.
+    raise APIError(400, "The model does not support Embeddings API")
 
 
 # ------------------------------------------------------------------------------------------------ server

@@ -20,7 +20,9 @@ Before that, in vLLM's order (its v1 sampler), the logits are adjusted per reque
   token generated at least once);
 - min_p (sampled rows): tokens less likely than min_p times the most likely one, at `temperature`, are dropped.
 Logprobs are vLLM's default `logprobs_mode="raw_logprobs"`: log_softmax of the model's logits before any of the
-above (bias, penalties, temperature, cuts); `logprobs(slot)` has the chosen token's and the top ones.
+above (bias, penalties, temperature, cuts); `logprobs(slot)` has the chosen token's and the top ones,
+`prompt_logprobs(slot)` the same for each prompt token (computed by `start` only when the params ask: it costs the
+LM head over every prompt position).
 
 Allowed tokens (structured output, serving/structured.py): `start` takes a mask and `step` a {slot: mask} for the
 slots whose request follows a grammar. A mask is a packed bitmask row, int32 [ceil(vocab_size / 32)], bit i % 32 of
@@ -57,6 +59,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()        # end generation like eos
     eos_token_ids: tuple[int, ...] = ()         # the checkpoint's stop ids (what min_tokens holds back, with the above)
     logprobs: int | None = None                 # how many top alternatives per token (0: the chosen one's only)
+    prompt_logprobs: int | None = None          # the same for every prompt token after the first (start computes them)
     allowed_token_ids: tuple[int, ...] = ()     # only these may be generated (API layer: a mask); () = any
     bad_words_ids: tuple[tuple[int, ...], ...] = ()     # token sequences never generated (API layer: a mask)
 
@@ -77,6 +80,38 @@ class SamplingParams:
         """seed64 as two uint32 words (high, low): a threefry key, or a torch Generator seed."""
         s = self.seed64()
         return s >> 32, s & 0xFFFFFFFF
+
+
+def _f32(x) -> float:
+    return float(np.float32(x))
+
+
+@dataclass(frozen=True)
+class DeviceRow:
+    """What a request's SamplingParams mean for the math on the device, decided here once for every runtime (the
+    array math stays each framework's): values as float32 holds them, and every "off" spelled one way."""
+    temperature: float                      # 0: greedy (also a negative one, or one that underflows float32)
+    top_k: int                              # 0: off (also k of the vocabulary or more)
+    top_p: float                            # 1: off
+    min_p: float                            # 0: off (also when greedy: min_p is relative at the temperature)
+    presence: float
+    frequency: float
+    repetition: float                       # 1: off
+    bias: tuple[tuple[int, float], ...]     # (id, value) inside the vocabulary
+    held: tuple[int, ...]                   # ids at -inf while fewer than min_tokens tokens are out
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence != 0 or self.frequency != 0 or self.repetition != 1
+
+    @classmethod
+    def of(cls, p: SamplingParams, vocab: int) -> "DeviceRow":
+        t = max(_f32(p.temperature), 0.0)
+        return cls(temperature=t, top_k=p.top_k if 0 < p.top_k < vocab else 0, top_p=_f32(p.top_p),
+                   min_p=_f32(p.min_p) if t > 0 else 0.0, presence=_f32(p.presence_penalty),
+                   frequency=_f32(p.frequency_penalty), repetition=_f32(p.repetition_penalty),
+                   bias=tuple((i, _f32(b)) for i, b in p.logit_bias if 0 <= i < vocab),
+                   held=tuple(i for i in p.min_tokens_ids() if 0 <= i < vocab))
 
 
 class Engine(Protocol):
@@ -103,6 +138,10 @@ class Engine(Protocol):
     def logprobs(self, slot: int) -> "TokenLogprobs":
         """The raw logprobs of the slot's last chosen token, for a sequence started with params.logprobs set."""
 
+    def prompt_logprobs(self, slot: int) -> list["TokenLogprobs"]:
+        """For a sequence started with params.prompt_logprobs set: per prompt token after the first, its raw logprob
+        given the tokens before it, its rank, and the params.prompt_logprobs most likely tokens there."""
+
 
 TOP_LOGPROBS = 20    # the most alternatives a request may ask for (vLLM's default max_logprobs, OpenAI's top_logprobs)
 
@@ -111,3 +150,4 @@ TOP_LOGPROBS = 20    # the most alternatives a request may ask for (vLLM's defau
 class TokenLogprobs:
     logprob: float                             # of the chosen token
     top: tuple[tuple[int, float], ...]         # the params.logprobs most likely (id, logprob), most likely first
+    rank: int | None = None                    # 1 + how many tokens are more likely (prompt logprobs only)

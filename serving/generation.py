@@ -231,18 +231,32 @@ class StopStrings:
 # ---------------------------------------------------------------------------------------------- the loop
 @dataclass
 class Logprob:
-    """A generated token's raw logprob and the most likely alternatives', by token text."""
+    """A generated token's raw logprob and the most likely alternatives', by token text (an echoed prompt's first
+    token: no logprob)."""
     token: str
-    logprob: float
+    logprob: float | None
     top: list[tuple[str, float]]
 
 
 @dataclass
+class PromptLogprob:
+    """A prompt token's raw logprob given the tokens before it, its rank, and the most likely tokens there
+    (id, text, logprob); the first prompt token has none of them (None, None, [])."""
+    token_id: int
+    token: str
+    logprob: float | None
+    rank: int | None
+    top: list[tuple[int, str, float]]
+
+
+@dataclass
 class Delta:
-    """One generated token: the text it released (may be empty), its logprobs when the request asked.
+    """One generated token: the text it released (may be empty), its logprobs when the request asked, and on the
+    first one the prompt's (one per prompt token) when the request asked.
     Its time is in Finish.token_times."""
     text: str
     logprob: Logprob | None = None
+    prompt: list[PromptLogprob] | None = None
 
 
 @dataclass
@@ -279,6 +293,7 @@ class Generation:
         elif params.bad_words_ids:
             self.allowed = np.full(words, -1, np.int32)
         self.ids: list[int] = []        # generated token ids (what bad_words look back at)
+        self.prompt_lps: list[PromptLogprob] | None = None     # start's, until the first Delta carries them
         self.times: list[float] = []
 
     def mask(self) -> np.ndarray | None:
@@ -320,12 +335,28 @@ class Generation:
     def finish(self, reason: str) -> Finish:
         return Finish(reason, self.prompt_tokens, len(self.times), self.times)
 
-    def delta(self, text: str, token: int, engine: Engine, slot: int) -> Delta:
-        if self.params.logprobs is None:
-            return Delta(text)
+    def start(self, engine: Engine, slot: int, prompt_ids: Sequence[int]) -> int:
+        """Prefill the prompt into `slot`: the first token (and the prompt's logprobs, for the first Delta)."""
+        token = engine.start(slot, prompt_ids, self.params, self.mask())
+        if self.params.prompt_logprobs is not None:
+            name = self.info.token_text
+            self.prompt_lps = [PromptLogprob(prompt_ids[0], name(prompt_ids[0]), None, None, [])] + [
+                PromptLogprob(t, name(t), lp.logprob, lp.rank, [(i, name(i), v) for i, v in lp.top])
+                for t, lp in zip(prompt_ids[1:], engine.prompt_logprobs(slot))]
+        return token
+
+    def delta(self, text: str, token: int | None, engine: Engine, slot: int) -> Delta:
+        prompt, self.prompt_lps = self.prompt_lps, None
+        if self.params.logprobs is None or token is None:
+            return Delta(text, prompt=prompt)
         lp: TokenLogprobs = engine.logprobs(slot)
         name = self.info.token_text
-        return Delta(text, Logprob(name(token), lp.logprob, [(name(t), v) for t, v in lp.top]))
+        return Delta(text, Logprob(name(token), lp.logprob, [(name(t), v) for t, v in lp.top]), prompt)
+
+    def prompt_only(self, engine: Engine, slot: int, prompt_ids: Sequence[int]) -> list:
+        """No token to generate (max_tokens 0) yet the prompt's logprobs asked: a prefill for them alone."""
+        self.start(engine, slot, prompt_ids)
+        return [self.delta("", None, engine, slot), self.finish("length")]
 
 
 def generate(engine: Engine, info: TokenizerInfo, prompt_ids: Sequence[int], params: SamplingParams,
@@ -334,10 +365,13 @@ def generate(engine: Engine, info: TokenizerInfo, prompt_ids: Sequence[int], par
     """Run one request to the end in one slot (following `grammar`, a serving.structured compiled grammar, when
     given). Yields a Delta per generated token, then one Finish."""
     gen = Generation(info, prompt_ids, params, engine.max_context, grammar, vocab_size=engine.vocab_size)
+    if gen.budget <= 0 and params.prompt_logprobs is not None and not cancelled():
+        yield from gen.prompt_only(engine, slot, prompt_ids)
+        return
     if gen.budget <= 0 or cancelled():
         yield gen.finish("length" if gen.budget <= 0 else "abort")
         return
-    token = engine.start(slot, prompt_ids, params, gen.mask())
+    token = gen.start(engine, slot, prompt_ids)
     while True:
         text, reason = gen.push(token)
         yield gen.delta(text, token, engine, slot)
@@ -377,10 +411,12 @@ class Batch:
     def join(self, job) -> list[tuple[Any, Delta | Finish]]:
         gen = Generation(self.info, job.prompt_ids, job.params, self.engine.max_context,
                          getattr(job, "grammar", None), getattr(job, "reveal", frozenset()), self.engine.vocab_size)
+        slot = next(s for s in range(self.engine.slots) if s not in self.live)
+        if gen.budget <= 0 and job.params.prompt_logprobs is not None and not job.cancelled.is_set():
+            return [(job, ev) for ev in gen.prompt_only(self.engine, slot, job.prompt_ids)]
         if gen.budget <= 0 or job.cancelled.is_set():
             return [(job, gen.finish("length" if gen.budget <= 0 else "abort"))]
-        slot = next(s for s in range(self.engine.slots) if s not in self.live)
-        token = self.engine.start(slot, job.prompt_ids, job.params, gen.mask())
+        token = gen.start(self.engine, slot, job.prompt_ids)
         self.live[slot] = _Live(job, gen, token)
         return self._take(slot, token)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from dataclasses import replace
 from typing import Any, Callable
@@ -17,7 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from serving.api import Job, QueueFull
-from serving.generation import Delta, Finish, Logprob, PromptTooLong, SamplingParams
+from serving.generation import Delta, Finish, Logprob, PromptLogprob, PromptTooLong, SamplingParams
 from serving.protocol import (APIError, ChatRequest, CompletionRequest, ResponseFormat, messages, read,
                               template_options, unavailable)
 from serving.structured import InvalidGrammar
@@ -47,7 +48,8 @@ async def prompt_ids(ctx, build: Callable[[int], list[int]], max_tokens: int | N
     return ids
 
 
-def sampling(ctx, req, prompt_len: int, max_tokens: int | None, top_logprobs: int | None) -> SamplingParams:
+def sampling(ctx, req, prompt_len: int, max_tokens: int | None, top_logprobs: int | None,
+             prompt_logprobs: int | None = None) -> SamplingParams:
     d = ctx.info.default_sampling
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     vocab = ctx.info.vocab_size
@@ -88,7 +90,7 @@ def sampling(ctx, req, prompt_len: int, max_tokens: int | None, top_logprobs: in
         stop_token_ids=tuple(req.stop_token_ids or ()), eos_token_ids=tuple(sorted(ctx.info.stop_ids)),
         allowed_token_ids=tuple(sorted(set(req.allowed_token_ids or ()))),
         bad_words_ids=bad_words_ids(ctx.info, req.bad_words or ()),
-        logprobs=top_logprobs)
+        logprobs=top_logprobs, prompt_logprobs=prompt_logprobs)
 
 
 def bad_words_ids(info, words) -> tuple[tuple[int, ...], ...]:
@@ -99,6 +101,12 @@ def bad_words_ids(info, words) -> tuple[tuple[int, ...], ...]:
         spaced = tuple(info.encode(" " + word.lstrip()))
         out += [alone] + ([spaced] if spaced and spaced[0] != alone[0] and len(spaced) == len(alone) else [])
     return tuple(seq for seq in out if seq)
+
+
+def revealed(ctx, req) -> frozenset[int]:
+    """The special tokens the text shows: every one with skip_special_tokens false (as vLLM; a stop token that ends
+    the output and the thinking channel stay out), none by default."""
+    return frozenset() if req.skip_special_tokens else ctx.info.hidden_ids
 
 
 def tool_plan(req: ChatRequest) -> tuple[list[dict] | None, Callable[[], Reader], Any]:
@@ -123,27 +131,45 @@ def tool_plan(req: ChatRequest) -> tuple[list[dict] | None, Callable[[], Reader]
     return shown, lambda: NamedCall(name), params[name]
 
 
-def output_grammar(ctx, fmt: ResponseFormat | None, tool_schema: Any = None) -> Any:
-    """The grammar the output follows (compiled here: call from a worker thread), or None for free text."""
+def output_grammar(ctx, fmt: ResponseFormat | None, tool_schema: Any = None,
+                   gone: threading.Event | None = None) -> Any:
+    """The grammar the output follows (compiled here: call from a worker thread), or None for free text. `gone`:
+    set when the client left (a compile nobody waits for any more stops)."""
     try:
         if tool_schema is not None:
             if fmt is not None and fmt.type != "text":
                 raise APIError(400, "response_format cannot be combined with tool_choice \"required\" or a named "
                                     "function (the call's arguments are already JSON)", param="response_format")
             try:
-                return ctx.grammars.json_schema(tool_schema)
+                return ctx.grammars.json_schema(tool_schema, gone)
             except InvalidGrammar as e:
                 raise APIError(400, f"tools: a function's parameters are not a usable JSON schema: {e}",
                                param="tools") from None
         if fmt is None or fmt.type == "text":
             return None
         if fmt.type == "json_object":
-            return ctx.grammars.json_object()
+            return ctx.grammars.json_object(gone)
         if fmt.json_schema is None:
             raise InvalidGrammar("type json_schema needs json_schema: {\"name\": …, \"schema\": {…}}")
-        return ctx.grammars.json_schema(fmt.json_schema.schema_)
+        return ctx.grammars.json_schema(fmt.json_schema.schema_, gone)
     except InvalidGrammar as e:
         raise APIError(400, f"response_format: invalid JSON schema: {e}", param="response_format") from None
+
+
+async def while_connected(request: Request, fn: Callable[[threading.Event], Any]) -> Any:
+    """fn(gone) in a worker thread; `gone` is set if the client disconnects meanwhile."""
+    gone = threading.Event()
+
+    async def watch():
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.25)
+        gone.set()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await asyncio.to_thread(fn, gone)
+    finally:
+        watcher.cancel()
 
 
 GOLDEN = 0x9E3779B97F4A7C15     # 2**64 / golden ratio: choice i's seed is the request's plus i times this
@@ -195,17 +221,37 @@ def chat_logprobs(lps: list[Logprob]) -> dict:
 
 def completion_logprobs(lps: list[Logprob], offset: int) -> dict:
     """OpenAI's completions shape. top_logprobs holds the chosen token and the top ones (up to logprobs + 1),
-    text_offset each token's place in the text, counting from `offset`."""
+    text_offset each token's place in the text, counting from `offset`. A token without a logprob (an echoed
+    prompt's first) has null for both."""
     out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for lp in lps:
         out["tokens"].append(lp.token)
-        out["token_logprobs"].append(_lp(lp.logprob))
-        top = {lp.token: _lp(lp.logprob)}
+        out["token_logprobs"].append(None if lp.logprob is None else _lp(lp.logprob))
+        top = None if lp.logprob is None else {lp.token: _lp(lp.logprob)}
         for t, v in lp.top:
             top.setdefault(t, _lp(v))
         out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
         offset += len(lp.token)
+    return out
+
+
+def echoed(prompt: list[PromptLogprob], k: int) -> list[Logprob]:
+    """An echoed prompt's tokens as completion logprobs (the top k, as the generated tokens have)."""
+    return [Logprob(p.token, p.logprob, [(t, v) for _, t, v in p.top[:k]]) for p in prompt]
+
+
+def prompt_logprobs(prompt: list[PromptLogprob] | None) -> list | None:
+    """vLLM's prompt_logprobs: null for the first prompt token, then per token {id: {logprob, rank, decoded_token}}
+    for the token itself and the top ones."""
+    if prompt is None:
+        return None
+    out: list = [None]
+    for p in prompt[1:]:
+        entry = {str(p.token_id): {"logprob": _lp(p.logprob), "rank": p.rank, "decoded_token": p.token}}
+        for rank, (i, t, v) in enumerate(p.top, 1):
+            entry.setdefault(str(i), {"logprob": _lp(v), "rank": rank, "decoded_token": t})
+        out.append(entry)
     return out
 
 
@@ -231,12 +277,13 @@ async def chat(request: Request):
         return ctx.info.encode(text, limit=limit)
 
     ids = await prompt_ids(ctx, build, max_tokens, "messages")
-    grammar = await asyncio.to_thread(output_grammar, ctx, req.response_format, tool_schema)
-    params = sampling(ctx, req, len(ids), max_tokens, (req.top_logprobs or 0) if req.logprobs else None)  # n checked
+    grammar = await while_connected(request, lambda gone: output_grammar(ctx, req.response_format, tool_schema, gone))
+    params = sampling(ctx, req, len(ids), max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                      req.prompt_logprobs)   # n checked
     readers = [new_reader() for _ in range(req.n)]     # each choice's text -> content and tool_calls deltas
-    reveal = frozenset()
+    reveal = revealed(ctx, req)
     if isinstance(readers[0], GemmaCalls):     # the model's own markup is read: show it, and let no reply go on
-        reveal = ctx.info.tool_markup          # into a tool's answer it would have to make up
+        reveal |= ctx.info.tool_markup         # into a tool's answer it would have to make up
         if ctx.info.tool_response is not None:
             params = replace(params, stop_token_ids=params.stop_token_ids + (ctx.info.tool_response,))
     jobs = submit(request, [(ids, params)], req.n, grammar, reveal)
@@ -250,7 +297,8 @@ async def chat(request: Request):
                                          "finish_reason": finish}]}
             return sse({**body, "usage": None} if include_usage else body)
 
-        def on_text(i: int, text: str, lps: list[Logprob] | None) -> list[str]:
+        def on_text(i: int, ev: Delta) -> list[str]:
+            text, lps = ev.text, [ev.logprob] if ev.logprob else None
             deltas = readers[i].feed(text) if text else []
             if not deltas:                 # held back (a tool call in the making), or no text: logprobs only
                 return [chunk(i, {"content": ""}, lps)] if lps else []
@@ -272,8 +320,8 @@ async def chat(request: Request):
         "choices": [{"index": i, "message": merge(readers[i].feed(text) + readers[i].close()),
                      "logprobs": chat_logprobs(lps) if req.logprobs else None,
                      "finish_reason": readers[i].finish_reason(fin.reason)}
-                    for i, (text, lps, fin) in enumerate(results)],
-        "usage": usage([fin for _, _, fin in results])})
+                    for i, (text, lps, fin, _) in enumerate(results)],
+        "usage": usage([fin for _, _, fin, _ in results]), "prompt_logprobs": prompt_logprobs(results[0][3])})
 
 
 # ------------------------------------------------------------------------------------------ completions
@@ -282,9 +330,6 @@ async def completions(request: Request):
     ctx = request.app.state.ctx
     req: CompletionRequest = await read(request, CompletionRequest)
     ctx.check_model(req.model)
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo with logprobs (the prompt's logprobs) is not supported by this server",
-                       param="echo")
     ctx.check_serving()
     several = isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], (str, list))
     prompts = list(req.prompt) if several else [req.prompt]
@@ -304,13 +349,16 @@ async def completions(request: Request):
             ctx.info.encode(prompt, add_special_tokens=True, limit=limit)
 
     ids = [await prompt_ids(ctx, build(prompt), req.max_tokens, "prompt") for prompt in prompts]
-    grammar = await asyncio.to_thread(output_grammar, ctx, req.response_format)
+    grammar = await while_connected(request, lambda gone: output_grammar(ctx, req.response_format, None, gone))
     echoes = [""] * len(prompts)
     if req.echo:
         echoes = [p if isinstance(p, str) else await asyncio.to_thread(ctx.info.decode, i)
                   for p, i in zip(prompts, ids)]
-    jobs = submit(request, [(i, sampling(ctx, req, len(i), req.max_tokens, req.logprobs)) for i in ids], req.n,
-                  grammar)
+    # echo with logprobs: the prompt's tokens lead the logprobs, as vLLM (its prompt logprobs, the first one null)
+    with_prompt = req.echo and req.logprobs is not None
+    prompt_lps = req.logprobs if with_prompt and req.prompt_logprobs is None else req.prompt_logprobs
+    jobs = submit(request, [(i, sampling(ctx, req, len(i), req.max_tokens, req.logprobs, prompt_lps)) for i in ids],
+                  req.n, grammar, revealed(ctx, req))
     rid, created, model = f"cmpl-{request.state.request_id}", int(time.time()), ctx.name
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -329,21 +377,27 @@ async def completions(request: Request):
         def end(fins: list[Finish]) -> list[str]:
             return [sse({**base, "choices": [], "usage": usage(fins, req.n)})] if include_usage else []
 
-        return stream(jobs, [chunk(i, echoes[i // req.n]) for i in range(len(jobs))] if req.echo else [],
-                      lambda i, t, lps: [chunk(i, t, lps)] if t or lps else [],
-                      lambda i, fin: [chunk(i, "", None, fin.reason)], end)
+        def on_text(i: int, ev: Delta) -> list[str]:
+            lps = [ev.logprob] if ev.logprob else None
+            first = [chunk(i, echoes[i // req.n], echoed(ev.prompt, req.logprobs))] if with_prompt and ev.prompt else []
+            return first + ([chunk(i, ev.text, lps)] if ev.text or lps else [])
+
+        return stream(jobs, [chunk(i, echoes[i // req.n]) for i in range(len(jobs))] if req.echo and not with_prompt
+                      else [], on_text, lambda i, fin: [chunk(i, "", None, fin.reason)], end)
 
     results = await collect(request, jobs)
     return JSONResponse({
         **base, "choices": [{"index": i, "text": echoes[i // req.n] + text,
-                             "logprobs": completion_logprobs(lps, 0) if req.logprobs is not None else None,
-                             "finish_reason": fin.reason} for i, (text, lps, fin) in enumerate(results)],
-        "usage": usage([fin for _, _, fin in results], req.n)})
+                             "logprobs": None if req.logprobs is None else completion_logprobs(
+                                 (echoed(prompt, req.logprobs) if with_prompt else []) + lps, 0),
+                             "finish_reason": fin.reason, "prompt_logprobs": prompt_logprobs(prompt)}
+                            for i, (text, lps, fin, prompt) in enumerate(results)],
+        "usage": usage([fin for _, _, fin, _ in results], req.n)})
 
 
 # -------------------------------------------------------------------------------------------- answering
-async def collect(request: Request, jobs: list[Job]) -> list[tuple[str, list[Logprob], Finish]]:
-    """Each choice's whole text, logprobs and end; stops the generations if the client hangs up."""
+async def collect(request: Request, jobs: list[Job]) -> list[tuple[str, list[Logprob], Finish, list | None]]:
+    """Each choice's whole text, logprobs, end and prompt logprobs; stops the generations if the client hangs up."""
     async def watch_disconnect():
         while not await request.is_disconnected():
             await asyncio.sleep(0.25)
@@ -353,6 +407,7 @@ async def collect(request: Request, jobs: list[Job]) -> list[tuple[str, list[Log
     watcher = asyncio.create_task(watch_disconnect())
     parts: list[list[str]] = [[] for _ in jobs]
     lps: list[list[Logprob]] = [[] for _ in jobs]
+    prompts: list[list[PromptLogprob] | None] = [None] * len(jobs)
     fins: dict[int, Finish] = {}
     try:
         while len(fins) < len(jobs):
@@ -363,21 +418,23 @@ async def collect(request: Request, jobs: list[Job]) -> list[tuple[str, list[Log
                 parts[i].append(ev.text)
                 if ev.logprob:
                     lps[i].append(ev.logprob)
+                if ev.prompt:
+                    prompts[i] = ev.prompt
                 continue
             if jobs[i].shutdown and ev.reason == "abort":
                 raise unavailable("server is shutting down: request aborted")
             fins[i] = ev
-        return [("".join(parts[i]), lps[i], fins[i]) for i in range(len(jobs))]
+        return [("".join(parts[i]), lps[i], fins[i], prompts[i]) for i in range(len(jobs))]
     finally:
         watcher.cancel()
         for job in jobs:
             job.cancelled.set()
 
 
-def stream(jobs: list[Job], first: list[str], on_text: Callable[[int, str, list[Logprob] | None], list[str]],
+def stream(jobs: list[Job], first: list[str], on_text: Callable[[int, Delta], list[str]],
            on_finish: Callable[[int, Finish], list[str]], end: Callable[[list[Finish]], list[str]]):
     """SSE over the choices' events as they come (each chunk names its choice's index): what `on_text` makes of
-    each token's text and logprobs, what `on_finish` makes of each choice's end, then `end` and [DONE]."""
+    each token's Delta, what `on_finish` makes of each choice's end, then `end` and [DONE]."""
     async def events():
         try:
             for line in first:
@@ -386,7 +443,7 @@ def stream(jobs: list[Job], first: list[str], on_text: Callable[[int, str, list[
             while len(fins) < len(jobs):
                 i, ev = await jobs[0].events.get()
                 if isinstance(ev, Delta):
-                    for line in on_text(i, ev.text, [ev.logprob] if ev.logprob else None):
+                    for line in on_text(i, ev):
                         yield line
                 elif isinstance(ev, Finish):
                     fins[i] = ev

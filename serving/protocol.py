@@ -5,7 +5,7 @@ A request is parsed in one place (`parse`, in a worker thread: `read`): JSON tha
 too deep, integers too long, lone surrogates) is a 400 like any other malformed body. The work one request costs is
 bounded before it is done, as the body limit bounds its bytes: at most MAX_JSON_OBJECTS objects are built, and the
 parse and the validation of the messages run in small steps, so the worker thread hands the GIL back to the event
-loop (and other clients) between them.
+loop (and other clients) between them. Integers (token ids) are counted the same way: at most MAX_JSON_INTS.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ MAX_BAD_WORDS = 128
 MAX_PROMPTS = 1024              # prompts in one completions request (also bounded by the server's slots + queue)
 MAX_LOGPROBS = 20               # vLLM's default --max-logprobs; OpenAI's top_logprobs bound
 MAX_JSON_OBJECTS = 65_536       # objects in one request body (messages, content parts, tools, schemas ...)
+MAX_JSON_INTS = 2**20           # integers in one request body (token ids): more than slots x context would take
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
@@ -150,6 +151,8 @@ class _Sampling(_Strict):
     bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=1000)]],
                          Field(max_length=MAX_BAD_WORDS)] | None = None
     response_format: ResponseFormat | None = None
+    skip_special_tokens: bool = True            # false: the text shows the special tokens generated (not eos)
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None     # vLLM's extension
 
 
 class ChatRequest(_Sampling):
@@ -202,10 +205,11 @@ _FIELDS = {f.alias or name for m in _MODELS for name, f in m.model_fields.items(
 # A request that sets one to anything else gets a 400 naming it: never a 200 that silently ignored it.
 _NOT_HONOURED = {
     "best_of": (None, 1),       # removed from vLLM (0.19); `n` and `logprobs` do what it did
-    "prompt_logprobs": (None,), "structured_outputs": (None,),
+    "structured_outputs": (None,),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "use_beam_search": (None, False), "length_penalty": (None, 1),
-    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    # Gemma's fast tokenizer never puts spaces between special tokens: only the default has a meaning here
+    "spaces_between_special_tokens": (None, True),
     "truncate_prompt_tokens": (None,),
     "logits_processors": (None,), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
     "return_tokens_as_token_ids": (None, False),
@@ -253,23 +257,31 @@ def _may_hold_lone_surrogate(body: bytes) -> bool:
     return low_at >= 0
 
 
-def _too_many() -> APIError:
-    return APIError(400, f"request body has more than {MAX_JSON_OBJECTS} JSON objects")
+def _too_many(limit: int, what: str) -> APIError:
+    return APIError(400, f"request body has more than {limit} {what}")
 
 
 def _load(body: bytes) -> Any:
-    """json.loads, stopped past MAX_JSON_OBJECTS objects. The hook, Python code run per object, also lets the
-    interpreter switch threads in the middle of a long parse."""
-    count = 0
+    """json.loads, stopped past MAX_JSON_OBJECTS objects or MAX_JSON_INTS integers (a flat list of millions of
+    token ids is refused by count, before validation). The hooks, Python code run per object and per integer,
+    also let the interpreter switch threads in the middle of a long parse."""
+    objects = ints = 0
 
     def hook(obj: dict) -> dict:
-        nonlocal count
-        count += 1
-        if count > MAX_JSON_OBJECTS:
-            raise _too_many()
+        nonlocal objects
+        objects += 1
+        if objects > MAX_JSON_OBJECTS:
+            raise _too_many(MAX_JSON_OBJECTS, "JSON objects")
         return obj
 
-    return json.loads(body, object_hook=hook)
+    def parse_int(text: str) -> int:
+        nonlocal ints
+        ints += 1
+        if ints > MAX_JSON_INTS:
+            raise _too_many(MAX_JSON_INTS, "integers (token ids)")
+        return int(text)
+
+    return json.loads(body, object_hook=hook, parse_int=parse_int)
 
 
 def _validation_error(e: ValidationError, prefix: tuple = ()) -> APIError:
@@ -319,6 +331,8 @@ def parse(model: type[_Strict], body: bytes) -> Any:
     options = getattr(req, "stream_options", None)
     if options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if getattr(req, "stream", False) and getattr(req, "prompt_logprobs", None) is not None:     # as vLLM
+        raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs")
     if options is not None and options.continuous_usage_stats:
         raise APIError(400, "stream_options.continuous_usage_stats is not supported by this server (unset it, or "
                             "send false)", param="stream_options.continuous_usage_stats")

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from serving import memory_plan, packed_matmul, quantized
-from serving.engine import SamplingParams, TokenLogprobs
+from serving.engine import DeviceRow, SamplingParams, TokenLogprobs
 from serving.structured import MASKED
 
 log = logging.getLogger("serving.pytorch")
@@ -116,9 +116,11 @@ class TorchEngine:
                     else SlotKV(model, slots, max_context, device, model.dtype))
         self._pos = [0] * slots                 # next position per slot (0: not started)
         self._params = [SamplingParams(temperature=0.0)] * slots
+        self._rows = [DeviceRow.of(self._params[0], vocab)] * slots    # what the sampler reads, per slot
         self._gens = [torch.Generator(device=device) for _ in range(slots)]
         self._logits: dict[int, torch.Tensor] = {}
         self._logprobs: dict[int, TokenLogprobs] = {}
+        self._prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
         # what the penalties read, per slot: generated-token counts and the prompt's tokens, over the vocabulary
         self._counts = torch.zeros((slots, vocab), dtype=torch.int32, device=device)
         self._seen = torch.zeros((slots, vocab), dtype=torch.bool, device=device)
@@ -154,11 +156,11 @@ class TorchEngine:
 
     def _choose(self, slot: int, logits: torch.Tensor, mask: np.ndarray | None) -> torch.Tensor:
         """The slot's next token (a 0-d tensor) from its float32 logits [V]."""
-        p = self._params[slot]
+        row = self._rows[slot]
         self._logits[slot] = logits
         x = logits if mask is None else apply_mask(logits, mask)
-        x = adjust(x, p, self._counts[slot], self._seen[slot], held=self._out[slot] < p.min_tokens)
-        return sample(x, p, self._gens[slot])
+        x = adjust(x, row, self._counts[slot], self._seen[slot], held=self._out[slot] < self._params[slot].min_tokens)
+        return sample(x, row, self._gens[slot])
 
     def _took(self, slot: int, token: int) -> int:
         p = self._params[slot]
@@ -176,14 +178,28 @@ class TorchEngine:
         if n > self.max_context:
             raise ValueError(f"sequence of {n} tokens exceeds the PyTorch runtime's max_context {self.max_context}")
         self._params[slot] = params
+        self._rows[slot] = DeviceRow.of(params, self.vocab_size)
         self._gens[slot].manual_seed(params.seed64())
         self._counts[slot].zero_()
         self._seen[slot].zero_()
         self._seen[slot, torch.tensor(list(prompt_ids), device=self.device).clamp(0, self.vocab_size - 1)] = True
         self._out[slot] = 0
         self._pos[slot] = n
-        logits = self._forward(self.model.__call__, [list(prompt_ids)], self._kv.prefill(slot, n))
-        return self._took(slot, int(self._choose(slot, logits[0], mask)))
+        kw = self._kv.prefill(slot, n)
+        if params.prompt_logprobs is None:
+            logits = self._forward(self.model.__call__, [list(prompt_ids)], kw)[0]
+        else:      # the model's head over every prompt position (the last one's logits as the call above makes them)
+            h = self.model.model(input_ids=torch.tensor([list(prompt_ids)], device=self.device), use_cache=True,
+                                 **kw).last_hidden_state[0]
+            self._prompt_logprobs[slot] = prompt_logprobs(self._head, h[:-1], prompt_ids[1:], params.prompt_logprobs)
+            logits = self._head(h[-1:])[0].float()
+        return self._took(slot, int(self._choose(slot, logits, mask)))
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of hidden states [T, D], as Gemma4ForCausalLM's forward makes them (lm_head, soft-capping)."""
+        logits = self.model.lm_head(h)
+        cap = self.text_config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @torch.inference_mode()
     def step(self, tokens: Mapping[int, int], masks: Mapping[int, np.ndarray] | None = None) -> dict[int, int]:
@@ -198,7 +214,7 @@ class TorchEngine:
                                  f"max_context {self.max_context}")
         ids, positions = [[0] for _ in range(self.slots)], [0] * self.slots
         for slot, token in tokens.items():
-            if self._params[slot].penalised and 0 <= token < self.vocab_size:   # only the penalties read it
+            if self._rows[slot].penalised and 0 <= token < self.vocab_size:   # only the penalties read it
                 self._counts[slot, token] += 1
             self._out[slot] += 1
             ids[slot], positions[slot] = [token], self._pos[slot]
@@ -216,37 +232,33 @@ class TorchEngine:
     def logprobs(self, slot: int) -> TokenLogprobs:
         return self._logprobs[slot]
 
+    def prompt_logprobs(self, slot: int) -> list[TokenLogprobs]:
+        return self._prompt_logprobs.pop(slot)
+
 
 FLOOR = -80.0   # as serving/jax_runtime/sampling.py: tempered, max-shifted logits are clamped here
 
 
-def f32(x) -> float:
-    """x rounded to float32, as the JAX runtime holds its per-row parameters."""
-    return float(np.float32(x))
-
-
-def adjust(logits: torch.Tensor, p: SamplingParams, counts: torch.Tensor, seen: torch.Tensor,
+def adjust(logits: torch.Tensor, row: DeviceRow, counts: torch.Tensor, seen: torch.Tensor,
            held: bool) -> torch.Tensor:
     """serving.engine's adjustments before the draw, in vLLM's order (as serving/jax_runtime/sampling.py's
     adjust): logit_bias and min_tokens, penalties, min_p. counts/seen: the sequence's history over the vocabulary."""
     x = logits
-    v = x.numel()
-    bias = [(t, b) for t, b in p.logit_bias if 0 <= t < v]
-    held_ids = [t for t in p.min_tokens_ids() if 0 <= t < v] if held else []
-    if bias or held_ids:
+    held_ids = list(row.held) if held else []
+    if row.bias or held_ids:
         x = x.clone()
-        if bias:
-            x.index_add_(0, torch.tensor([t for t, _ in bias], device=x.device),
-                         torch.tensor([b for _, b in bias], dtype=x.dtype, device=x.device))
+        if row.bias:
+            x.index_add_(0, torch.tensor([t for t, _ in row.bias], device=x.device),
+                         torch.tensor([b for _, b in row.bias], dtype=x.dtype, device=x.device))
         x[held_ids] = -torch.inf
-    if p.penalised:                  # vLLM's apply_penalties
+    if row.penalised:                # vLLM's apply_penalties
         out = counts > 0
-        rep = f32(p.repetition_penalty)
+        rep = row.repetition
         x = torch.where(seen | out, torch.where(x > 0, x / rep, x * rep), x)
-        x = x - f32(p.frequency_penalty) * counts - f32(p.presence_penalty) * out
-    t = f32(p.temperature)
-    if p.min_p > 0 and t > 0:        # p < min_p * p_max at temperature t  <=>  logit < max + t * log(min_p)
-        x = torch.where(x < x.max() + f32(t * np.log(np.float32(p.min_p))), -torch.inf, x)
+        x = x - row.frequency * counts - row.presence * out
+    if row.min_p > 0:                # p < min_p * p_max at temperature t  <=>  logit < max + t * log(min_p)
+        x = torch.where(x < x.max() + float(np.float32(row.temperature * np.log(np.float32(row.min_p)))),
+                        -torch.inf, x)
     return x
 
 
@@ -255,24 +267,44 @@ def raw_logprobs(logits: torch.Tensor, chosen: int, k: int) -> TokenLogprobs:
     lp = torch.log_softmax(logits, 0)
     top = lp.topk(k) if k else None
     return TokenLogprobs(float(lp[chosen]), tuple(zip(top.indices.tolist(), top.values.tolist())) if k else ())
+
+
+PROMPT_CHUNK = 32       # prompt positions whose float32 logits [chunk, vocab] exist at once (32 MiB at 262 144)
+
+
+def prompt_logprobs(head, h: torch.Tensor, targets: Sequence[int], k: int) -> list[TokenLogprobs]:
+    """Per position i of hidden states h [T, D]: the raw logprob of targets[i] (the prompt token that follows),
+    its rank and the k most likely tokens, a chunk of positions at a time."""
+    out, want = [], torch.tensor(list(targets), device=h.device)
+    for i in range(0, len(targets), PROMPT_CHUNK):
+        lp = torch.log_softmax(head(h[i:i + PROMPT_CHUNK]).float(), -1)
+        chosen = lp.gather(1, want[i:i + PROMPT_CHUNK, None])[:, 0]
+        rank = ((lp > chosen[:, None]).sum(-1) + 1).tolist()
+        top = lp.topk(k) if k else None
+        for j, value in enumerate(chosen.tolist()):
+            pairs = tuple(zip(top.indices[j].tolist(), top.values[j].tolist())) if k else ()
+            out.append(TokenLogprobs(value, pairs, rank[j]))
+    return out
+
+
 def apply_mask(logits: torch.Tensor, mask: np.ndarray) -> torch.Tensor:
     """float32 logits [V] with every token the packed bitmask row `mask` (serving/engine.py) disallows at MASKED."""
     bits = np.unpackbits(np.ascontiguousarray(mask, "<i4").view(np.uint8), bitorder="little")[:logits.numel()]
     return logits.masked_fill(torch.from_numpy(bits == 0).to(logits.device), MASKED)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> torch.Tensor:
+def sample(logits: torch.Tensor, row: DeviceRow, gen: torch.Generator) -> torch.Tensor:
     """The next token (a 0-d tensor) from float32 logits [V] by serving.engine's sampling contract."""
-    t = f32(params.temperature)                   # what underflows float32 is greedy, as on the JAX runtime
+    t = row.temperature
     if t <= 0.0:
         return logits.argmax()
     x = ((logits - logits.max()) / t).clamp_min(FLOOR)
-    if 0 < params.top_k < x.numel() or params.top_p < 1.0:
+    if row.top_k or row.top_p < 1.0:
         top = x.sort(descending=True).values
-        if 0 < params.top_k < x.numel():
-            top = top[: params.top_k]
+        if row.top_k:
+            top = top[: row.top_k]
         mass = torch.softmax(top, 0).cumsum(0)
-        n = int((mass < params.top_p).sum()) + 1 if params.top_p < 1.0 else top.numel()
+        n = int((mass < row.top_p).sum()) + 1 if row.top_p < 1.0 else top.numel()
         x = torch.where(x >= top[min(n, top.numel()) - 1], x, -torch.inf)   # ties at the cut stay, as on JAX
     q = torch.empty_like(x).exponential_(generator=gen)
     return (x - q.log()).argmax()                    # Gumbel-max: a draw from softmax(x)

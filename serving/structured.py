@@ -3,8 +3,10 @@
 `response_format` (json_object, json_schema) and forced tool calls compile, through outlines-core, to an index over
 the checkpoint's tokenizer: JSON schema -> regex -> for every state, the tokens allowed and where each leads. The
 compile runs in a worker thread, bounded in time and size (an unusable schema is the client's 400), and the result
-is cached per schema. The generation loop (serving/generation.py) gives each such request a `Matcher`: before every
-sampling step it writes the tokens the grammar allows next as a bitmask (bit i % 32 of int32 word i // 32 is token
+is cached per schema. outlines-core's index build cannot be interrupted, so it runs in a process of its own, killed
+at the time limit or once every request waiting for it left: a compile nobody waits for keeps no core and no
+memory. The generation loop
+(serving/generation.py) gives each such request a `Matcher`: before every sampling step it writes the tokens the grammar allows next as a bitmask (bit i % 32 of int32 word i // 32 is token
 i, the layout outlines-core and the runtimes share) and after every generated token it advances. The runtime sets
 every other token's logit to MASKED before it samples (serving/engine.py). Why outlines-core: README, Design notes.
 """
@@ -14,12 +16,15 @@ import contextlib
 import json
 import math
 import os
+import pickle
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -33,6 +38,7 @@ MAX_REGEX_CHARS = int(os.environ.get("G5G_GRAMMAR_MAX_REGEX", "100000"))
 # (tiny fixture: n = 12 0.3 s, 14 1.0 s, 16 4.5 s, 18 15 s, 20 over 20 s): refused past this bound before the build.
 MAX_STRING_BOUND = int(os.environ.get("G5G_GRAMMAR_MAX_STRING_BOUND", "16"))
 CACHE_ENTRIES = 64
+POLL_S = 0.25       # how often a compile's waiters and its process look at their deadline and whether to stop
 
 # response_format json_object: outlines-core's own "any object" nests values 3 deep and costs ~30 s and ~330 MB
 # on a 262k vocabulary; this one (values: scalars, arrays of scalars, objects of scalars) costs ~6 s and ~90 MB.
@@ -137,6 +143,16 @@ def _bounded_integers(schema: Any, ranges: dict[str, str], max_string: int = MAX
             for k, v in schema.items()}
 
 
+@dataclass
+class _Compile:
+    """One schema's compile: when it began, its result, how many requests wait on it, and the switch that stops it
+    (set when the last of them left before it finished)."""
+    started: float
+    future: Future = field(default_factory=Future)
+    waiting: int = 0
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
 @dataclass(frozen=True)
 class Grammar:
     """A compiled schema: outlines-core's index, the stop tokens that may end it, the mask width."""
@@ -159,51 +175,63 @@ class Grammars:
         self.max_string = max_string
         self._vocabulary = None
         self._lock, self._vocab_lock = threading.Lock(), threading.Lock()
-        self._cache: OrderedDict[str, tuple[float, Future]] = OrderedDict()
-        # Two compiles of clients' schemas at a time: one past its time limit goes on (outlines-core cannot be
-        # stopped) but no further. json_object's fixed grammar (bounded: seconds) does not queue behind them.
+        self._cache: OrderedDict[str, _Compile] = OrderedDict()
+        # Two compiles of clients' schemas at a time (each stops at its time limit, or when its clients left);
+        # json_object's fixed grammar (bounded: seconds) does not queue behind them.
         self._running = threading.Semaphore(2)
 
-    def json_schema(self, schema: Any) -> Grammar:
+    def json_schema(self, schema: Any, gone: threading.Event | None = None) -> Grammar:
         """A compiled grammar for JSON valid against `schema`, written compactly (no free whitespace: a weak
-        model cannot stall in it). Waits at most the time limit; InvalidGrammar with the reason otherwise."""
+        model cannot stall in it). Waits at most the time limit; InvalidGrammar with the reason otherwise. `gone`:
+        set when the requester left; a compile that every requester left is stopped (and not cached)."""
         _bounded_integers(schema, {}, self.max_string)      # what it refuses, refused before queueing a compile
         key = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
         with self._lock:
-            entry = self._cache.pop(key, None) or (time.monotonic(), self._start(key))
+            entry = self._cache.pop(key, None) or self._start(key)
             self._cache[key] = entry                    # the most recently used last
             while len(self._cache) > self.cache_entries:
                 self._cache.popitem(last=False)
-        started, future = entry
+            entry.waiting += 1
+        deadline = entry.started + self.timeout_s
         try:
-            return future.result(timeout=max(0.0, started + self.timeout_s - time.monotonic()))
-        except TimeoutError:
-            raise InvalidGrammar(f"compiling it takes longer than {self.timeout_s:g} s") from None
+            while True:
+                try:
+                    return entry.future.result(timeout=min(POLL_S, max(0.0, deadline - time.monotonic())))
+                except TimeoutError:
+                    if time.monotonic() >= deadline:
+                        raise InvalidGrammar(f"compiling it takes longer than {self.timeout_s:g} s") from None
+                    if gone is not None and gone.is_set():
+                        raise InvalidGrammar("its requester left") from None
+        finally:
+            with self._lock:
+                entry.waiting -= 1
+                if gone is not None and gone.is_set() and not entry.waiting and not entry.future.done():
+                    entry.stop.set()
+                    if self._cache.get(key) is entry:
+                        del self._cache[key]
 
-    def json_object(self) -> Grammar:
+    def json_object(self, gone: threading.Event | None = None) -> Grammar:
         """Any JSON object (response_format json_object), nested at most two deep (ANY_OBJECT)."""
-        return self.json_schema(ANY_OBJECT)
+        return self.json_schema(ANY_OBJECT, gone)
 
-    def _start(self, key: str) -> Future:
+    def _start(self, key: str) -> _Compile:
         """Compile in a daemon thread: one still running past its time limit must not keep the server from exiting
         (a pool's workers are joined at exit)."""
-        future: Future = Future()
+        entry = _Compile(time.monotonic())
 
         def run():
             with self._running if key != ANY_OBJECT_KEY else contextlib.nullcontext():
                 try:
-                    future.set_result(self._compile(key))
+                    entry.future.set_result(self._compile(key, entry.started + self.timeout_s, entry.stop))
                 except BaseException as e:      # handed to whoever waits on it
-                    future.set_exception(e)
+                    entry.future.set_exception(e)
 
         threading.Thread(target=run, name="grammar", daemon=True).start()
-        return future
+        return entry
 
-    def _compile(self, schema_json: str) -> Grammar:
-        from outlines_core import Index
+    def _compile(self, schema_json: str, deadline: float, stop: threading.Event) -> Grammar:
         from outlines_core.json_schema import build_regex_from_schema
 
-        t0 = time.monotonic()
         try:
             ranges: dict[str, str] = {}
             schema = _bounded_integers(json.loads(schema_json), ranges, self.max_string)
@@ -213,12 +241,14 @@ class Grammars:
             if len(regex) > self.max_regex_chars:
                 raise InvalidGrammar(f"too large: its regex has {len(regex)} characters, over the limit of "
                                      f"{self.max_regex_chars}")
-            index = Index(regex, self._vocab())
+            if stop.is_set():                           # every requester left while it queued
+                raise TimeoutError
+            index = build_index(regex, self._vocab(), deadline, stop)
         except (ValueError, TypeError, RecursionError) as e:    # TypeError: nested past outlines-core's JSON parser
             # outlines-core's reason is its first line; the rest is advice to file bugs
             raise InvalidGrammar(str(e).strip().split("\n")[0].strip()) from None
-        if time.monotonic() - t0 > self.timeout_s:      # finished after its requester gave up: refused for all
-            raise InvalidGrammar(f"compiling it takes longer than {self.timeout_s:g} s")
+        except TimeoutError:                            # its requesters gave up too (or left): refused for all
+            raise InvalidGrammar(f"compiling it takes longer than {self.timeout_s:g} s") from None
         return Grammar(index, self.info.stop_ids, mask_words(self.vocab_size))
 
     def _vocab(self):
@@ -231,6 +261,55 @@ class Grammars:
                 # outlines-core knows one end token; Matcher lets any of the checkpoint's stop tokens end.
                 self._vocabulary = Vocabulary(min(self.info.stop_ids), tokens)
             return self._vocabulary
+
+
+# The index build, as a program of its own: (regex, outlines-core Vocabulary) pickled in, (ok, Index or reason) out.
+# On Linux it dies with the thread that started it (the server's), so no server exit leaves it running.
+_INDEX_PROGRAM = """
+import ctypes, os, pickle, signal, sys
+try:
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):                # the server went before that took effect
+    sys.exit(1)
+from outlines_core import Index
+regex, vocabulary = pickle.load(sys.stdin.buffer)
+try:
+    out = (True, Index(regex, vocabulary))
+except (ValueError, TypeError, RecursionError) as e:
+    out = (False, str(e))
+pickle.dump(out, sys.stdout.buffer)
+"""
+
+
+def build_index(regex: str, vocabulary, deadline: float, stop: threading.Event | None = None):
+    """outlines-core's Index of `regex` over `vocabulary`, built in a child process (the server's threads and
+    devices stay out of it) that is killed at `deadline` or once `stop` is set (TimeoutError). Its reason
+    (ValueError) if it cannot."""
+    proc = subprocess.Popen([sys.executable, "-c", _INDEX_PROGRAM, str(os.getpid())], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    payload = pickle.dumps((regex, vocabulary))
+    try:
+        while True:
+            try:        # a retry goes on where the last call stopped (input included)
+                out, err = proc.communicate(payload, min(POLL_S, max(0.0, deadline - time.monotonic())))
+                break
+            except subprocess.TimeoutExpired:
+                payload = None
+                if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
+                    raise TimeoutError from None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    if proc.returncode:             # e.g. out of memory
+        last = (err.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
+        raise ValueError(f"the compile stopped (exit code {proc.returncode}: {last})")
+    ok, result = pickle.loads(out)
+    if not ok:
+        raise ValueError(result)
+    return result
 
 
 class Matcher:

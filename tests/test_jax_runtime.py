@@ -372,6 +372,53 @@ def test_pipelined_decode_gives_the_tokens_of_plain_decode(pair):
     np.testing.assert_array_equal(counts, np.bincount(toks[:-1], minlength=counts.size))
 
 
+def _only(token: int, vocab: int) -> np.ndarray:
+    """The allowed-token mask (serving/engine.py's layout) that allows `token` alone."""
+    bits = np.zeros(-(-vocab // 32) * 32, np.uint8)
+    bits[token] = 1
+    return np.packbits(bits, bitorder="little").view("<i4")
+
+
+def test_a_restarted_slot_never_takes_the_step_speculated_for_its_previous_sequence(pair):
+    """A sequence ends in slot 0 while the step after its last token x is in flight (fed x); a new sequence starts
+    in slot 0 whose first token is x too (forced by start's mask). Its next token must come from its own context:
+    the speculative step would serve the call (same slot, same token fed) and hand out the old sequence's next
+    token. Deterministic: among a few prompts, one whose next token differs between the two contexts is used."""
+    name, _, engine, _ = pair
+    v = engine.cfg.vocab_size
+    old = _sequence(v, 6, seed=40)
+
+    def restart(new: list[int], pipeline: bool) -> tuple[list[int], list[int]]:
+        engine.pipeline = pipeline
+        try:
+            first = [engine.start(0, old, GREEDY)]
+            for _ in range(4):                    # the last call leaves a step in flight, fed first[-1]
+                first.append(engine.step({0: first[-1]})[0])
+            then = [engine.start(0, new, GREEDY, _only(first[-1], v))]
+            for _ in range(3):
+                then.append(engine.step({0: then[-1]})[0])
+            return first, then
+        finally:
+            engine.pipeline = True
+
+    first, _ = restart(old, False)
+    engine.pipeline = False
+    engine.start(0, old, GREEDY)
+    for t in first:
+        out = engine.step({0: t})[0]              # what the old sequence would have got after x
+    engine.pipeline = True
+    for seed in range(50, 60):
+        new = _sequence(v, 5, seed=seed)
+        _, plain = restart(new, False)
+        if plain[1] != out:
+            break
+    else:
+        pytest.fail(f"{name}: no prompt whose next token differs from the old sequence's")
+    before = engine.speculation["replaced"]
+    assert restart(new, True) == (first, plain), name
+    assert engine.speculation["replaced"] > before
+
+
 def test_seeded_sampling_is_reproducible_in_any_batch(pair):
     name, _, engine, _ = pair
     v = engine.cfg.vocab_size

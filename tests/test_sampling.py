@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from serving.engine import SamplingParams
+from serving.engine import DeviceRow, SamplingParams
 
 
 def _jax_draws(logits, params: SamplingParams, n: int) -> list[int]:
@@ -13,8 +13,9 @@ def _jax_draws(logits, params: SamplingParams, n: int) -> list[int]:
     from serving.jax_runtime.sampling import sample
 
     rows = np.broadcast_to(np.asarray(logits, np.float32), (n, len(logits)))
-    out = sample(jnp.asarray(rows), jnp.full(n, params.temperature, jnp.float32), jnp.full(n, params.top_k, jnp.int32),
-                 jnp.full(n, params.top_p, jnp.float32), jnp.asarray(np.tile(params.seed_words(), (n, 1)), jnp.uint32),
+    row = DeviceRow.of(params, len(logits))
+    out = sample(jnp.asarray(rows), jnp.full(n, row.temperature, jnp.float32), jnp.full(n, row.top_k, jnp.int32),
+                 jnp.full(n, row.top_p, jnp.float32), jnp.asarray(np.tile(params.seed_words(), (n, 1)), jnp.uint32),
                  jnp.arange(n, dtype=jnp.int32))
     return np.asarray(out).tolist()
 
@@ -25,7 +26,20 @@ def _torch_draws(logits, params: SamplingParams, n: int) -> list[int]:
 
     gen = torch.Generator().manual_seed(params.seed64())
     x = torch.tensor(np.asarray(logits, np.float32))
-    return [int(sample(x, params, gen)) for _ in range(n)]
+    return [int(sample(x, DeviceRow.of(params, len(logits)), gen)) for _ in range(n)]
+
+
+def test_what_parameters_mean_on_the_device_is_decided_once_for_both_runtimes():
+    """DeviceRow: each "off" spelled one way and values as float32 holds them, whatever runtime reads them."""
+    v = 100
+    row = DeviceRow.of(SamplingParams(temperature=1e-46, top_k=v, min_p=0.5, logit_bias=((3, 1.0), (v, 2.0)),
+                                      min_tokens=2, eos_token_ids=(1, v + 5), repetition_penalty=1.1), v)
+    assert (row.temperature, row.top_k, row.min_p) == (0.0, 0, 0.0)        # underflows float32: greedy, no min_p
+    assert row.bias == ((3, 1.0),) and row.held == (1,) and row.penalised
+    assert row.repetition == float(np.float32(1.1)) != 1.1
+    hot = DeviceRow.of(SamplingParams(temperature=0.7, top_k=-1, top_p=0.3, min_p=0.5), v)
+    assert (hot.top_k, hot.min_p, hot.penalised, hot.held) == (0, 0.5, False, ())
+    assert DeviceRow.of(SamplingParams(top_k=v - 1), v).top_k == v - 1
 
 
 @pytest.fixture(params=["jax", "torch"])
@@ -136,13 +150,14 @@ def test_both_runtimes_adjust_logits_alike():
     seen = rng.random((n, v)) < 0.05
     rows = js.empty_rows(n, v)
     for i, p in enumerate(ADJUSTED):
-        js.set_row(rows, i, p, v)
+        js.set_row(rows, i, DeviceRow.of(p, v), v)
     rows["suppress"] = np.array([bool(p.min_tokens) for p in ADJUSTED])
     temp = np.array([p.temperature for p in ADJUSTED], np.float32)
     got = np.asarray(js.adjust(jnp.asarray(logits), jnp.asarray(temp), {k: jnp.asarray(a) for k, a in rows.items()},
                                jnp.asarray(counts), jnp.asarray(seen)))
     for i, p in enumerate(ADJUSTED):
-        want = adjust(torch.tensor(logits[i]), p, torch.tensor(counts[i]), torch.tensor(seen[i]), held=True).numpy()
+        want = adjust(torch.tensor(logits[i]), DeviceRow.of(p, v), torch.tensor(counts[i]), torch.tensor(seen[i]),
+                      held=True).numpy()
         np.testing.assert_array_equal(np.isinf(got[i]), np.isinf(want))
         np.testing.assert_allclose(got[i][np.isfinite(want)], want[np.isfinite(want)], rtol=1e-6, atol=1e-5)
         assert not np.array_equal(want, logits[i])           # every row changed something

@@ -183,6 +183,25 @@ def test_logprobs_are_the_raw_log_softmax(engine, ask):
     assert all(lp.top == () for _, _, lp in run(engine, ask, none, 3))
 
 
+def test_prompt_logprobs_are_the_raw_log_softmax_behind_each_prompt_token(engine, ask):
+    """Per prompt token after the first: its logprob given the tokens before it (the logits a prefill of that
+    prefix ends with), its rank and the top ones; the first token generated is the same as without them."""
+    p = SamplingParams(temperature=0.0, prompt_logprobs=4)
+    first = engine.start(0, ask, p)
+    got = engine.prompt_logprobs(0)
+    assert first == engine.start(0, ask, SamplingParams(temperature=0.0)) and len(got) == len(ask) - 1
+    for i, lp in enumerate(got):
+        engine.start(1 % engine.slots, ask[:i + 1], SamplingParams(temperature=0.0))
+        want = log_softmax(engine.logits(1 % engine.slots))
+        token = ask[i + 1]
+        assert abs(lp.logprob - want[token]) < LP_ATOL
+        assert 1 + (want > want[token] + LP_ATOL).sum() <= lp.rank <= 1 + (want > want[token] - LP_ATOL).sum()
+        np.testing.assert_allclose([v for _, v in lp.top], np.sort(want)[::-1][:4], atol=LP_ATOL)
+        assert all(abs(want[t] - v) < LP_ATOL for t, v in lp.top)
+    engine.start(0, ask, SamplingParams(temperature=0.0, prompt_logprobs=0))
+    assert all(lp.top == () for lp in engine.prompt_logprobs(0))
+
+
 def test_jax_and_pytorch_agree_on_greedy_and_logprobs(engines, ask):
     if "jax" not in engines:
         pytest.skip("jax not installed")
@@ -231,7 +250,8 @@ def test_no_compilation_for_these_parameters(engines, ask):
     before = compile_counts()
     params = [SamplingParams(temperature=0.9, seed=1, min_p=0.1, logprobs=20, logit_bias=((3, 1.0),) * 1),
               SamplingParams(temperature=0.0, repetition_penalty=1.2, min_tokens=5, eos_token_ids=(1, 106)),
-              SamplingParams(temperature=0.5, top_k=4, presence_penalty=1.0, frequency_penalty=1.0, seed=2)]
+              SamplingParams(temperature=0.5, top_k=4, presence_penalty=1.0, frequency_penalty=1.0, seed=2,
+                             prompt_logprobs=20)]
     for slot, p in enumerate(params):
         eng.start(slot, ask[: 10 + slot], p)
     for _ in range(3):

@@ -163,7 +163,9 @@ def _cases() -> list[tuple[str, str, bytes | None, dict]]:
                {"n": 3, "seed": 1, "stream": True}, {"logprobs": True, "top_logprobs": 20, "stream": True},
                {"logit_bias": {"1": -100, "106": -100, "5": 100}}, {"min_tokens": 4, "stop_token_ids": [1, 106]},
                {"repetition_penalty": 1e-6}, {"logprobs": None},
-               {"presence_penalty": -2, "frequency_penalty": 2, "min_p": 1}):
+               {"presence_penalty": -2, "frequency_penalty": 2, "min_p": 1}, {"prompt_logprobs": 20, "n": 2},
+               {"prompt_logprobs": 1, "max_tokens": 1, "response_format": {"type": "json_object"}},
+               {"skip_special_tokens": False, "allowed_token_ids": [1, 2, 106]}):
         post(CHAT, chat(**kw))
     # Completions.
     for kw in ({"prompt": ""}, {"prompt": []}, {"prompt": [[]]}, {"prompt": [1, 2, 3]}, {"prompt": [10**9]},
@@ -172,6 +174,10 @@ def _cases() -> list[tuple[str, str, bytes | None, dict]]:
                {"prompt": "hi", "suffix": "end"}, {"prompt": "hi", "logprobs": 2}, {"prompt": "hi", "best_of": 3},
                {"prompt": "hi", "logprobs": 21}, {"prompt": "hi", "logprobs": 20, "n": 2, "stream": True},
                {"prompt": "hi", "logprobs": 1, "echo": True},
+               {"prompt": "hi", "logprobs": 20, "echo": True, "max_tokens": 0, "n": 2, "prompt_logprobs": 20},
+               {"prompt": [[2], [2, 105]], "logprobs": 3, "echo": True, "stream": True},
+               {"prompt": "hi", "prompt_logprobs": -1}, {"prompt": "hi", "prompt_logprobs": 3, "stream": True},
+               {"prompt": [2], "prompt_logprobs": 0, "skip_special_tokens": False},
                {"prompt": "hi", "max_tokens": 10**6}, {"prompt": [2] * 300_000}, {"prompt": "hi " * 4_000_000},
                {"prompt": ["hi"], "stream": True, "echo": True, "max_tokens": 2}, {"prompt": [[2, 105]]},
                {"prompt": "hi", "messages": ASK}, {"prompt": 1.5}):
@@ -278,27 +284,20 @@ def test_integers_past_int32(runtime_servers, runtime):
     assert got == [(status, "min_tokens" if status == 400 else True) for _, _, status in BIG_INTS]
 
 
-@pytest.mark.parametrize("runtime", ["pytorch", "jax"])
-def test_huge_requests_do_not_hold_up_other_clients(runtime_servers, runtime):
-    """Three huge requests at once (15 MiB of 480 000 empty messages: refused by count; two of 60 000: refused as
-    too long for the context) while /health is polled and a small chat is asked. Before, their parsing and
-    validation ran on the event loop: /health waited for it. Relative bounds, so that a loaded machine slows both
-    sides: the slowest /health answer takes less than half the fastest huge request's time, and the small chat
-    is answered before the last huge request."""
-    url = runtime_servers[runtime]
-    bodies = [json.dumps({"model": "tiny", "messages": [{"role": "user", "content": ""}] * n, "max_tokens": 4})
-              for n in (480_000, 60_000, 60_000)]
+def _huge_beside_small(url: str, path: str, bodies: list[dict]) -> tuple[dict, list]:
+    """Post the huge `bodies` at once while /health is polled and a small chat is asked: ({i: (status, message,
+    seconds, finished at)}, [(health status, seconds)]); the small chat is the last answer."""
     answers: dict[int, tuple] = {}
 
-    def ask(i: int, body: str):
+    def ask(i: int, where: str, body: str):
         t0 = time.monotonic()
-        r = requests.post(url + CHAT, data=body, headers={"content-type": "application/json"}, timeout=120)
+        r = requests.post(url + where, data=body, headers={"content-type": "application/json"}, timeout=120)
         answers[i] = (r.status_code, r.json().get("error", {}).get("message", "")[:60], time.monotonic() - t0,
                       time.monotonic())
 
-    huge = [threading.Thread(target=ask, args=(i, b), daemon=True) for i, b in enumerate(bodies)]
-    small = threading.Thread(target=ask, args=(3, json.dumps({"model": "tiny", "messages": ASK, "max_tokens": 4})),
-                             daemon=True)
+    huge = [threading.Thread(target=ask, args=(i, path, json.dumps(b)), daemon=True) for i, b in enumerate(bodies)]
+    small = threading.Thread(target=ask, daemon=True, args=(
+        len(bodies), CHAT, json.dumps({"model": "tiny", "messages": ASK, "max_tokens": 4})))
     for t in huge:
         t.start()
     time.sleep(0.05)
@@ -311,11 +310,37 @@ def test_huge_requests_do_not_hold_up_other_clients(runtime_servers, runtime):
             time.sleep(0.01)
     for t in (*huge, small):
         t.join(60)
+    return answers, health
+
+
+@pytest.mark.parametrize("runtime", ["pytorch", "jax"])
+def test_huge_requests_do_not_hold_up_other_clients(runtime_servers, runtime):
+    """Three huge requests at once (15 MiB of 480 000 empty messages: refused by count; two of 60 000: refused as
+    too long for the context) while /health is polled and a small chat is asked. Before, their parsing and
+    validation ran on the event loop: /health waited for it. Relative bounds, so that a loaded machine slows both
+    sides: the slowest /health answer takes less than half the fastest huge request's time, and the small chat
+    is answered before the last huge request."""
+    answers, health = _huge_beside_small(runtime_servers[runtime], CHAT, [
+        {"model": "tiny", "messages": [{"role": "user", "content": ""}] * n, "max_tokens": 4}
+        for n in (480_000, 60_000, 60_000)])
     assert [answers[i][0] for i in range(4)] == [400, 400, 400, 200] and {code for code, _ in health} == {200}
     slowest_health, fastest_huge = max(dt for _, dt in health), min(answers[i][2] for i in (1, 2))
     assert slowest_health < fastest_huge / 2, (slowest_health, fastest_huge)
     assert answers[3][3] < max(answers[i][3] for i in range(3))
     assert answers[0][1] == "request body has more than 65536 JSON objects"
+
+
+@pytest.mark.parametrize("runtime", ["pytorch", "jax"])
+def test_huge_token_id_lists_are_refused_by_count(runtime_servers, runtime):
+    """Five million token ids as one completions prompt, and as a thousand prompts of 5 000 (~14 MiB each), are
+    refused by their count while parsing (before: parsed whole, validated in one call that held the GIL, then
+    refused as too long for the context); /health and a small chat stay answered meanwhile, as above."""
+    answers, health = _huge_beside_small(runtime_servers[runtime], COMPLETIONS, [
+        {"model": "tiny", "prompt": [2] * 5_000_000}, {"model": "tiny", "prompt": [[2] * 5_000] * 1_000}])
+    limit = "request body has more than 1048576 integers (token ids)"
+    assert [answers[i][:2] for i in range(2)] == [(400, limit[:60])] * 2
+    assert answers[2][0] == 200 and {code for code, _ in health} == {200}
+    assert max(dt for _, dt in health) < min(answers[i][2] for i in range(2)) / 2, (health, answers)
 
 
 # Requests the HTTP parser itself refuses (uvicorn answered these with a plain-text 400).

@@ -8,6 +8,9 @@ x-request-id; then --api-key and CORS on a server started with those flags.
 from __future__ import annotations
 
 import json
+import os
+import time
+from pathlib import Path
 
 import jsonschema
 import openai
@@ -15,6 +18,7 @@ import pytest
 import requests
 
 from serving.openai_text import GOLDEN
+from tests.fixtures.server import serving_env
 from tests.fixtures.serving import tiny_server
 from g5g.devtools.tiny_gemma4 import ANSWER, QUESTION
 
@@ -134,6 +138,42 @@ def test_completion_logprobs_streamed_and_not(url):
     assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
 
 
+def test_prompt_logprobs_and_echo_with_logprobs_as_vllm(url):
+    """prompt_logprobs: null for the first prompt token, then {id: {logprob, rank, decoded_token}} for the token and
+    the top ones (chat: in the response, completions: in each choice); echo with logprobs puts the prompt's tokens
+    first in the logprobs (the first one null), streamed or not, max_tokens 0 too."""
+    c, ids = client(url), chat_ids(url)
+    r = requests.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 3,
+                                                      "temperature": 0, "prompt_logprobs": 2}, timeout=60).json()
+    prompt = r["choices"][0]["prompt_logprobs"]
+    assert len(prompt) == len(ids) and prompt[0] is None
+    for token, entry in zip(ids[1:], prompt[1:]):
+        mine = entry[str(token)]
+        assert mine["logprob"] <= 0 and mine["rank"] >= 1 and 2 <= len(entry) <= 3
+        ranked = sorted((e["rank"], -e["logprob"]) for e in entry.values())
+        assert [r for r, _ in ranked][:2] == [1, 2] and ranked == sorted(ranked, key=lambda e: e[1])
+    chat = requests.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": ASK, "max_tokens": 2,
+                                                              "prompt_logprobs": 2}, timeout=60).json()
+    assert chat["prompt_logprobs"] == prompt
+    plain = c.completions.create(model="tiny", prompt=ids, max_tokens=3, temperature=0, logprobs=2)
+    echoed = c.completions.create(model="tiny", prompt=ids, max_tokens=3, temperature=0, logprobs=2, echo=True)
+    lp, n = echoed.choices[0].logprobs, len(ids)
+    assert lp.tokens[n:] == plain.choices[0].logprobs.tokens and len(lp.tokens) == n + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == [prompt[i][str(ids[i])]["logprob"] for i in range(1, n)]
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(n + 3)]
+    assert all(len(top) <= 3 for top in lp.top_logprobs[1:])
+    chunks = list(c.completions.create(model="tiny", prompt=ids, max_tokens=3, temperature=0, logprobs=2,
+                                       echo=True, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == echoed.choices[0].text
+    streamed = [ch.choices[0].logprobs for ch in chunks if ch.choices[0].logprobs]
+    assert sum((s.tokens for s in streamed), []) == lp.tokens
+    assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+    only = c.completions.create(model="tiny", prompt=ids, max_tokens=0, logprobs=1, echo=True)
+    assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:n] and only.usage.completion_tokens == 0
+
+
 def test_n_choices_are_independent_reproducible_and_indexed(url):
     c = client(url)
     kw = dict(model="tiny", messages=ASK, temperature=1.5, max_tokens=12, seed=7)
@@ -181,12 +221,16 @@ def test_logit_bias_stop_token_ids_and_min_tokens(url):
 
 
 def test_both_runtimes_answer_the_same_with_these_parameters(runtime_servers):
-    """Greedy with penalties, bias and logprobs: the same text and (within float tolerance) the same logprobs."""
+    """Greedy with penalties, bias and logprobs: the same text and (within float tolerance) the same logprobs, the
+    prompt's too."""
     kw = dict(model="tiny", messages=[{"role": "user", "content": "What is a stop string?"}], temperature=0,
               max_tokens=20, logprobs=True, top_logprobs=2, presence_penalty=0.8, frequency_penalty=0.4,
-              logit_bias={"40": 2.5}, extra_body={"repetition_penalty": 1.3, "min_tokens": 5})
-    a, b = (client(runtime_servers[rt]).chat.completions.create(**kw).choices[0] for rt in RUNTIMES)
+              logit_bias={"40": 2.5}, extra_body={"repetition_penalty": 1.3, "min_tokens": 5, "prompt_logprobs": 2})
+    answers = [client(runtime_servers[rt]).chat.completions.create(**kw) for rt in RUNTIMES]
+    a, b = (r.choices[0] for r in answers)
     assert a.message.content == b.message.content
+    for x, y in zip(*(r.model_extra["prompt_logprobs"][1:] for r in answers), strict=True):
+        assert x.keys() == y.keys() and all(abs(x[t]["logprob"] - y[t]["logprob"]) < 2e-3 for t in x)
     for x, y in zip(a.logprobs.content, b.logprobs.content, strict=True):
         assert x.token == y.token and abs(x.logprob - y.logprob) < 2e-3
         assert [t.token for t in x.top_logprobs] == [t.token for t in y.top_logprobs]
@@ -205,7 +249,9 @@ def test_both_runtimes_answer_the_same_with_these_parameters(runtime_servers):
     ("chat", {"extra_body": {"min_tokens": 5}}, "min_tokens"),                       # more than max_tokens
     ("chat", {"extra_body": {"stop_token_ids": [100000]}}, "stop_token_ids"),
     ("completions", {"logprobs": 21}, "logprobs"),
-    ("completions", {"logprobs": 1, "echo": True}, "echo"),
+    ("completions", {"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
+    ("chat", {"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),       # as vLLM
+    ("completions", {"stream": True, "extra_body": {"prompt_logprobs": 0}}, "prompt_logprobs"),
 ])
 def test_out_of_range_sampling_parameters_are_a_400_naming_them(url, kind, kw, param):
     _assert_400_naming(url, kind, kw, param)
@@ -390,6 +436,40 @@ def test_a_reply_that_may_call_tools_stops_where_a_tool_answer_would_begin(url):
     assert c.chat.completions.create(**kw).usage.completion_tokens == 5
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds used by process `pid` and its live children (Linux /proc)."""
+    def used(stat: str) -> float:
+        fields = stat.rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    total = used(Path(f"/proc/{pid}/stat").read_text())
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:                         # gone meanwhile
+            continue
+        if int(text.rsplit(")", 1)[1].split()[1]) == pid:
+            total += used(text)
+    return total
+
+
+def test_a_client_that_leaves_stops_its_schema_compile(tiny_gemma4):
+    """A schema whose index takes minutes (a string of up to 30 characters, allowed here by
+    G5G_GRAMMAR_MAX_STRING_BOUND): the client gives up after 2 s; the compile stops with it, so the server and its
+    children use next to no CPU afterwards (before: the compile went on for the time limit or longer)."""
+    schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "string", "maxLength": 30}}}
+    with tiny_server(tiny_gemma4, env=serving_env(G5G_GRAMMAR_MAX_STRING_BOUND="40")) as srv:
+        with pytest.raises(requests.Timeout):
+            requests.post(f"{srv.url}/v1/chat/completions", timeout=2,
+                          json={"model": "tiny", "messages": ASK, "max_tokens": 4, "response_format": schema})
+        time.sleep(1.5)                           # the server sees the disconnect, the compile stops
+        before = _cpu_s(srv.proc.pid)
+        time.sleep(3)
+        assert _cpu_s(srv.proc.pid) - before < 0.5
+        r = client(srv.url).chat.completions.create(model="tiny", messages=ASK)
+        assert r.choices[0].message.content == ANSWER
+
+
 def test_a_conversation_with_tool_results_renders_through_the_template(url):
     conversation = [{"role": "user", "content": "Weather?"},
                     {"role": "assistant", "content": None, "tool_calls": [
@@ -405,6 +485,13 @@ def test_a_conversation_with_tool_results_renders_through_the_template(url):
 
 
 # ---------------------------------------------------------------------------------------- the rest
+def test_embeddings_are_refused_as_vllm_refuses_them_for_a_generate_model(url):
+    with pytest.raises(openai.BadRequestError) as e:
+        client(url).embeddings.create(model="tiny", input="hi")
+    assert e.value.body == {"message": "The model does not support Embeddings API", "type": "invalid_request_error",
+                            "param": None, "code": None}
+
+
 def test_models_retrieve(url):
     c = client(url)
     m = c.models.retrieve("tiny")
@@ -562,6 +649,24 @@ def test_chat_template_options_as_vllm_takes_them(url, tiny_gemma4):
         for path in ("/v1/chat/completions", "/tokenize"):
             bad = requests.post(url + path, json=body, timeout=30)
             assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (path, bad.text)
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(url):
+    """As vLLM: the special tokens generated are in the text (here <bos>, forced), the stop token that ends the
+    answer is not; both endpoints, streamed and not."""
+    c = client(url)
+    forced = {"allowed_token_ids": [2], "skip_special_tokens": False}
+    r = c.completions.create(model="tiny", prompt="Hi", max_tokens=3, extra_body=forced)
+    assert r.choices[0].text == "<bos>" * 3
+    streamed = c.completions.create(model="tiny", prompt="Hi", max_tokens=3, stream=True, extra_body=forced)
+    assert "".join(ch.choices[0].text for ch in streamed) == "<bos>" * 3
+    r = c.chat.completions.create(model="tiny", messages=ASK, max_tokens=2, extra_body=forced)
+    assert r.choices[0].message.content == "<bos>" * 2
+    skipped = c.chat.completions.create(model="tiny", messages=ASK, max_tokens=2,
+                                        extra_body={"allowed_token_ids": [2]})
+    assert skipped.choices[0].message.content == ""
+    shown = c.chat.completions.create(model="tiny", messages=ASK, extra_body={"skip_special_tokens": False})
+    assert (shown.choices[0].message.content, shown.choices[0].finish_reason) == (ANSWER, "stop")
 
 
 def test_allowed_token_ids_are_the_only_tokens_generated(url, tiny_gemma4):

@@ -3,6 +3,7 @@ over the tiny checkpoint's tokenizer, generation that must follow them, and Gemm
 from __future__ import annotations
 
 import json
+import time
 
 import jsonschema
 import numpy as np
@@ -286,6 +287,100 @@ def test_a_long_bounded_string_is_refused_before_its_automaton_is_built(info):
     assert grammars.json_schema({"type": "string", "maxLength": 12}) is not None
 
 
+def test_a_compile_past_its_time_limit_is_stopped(info):
+    """outlines-core's index build cannot be interrupted: it runs in a process killed at the time limit, so a
+    compile whose requester had its 400 keeps no core busy and no memory (before: it ran on in a thread for
+    minutes). A string bounded at 30 characters takes far longer than the limit to index."""
+    import threading
+    grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=2, max_string=40)
+    t0 = time.monotonic()
+    with pytest.raises(InvalidGrammar, match="longer than 2 s"):
+        grammars.json_schema({"type": "string", "maxLength": 30})
+    assert time.monotonic() - t0 < 10
+    deadline = time.monotonic() + 5
+    while any(t.name == "grammar" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.name == "grammar" for t in threading.enumerate())
+    assert grammars.json_schema({"type": "string", "maxLength": 8}) is not None     # and the next one compiles
+
+
+def test_a_compile_every_requester_left_is_stopped(info):
+    """Two requests wait on one slow compile; it goes on while one of them is there, and stops (its process
+    killed, long before the time limit) once both left, and nothing of it is cached."""
+    import threading
+    grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=120, max_string=40)
+    slow = {"type": "string", "maxLength": 30}
+    gone = [threading.Event(), threading.Event()]
+    errors = []
+
+    def ask(i):
+        try:
+            grammars.json_schema(slow, gone[i])
+        except InvalidGrammar as e:
+            errors.append(str(e))
+
+    waiters = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(2)]
+    for t in waiters:
+        t.start()
+    time.sleep(1.0)
+    gone[0].set()
+    waiters[0].join(5)
+    time.sleep(1.0)
+    assert errors == ["its requester left"] and any(t.name == "grammar" for t in threading.enumerate())
+    t0 = time.monotonic()
+    gone[1].set()
+    waiters[1].join(5)
+    while any(t.name == "grammar" for t in threading.enumerate()) and time.monotonic() - t0 < 5:
+        time.sleep(0.05)
+    assert not any(t.name == "grammar" for t in threading.enumerate()), "the compile went on"
+    assert errors == ["its requester left"] * 2 and not grammars._cache
+
+
+def test_a_compile_dies_with_its_server(tiny_gemma4):
+    """A server that exits (killed, or crashed) while a slow schema compiles leaves no compile process behind
+    (before: the orphan went on for minutes)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    server = f"""
+import os, threading, time
+from pathlib import Path
+from serving.generation import TokenizerInfo
+from serving.structured import Grammars
+info = TokenizerInfo.load({str(tiny_gemma4)!r})
+grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=120, max_string=40)
+threading.Thread(target=grammars.json_schema, args=({{"type": "string", "maxLength": 30}},), daemon=True).start()
+def parent(stat):
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[1]
+    except OSError:
+        return None
+end = time.monotonic() + 20     # until the compile's process runs
+while time.monotonic() < end and str(os.getpid()) not in map(parent, Path("/proc").glob("[0-9]*/stat")):
+    time.sleep(0.1)
+print(os.getpid(), flush=True)
+os._exit(0)
+"""
+    out = subprocess.run([sys.executable, "-c", server], capture_output=True, text=True, timeout=60, check=True)
+    pid = out.stdout.split()[-1]
+
+    def compiles() -> list[str]:
+        found = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                argv = cmdline.read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if len(argv) > 3 and argv[1] == b"-c" and b"outlines_core" in argv[2] and argv[3] == pid.encode():
+                found.append(cmdline.parent.name)
+        return found
+
+    deadline = time.monotonic() + 5
+    while compiles() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert compiles() == []
+
+
 def test_slow_compiles_do_not_starve_json_object(info):
     """Two clients' compiles that outlast their requests hold both compile slots; json_object's fixed grammar
     must not wait for them (it got the time-limit 400 too)."""
@@ -293,11 +388,11 @@ def test_slow_compiles_do_not_starve_json_object(info):
     grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=5)
     compile, release, busy = grammars._compile, threading.Event(), threading.Semaphore(0)
 
-    def slow_unless_json_object(key):
+    def slow_unless_json_object(key, deadline, stop):
         if key != json.dumps(ANY_OBJECT, separators=(",", ":")):
             busy.release()
-            release.wait(30)                    # a compile outlines-core cannot be stopped in
-        return compile(key)
+            release.wait(30)                    # a compile that goes on
+        return compile(key, deadline, stop)
 
     grammars._compile = slow_unless_json_object
     slow = [threading.Thread(target=grammars.json_schema, args=({"type": "integer", "minimum": i},), daemon=True)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax._src import xla_bridge  # backends_are_initialized: XLA reads XLA_FLAGS once, when a backend starts
 import numpy as np
 
-from serving.engine import TOP_LOGPROBS, SamplingParams, TokenLogprobs
+from serving.engine import TOP_LOGPROBS, DeviceRow, SamplingParams, TokenLogprobs
 from serving.structured import mask_words
 
 from . import checkpoint, config, model, sampling
@@ -245,6 +245,7 @@ class JaxEngine:
         self._top_n = np.zeros(self.slots, np.int32)          # top logprobs each sequence asked for
         self._logits: dict[int, tuple] = {}       # slot -> (device logits [rows, V], row): the last step's
         self._logprobs: dict[int, tuple] = {}     # slot -> ([device or host logprob arrays], row): the last step's
+        self._prompt_logprobs: dict[int, tuple] = {}   # slot -> (device arrays, prompt length, k): start's, if asked
         # Allowed-token masks of rows without a grammar stay on the device: only grammar rows are uploaded.
         self._all_allowed = {n: jax.device_put(np.full((n, mask_words(self.vocab_size)), -1, np.int32))
                              for n in {1, *self.batches}}
@@ -276,13 +277,15 @@ class JaxEngine:
             chosen = sampling.sample(x, temp, top_k, top_p, keys, positions)
             return chosen, sampling.logprobs(logits, chosen, rows["logprobs"], TOP_LOGPROBS)
 
-        def prefill_fn(params, cache, state, slot, tokens, length, temp, top_k, top_p, keys, rows, mask):
-            logits, cache = model.prefill(cfg, params, cache, slot, tokens, length)
-            logits = logits[None]
+        def prefill_fn(params, cache, state, slot, tokens, length, temp, top_k, top_p, keys, rows, mask, prompt):
+            h, cache = model.prefill_hidden(cfg, params, cache, slot, tokens, length)
+            head = functools.partial(model.final_logits, cfg, params)
+            logits = head(jax.lax.dynamic_slice_in_dim(h, length - 1, 1))
             state = sampling.start_row(state, slot, tokens, length)
             history = [jax.lax.dynamic_slice_in_dim(state[k], slot, 1) for k in ("counts", "seen")]
             chosen, lp = choose(logits, history, temp, top_k, top_p, keys, length[None], rows, mask)
-            return chosen, logits, cache, state, lp
+            # the prompt's own logprobs only when asked (prompt: a bool scalar): the head over every position
+            return chosen, logits, cache, state, lp, sampling.prompt_logprobs(head, h, tokens, prompt, TOP_LOGPROBS)
 
         def decode_fn(capacity, params, cache, state, tokens, positions, undo, temp, top_k, top_p, keys, rows,
                       mask):
@@ -296,7 +299,8 @@ class JaxEngine:
         lowered = {}
         for c in self.buckets:
             lowered["prefill", c] = jax.jit(prefill_fn, donate_argnums=(1, 2)).lower(
-                params_spec, cache_spec, state_spec, i32, vec(c), i32, *sampling_spec(1))
+                params_spec, cache_spec, state_spec, i32, vec(c), i32, *sampling_spec(1),
+                jax.ShapeDtypeStruct((), jnp.bool_))
             for b in self.batches:
                 lowered["decode", b, c] = jax.jit(functools.partial(decode_fn, c), donate_argnums=(1, 2)).lower(
                     params_spec, cache_spec, state_spec, vec(b), vec(b), vec(b), *sampling_spec(b))
@@ -330,11 +334,10 @@ class JaxEngine:
         bucket = next(b for b in self.buckets if b >= n)
         tokens = np.zeros(bucket, np.int32)
         tokens[:n] = np.asarray(prompt_ids, np.int64).clip(0, self.cfg.vocab_size - 1)
-        self._temp[slot] = max(float(params.temperature), 0.0)
-        self._top_k[slot] = max(int(params.top_k), 0)
-        self._top_p[slot] = float(params.top_p)
+        row = DeviceRow.of(params, self.cfg.vocab_size)
+        self._temp[slot], self._top_k[slot], self._top_p[slot] = row.temperature, row.top_k, row.top_p
         self._keys[slot] = params.seed_words()
-        sampling.set_row(self._rows, slot, params, self.cfg.vocab_size)
+        sampling.set_row(self._rows, slot, row, self.cfg.vocab_size, params.logprobs is not None)
         self._min_tokens[slot] = params.min_tokens
         self._top_n[slot] = params.logprobs or 0
         self._prompt_len[slot] = n
@@ -343,9 +346,12 @@ class JaxEngine:
         rows["suppress"] = self._min_tokens[s] > 0
         if self._spec is not None:
             self._spec.stale.add(slot)
-        out, logits, self._cache, self._state, lp = self._prefill[bucket](
+        out, logits, self._cache, self._state, lp, prompt_lp = self._prefill[bucket](
             self.params, self._cache, self._state, np.int32(slot), tokens, np.int32(n), self._temp[s],
-            self._top_k[s], self._top_p[s], self._keys[s], rows, self._masks(1, None if mask is None else {0: mask}))
+            self._top_k[s], self._top_p[s], self._keys[s], rows, self._masks(1, None if mask is None else {0: mask}),
+            np.bool_(params.prompt_logprobs is not None))
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs[slot] = (prompt_lp, n, params.prompt_logprobs)
         self._pos[slot] = n
         self._logits[slot] = (logits, 0)
         self._logprobs[slot] = ([lp], 0)
@@ -412,6 +418,11 @@ class JaxEngine:
         chosen, ids, top = box[0]
         k = int(self._top_n[slot])
         return TokenLogprobs(float(chosen[row]), tuple(zip(ids[row, :k].tolist(), top[row, :k].tolist())))
+
+    def prompt_logprobs(self, slot: int) -> list[TokenLogprobs]:
+        arrays, n, k = self._prompt_logprobs.pop(slot)
+        chosen, rank, ids, top = (np.asarray(a)[:n - 1].tolist() for a in arrays)
+        return [TokenLogprobs(chosen[i], tuple(zip(ids[i][:k], top[i][:k])), rank[i]) for i in range(n - 1)]
 
 
 def load(model_dir: str | Path, settings: Settings | None = None, max_context: int | None = None) -> JaxEngine:

@@ -136,7 +136,7 @@ def _finish_layer(cfg: TextConfig, lp, h, attn, ple):
     return h * lp["layer_scalar"]
 
 
-def _logits(cfg: TextConfig, params, h):
+def final_logits(cfg: TextConfig, params, h):
     """h [B, D] -> float32 logits [B, V], soft-capped."""
     h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     if params["lm_head"] is None:
@@ -172,6 +172,13 @@ def prefill(cfg: TextConfig, params, cache, slot, tokens, length):
 
     Returns (float32 logits [V] for the token after position length-1, updated cache).
     """
+    h, cache = prefill_hidden(cfg, params, cache, slot, tokens, length)
+    last = jax.lax.dynamic_index_in_dim(h, length - 1, axis=0, keepdims=False)
+    return final_logits(cfg, params, last[None])[0], cache
+
+
+def prefill_hidden(cfg: TextConfig, params, cache, slot, tokens, length):
+    """prefill up to the final hidden states of every position [P, D] (before the final norm and the head)."""
     p_len = tokens.shape[0]
     window = cfg.sliding_window
     dtype = params["embed"].dtype
@@ -201,8 +208,7 @@ def prefill(cfg: TextConfig, params, cache, slot, tokens, length):
         k, v = kv[spec.kv_source]
         attn = _attend(q, k, v, masks["sliding" if spec.sliding else "full"])
         h = _finish_layer(cfg, lp, h, attn, None if ple is None else ple[:, i])
-    last = jax.lax.dynamic_index_in_dim(h, length - 1, axis=0, keepdims=False)
-    return _logits(cfg, params, last[None])[0], cache
+    return h, cache
 
 
 def _attend_rows(q, k, v, mask):
@@ -246,4 +252,4 @@ def decode(cfg: TextConfig, capacity: int, params, cache, tokens, positions):
         span = window if spec.sliding else capacity
         attn = _attend_rows(q, ck[:b, :span], cv[:b, :span], masks[spec.sliding])
         h = _finish_layer(cfg, lp, h, attn, None if ple is None else ple[:, i])
-    return _logits(cfg, params, h), cache
+    return final_logits(cfg, params, h), cache

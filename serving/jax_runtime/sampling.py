@@ -89,20 +89,20 @@ def empty_rows(n: int, vocab: int) -> dict:
             "logprobs": np.zeros(n, bool)}
 
 
-def set_row(rows: dict, i: int, p, vocab: int) -> None:
-    """Row i of `rows` from a SamplingParams (suppress stays the caller's: it changes as tokens come out)."""
-    held = p.min_tokens_ids()
-    if len(p.logit_bias) > BIAS_WIDTH or len(held) > STOP_WIDTH:
+def set_row(rows: dict, i: int, row, vocab: int, logprobs: bool = False) -> None:
+    """Row i of `rows` from a serving.engine.DeviceRow and whether the request wants logprobs (suppress stays the
+    caller's: it changes as tokens come out)."""
+    if len(row.bias) > BIAS_WIDTH or len(row.held) > STOP_WIDTH:
         raise ValueError(f"at most {BIAS_WIDTH} logit_bias entries and {STOP_WIDTH} stop token ids")
     fresh = empty_rows(1, vocab)
-    fresh.update(presence=p.presence_penalty, frequency=p.frequency_penalty, repetition=p.repetition_penalty,
-                 min_p=p.min_p, logprobs=p.logprobs is not None)
+    fresh.update(presence=row.presence, frequency=row.frequency, repetition=row.repetition, min_p=row.min_p,
+                 logprobs=logprobs)
     for k, v in fresh.items():
         if k != "suppress":
             rows[k][i] = v
-    rows["bias_ids"][i, :len(p.logit_bias)] = [t for t, _ in p.logit_bias]
-    rows["bias_vals"][i, :len(p.logit_bias)] = [b for _, b in p.logit_bias]
-    rows["stop_ids"][i, :len(held)] = held
+    rows["bias_ids"][i, :len(row.bias)] = [t for t, _ in row.bias]
+    rows["bias_vals"][i, :len(row.bias)] = [b for _, b in row.bias]
+    rows["stop_ids"][i, :len(row.held)] = row.held
 
 
 def empty_state(slots: int, vocab: int) -> dict:
@@ -173,6 +173,32 @@ def logprobs(logits, chosen, wanted, k: int):
         return jnp.zeros((b,), jnp.float32), jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), jnp.float32)
 
     return jax.lax.cond(jnp.any(wanted), compute, none, None)
+def prompt_logprobs(head, h, tokens, wanted, k: int, chunk: int = 32):
+    """Raw logprobs of a prompt: per position i of hidden states h [P, D], of tokens[i + 1] (the next prompt token;
+    the last row's is junk) -> (its logprob [P], its rank [P], the top k ids [P, k] and logprobs [P, k]); zeros
+    unless `wanted`. `head` maps hidden states [c, D] to float32 logits [c, V]: a chunk of positions at a time."""
+    p = h.shape[0]
+    c = max(d for d in range(1, min(p, chunk) + 1) if p % d == 0)
+    following = jnp.roll(tokens, -1)
+
+    def block(args):
+        hc, tc = args
+        lp = jax.nn.log_softmax(head(hc), axis=-1)
+        chosen = jnp.take_along_axis(lp, tc[:, None], axis=1)[:, 0]
+        top, ids = jax.lax.top_k(lp, k)
+        return chosen, (lp > chosen[:, None]).sum(-1).astype(jnp.int32) + 1, ids.astype(jnp.int32), top
+
+    def compute(_):
+        out = jax.lax.map(block, (h.reshape(p // c, c, -1), following.reshape(p // c, c)))
+        return tuple(o.reshape(p, *o.shape[2:]) for o in out)
+
+    def none(_):
+        return (jnp.zeros((p,), jnp.float32), jnp.zeros((p,), jnp.int32), jnp.zeros((p, k), jnp.int32),
+                jnp.zeros((p, k), jnp.float32))
+
+    return jax.lax.cond(wanted, compute, none, None)
+
+
 def apply_mask(logits, mask):
     """logits [B, V]; mask int32 [B, ceil(V / 32)], the packed allowed-token bitmask of serving/engine.py.
     Disallowed tokens get the logit MASKED (an all-ones row changes nothing)."""
