@@ -242,7 +242,7 @@ def measure_engine(runtime: str, ckpt: Path, steps: int) -> dict:
 
     from serving.engine import SamplingParams
     slots, context = 8, 1024
-    plan = memory_plan.plan_checkpoint(ckpt, None, context, slots, runtime=runtime)
+    plan = memory_plan.plan_checkpoint(ckpt, None, context, slots, text_only=True)
     t0 = time.perf_counter()
     if runtime == "pytorch":
         import torch
@@ -345,7 +345,7 @@ def run_models(out: Path, shapes: list[str], tiny: bool, steps: int, work: Path,
                 quantize.quantize(src, dirs[scheme], scheme, log=lambda *_: None, device=_device())
                 note(out, **{f"models.{shape}.{scheme}.quantize_s": round(time.perf_counter() - t0, 1)})
         for scheme, d in dirs.items():
-            p = memory_plan.plan_checkpoint(d, None, 1024, 8, runtime="pytorch")
+            p = memory_plan.plan_checkpoint(d, None, 1024, 8, text_only=True)
             note(out, **{f"models.{shape}.{scheme}.plan": {"weights_bytes": p.weights,
                                                           "streamed_per_token_bytes": p.streamed_per_token}})
         for kind in ("pytorch", "jax") + (("peer",) if peer else ()):

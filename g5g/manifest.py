@@ -219,6 +219,7 @@ class Serve(_Model):
     (`vllm serve DIR`); `local`: `build.py serve` can run it here."""
     model_arg: Literal["flag", "positional"] = "flag"
     local: Local | None = None
+    text_only: bool = False  # serves the text model only: the vision/audio towers are never loaded (build.py fits)
 
 
 class ProfileSection(_Model):

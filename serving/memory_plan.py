@@ -214,18 +214,15 @@ def plan(raw: dict, scheme: str, max_model_len: int, slots: int, gpu_mib: int = 
                 kv=slots * max_model_len * per_tok, overhead=overhead_mib * MIB, gpu=gpu_mib * MIB)
 
 
-# Runtimes that serve the text model only: the vision/audio towers are never loaded. Packed weights stay packed in
-# every runtime (vLLM's Marlin, our PackedLinear and JAX's model.Packed).
-TEXT_ONLY = ("jax", "pytorch")
-
-
-def plan_checkpoint(model_dir: Path, scheme: str | None, max_model_len: int, slots: int, runtime: str = "vllm",
+def plan_checkpoint(model_dir: Path, scheme: str | None, max_model_len: int, slots: int, text_only: bool = False,
                     **kw) -> Plan:
     """plan() from a checkpoint's config.json and its tensors' real shapes; scheme None: the checkpoint's own
-    (compressed-tensors config → w8a16/w4a16, else fp16), as `runtime` holds it in memory."""
+    (compressed-tensors config → w8a16/w4a16, else fp16). Packed weights stay packed in every runtime (vLLM's
+    Marlin, our PackedLinear and JAX's model.Packed); text_only: a runtime that never loads the vision/audio towers
+    (the runtime manifest's serve.text_only)."""
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     tensors, towers = checkpoint_tensors(model_dir)
-    if runtime in TEXT_ONLY:
+    if text_only:
         towers = 0
     packed = {n.removesuffix("_packed"): s for n, s in tensors.items() if n.endswith(".weight_packed")}
     if packed:   # a quantised checkpoint: plan on the unpacked shapes (weight_shape) under its scheme
@@ -234,12 +231,12 @@ def plan_checkpoint(model_dir: Path, scheme: str | None, max_model_len: int, slo
     return plan(raw, scheme or scheme_of(raw), max_model_len, slots, tensors=tensors, towers=towers, **kw)
 
 
-def refusal(model_dir: Path, runtime: str, max_model_len: int, slots: int, gpu_bytes: int) -> str | None:
+def refusal(model_dir: Path, max_model_len: int, slots: int, gpu_bytes: int) -> str | None:
     """The one line a server logs before refusing to start when the plan says the model does not fit the GPU it
     runs on (weights + KV + the stated overhead), else None. A checkpoint the plan cannot read is not refused
     here: loading it reports what is wrong."""
     try:
-        p = plan_checkpoint(model_dir, None, max_model_len, slots, runtime=runtime, gpu_mib=gpu_bytes // MIB)
+        p = plan_checkpoint(model_dir, None, max_model_len, slots, text_only=True, gpu_mib=gpu_bytes // MIB)
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if p.fits:

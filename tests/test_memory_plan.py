@@ -73,15 +73,15 @@ def test_cli_fits_exit_status_and_breakdown(capsys, tiny_gemma4):
 def test_refusal_is_one_line_when_the_plan_does_not_fit(tiny_gemma4):
     """What the PyTorch server raises at startup on a GPU (serving/pytorch_runtime.load): weights + KV + overhead
     against the device's memory."""
-    need = mp.plan_checkpoint(tiny_gemma4, None, 64, 1, runtime="pytorch").total
-    assert mp.refusal(tiny_gemma4, "pytorch", 64, 1, need + mp.MIB) is None        # whole MiB: floored
-    line = mp.refusal(tiny_gemma4, "pytorch", 64, 1, need - mp.MIB)
+    need = mp.plan_checkpoint(tiny_gemma4, None, 64, 1, text_only=True).total
+    assert mp.refusal(tiny_gemma4, 64, 1, need + mp.MIB) is None        # whole MiB: floored
+    line = mp.refusal(tiny_gemma4, 64, 1, need - mp.MIB)
     assert "does not fit" in line and "--max-model-len 64" in line and "\n" not in line
-    assert mp.refusal(tiny_gemma4.parent / "nonexistent", "pytorch", 64, 1, 1) is None   # loading reports that
+    assert mp.refusal(tiny_gemma4.parent / "nonexistent", 64, 1, 1) is None   # loading reports that
 
 
 def test_our_runtimes_plan_the_packed_weights_without_towers(tiny_gemma4):
     vllm = mp.plan_checkpoint(tiny_gemma4, "w4a16", 64, 1)
-    torch_rt = mp.plan_checkpoint(tiny_gemma4, "w4a16", 64, 1, runtime="pytorch")
+    torch_rt = mp.plan_checkpoint(tiny_gemma4, "w4a16", 64, 1, text_only=True)
     assert vllm.towers > 0 and torch_rt.towers == 0
     assert torch_rt.weights == vllm.weights < mp.plan_checkpoint(tiny_gemma4, "fp16", 64, 1).weights

@@ -116,3 +116,23 @@ def test_the_charts_default_values_are_fleet_data():
         files = chart.chart_files(plans, fleet | {"default": default}, REPO, "0.1.0")
         assert files["values.yaml"] == files[f"values-{default[0]}-{default[1]}.yaml"]
     assert fleet["default"] == ["vllm", "g5g"]
+
+
+def test_fits_leaves_the_towers_out_for_a_runtime_whose_manifest_says_text_only(tmp_path, tiny_gemma4, monkeypatch,
+                                                                                capsys):
+    import argparse
+
+    from g5g.commands import fits, smoke
+
+    root = scratch(tmp_path, "serve: {text_only: true}\nsmoke: {prompt: hi, expect: hi}\n")
+    monkeypatch.setattr(smoke, "manifest_dir", lambda: root / "manifests")
+    smoke._manifests.cache_clear()
+    try:
+        def planned(runtime: str) -> str:
+            fits.run(argparse.Namespace(runtime=runtime, gpu="t4g", overhead_mib=1024, model=str(tiny_gemma4),
+                                        scheme=None, max_model_len=64, slots=1, shape=None))
+            return capsys.readouterr().out
+
+        assert "towers" not in planned("tiny") and "vision/audio towers" in planned("vllm")
+    finally:
+        smoke._manifests.cache_clear()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from g5g.commands.smoke import servable_runtimes
+from g5g.commands.smoke import manifest_defaults, servable_runtimes
 from g5g.errors import OK, UserError
 
 console = Console(highlight=False, soft_wrap=True)
@@ -25,7 +25,7 @@ def run(args) -> int:
             if not (Path(args.model) / "config.json").is_file():
                 raise UserError(f"{args.model}: no config.json")
             plan = mp.plan_checkpoint(Path(args.model), args.scheme, args.max_model_len, args.slots,
-                                      runtime=args.runtime, **kw)
+                                      text_only=manifest_defaults(args.runtime)["text_only"], **kw)
         else:
             plan = mp.plan(mp.SHAPES[args.shape], args.scheme or "fp16", args.max_model_len, args.slots, **kw)
     except (ValueError, KeyError, OSError) as e:

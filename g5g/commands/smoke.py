@@ -48,15 +48,15 @@ def servable_runtimes() -> tuple[str, ...]:
 
 
 def manifest_defaults(runtime: str | None) -> dict:
-    """From the runtime manifest: `smoke: {prompt, expect}`, `port` and how it takes the model (`serve.model_arg`)
-    ({} when there is no manifest)."""
+    """From the runtime manifest: `smoke: {prompt, expect}`, `port`, how it takes the model (`serve.model_arg`) and
+    whether it serves the text model only (`serve.text_only`) ({} when there is no manifest)."""
     m = _manifests()
     if not runtime or m is None:
         return {}
     rt = m.runtimes.get(runtime)
     if rt is None:
         return {}
-    out = {"port": rt.port, "model_style": rt.serve.model_arg}
+    out = {"port": rt.port, "model_style": rt.serve.model_arg, "text_only": rt.serve.text_only}
     if rt.smoke is not None:
         out |= {"prompt": rt.smoke.prompt, "expect": rt.smoke.expect}
     return out
