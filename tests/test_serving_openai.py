@@ -18,7 +18,7 @@ import pytest
 import requests
 
 from serving.openai_text import GOLDEN
-from tests.fixtures.server import serving_env
+from g5g.devtools.server import serving_env
 from tests.fixtures.serving import tiny_server
 from g5g.devtools.tiny_gemma4 import ANSWER, QUESTION
 
