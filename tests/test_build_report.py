@@ -128,3 +128,31 @@ def test_rehearsal_report_keeps_the_steps_an_attempt_stopped_on(tmp_path):
                                                                           ("6/6", "done", 41.9)]
     assert "/tmp/cuda-check sass: sm_75 ptx: none" in a["proof"] and a["error"].startswith("ERROR: failed to solve")
     assert any("No space left on device" in p for p in a["proof"])
+
+
+def test_rehearsal_report_keeps_an_earlier_reports_attempts(tmp_path, monkeypatch):
+    """--previous: the earlier report's attempts (their logs may be gone) come first, bound to the commit they ran
+    at; what this run does not give anew (the resolution, the vLLM report) is kept; the new attempt has its note."""
+    import json
+
+    import rehearsal_report as rr
+    prev = {"provenance": {"project_commit": "a" * 40}, "inputs": {"x.whl": "00"},
+            "attempts": [{"log": "old.log", "steps": [], "proof": ["segfault"], "wheels_downloaded": [], "error": None}],
+            "base_images": [{"ref": "base:arm64", "id": "sha256:1"}],
+            "resolution": {"distributions": 195, "sdists": [], "needs_glibc": "2.34"},
+            "vllm_report": {"stages": {}}, "report_note": "linux/amd64 natively"}
+    (tmp_path / "prev.json").write_text(json.dumps(prev))
+    log = tmp_path / "bake-new.log"
+    log.write_text("#6 [torch-base 6/10] RUN check\n#6 3.1 import ok 2.14.0\n#6 DONE 40.0s\n")
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(rr, "markdown", lambda r: "")  # a partial record's markdown is not this test's
+    assert rr.main(["--bake-log", str(log), "--previous", str(tmp_path / "prev.json"), "--note", "QEMU 10.0.2",
+                    "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert [a["log"] for a in r["attempts"]] == ["old.log", "bake-new.log"]
+    assert r["attempts"][0]["project_commit"] == "a" * 40
+    assert r["attempts"][1]["project_commit"] == r["provenance"]["project_commit"] != "a" * 40
+    assert r["attempts"][1]["note"] == "QEMU 10.0.2" and "note" not in r["attempts"][0]
+    assert r["resolution"]["distributions"] == 195 and r["vllm_report"] == {"stages": {}}
+    assert r["report_note"] == "linux/amd64 natively" and r["inputs"] == {"x.whl": "00"}
+    assert r["base_images"] == [{"ref": "base:arm64", "id": "sha256:1"}]
