@@ -30,7 +30,7 @@ from image_proof import sha256_file as sha256  # noqa: E402
 PROOF = re.compile(r"(Cuda compilation tools|sass: |no device code|CUDA (supported )?target architectures|REHEARSAL|"
                    r"rehearsal:|arch list:|Successfully installed|No space left|Could not find a version|"
                    r"built for|vllm [0-9.]+ torch|Segmentation fault|MIDR_EL1|uncaught target signal|^loaded lib|^QEMU_CPU=|"
-                   r"^qemu-aarch64 version|^CPU part|not found)")
+                   r"^== qemu|^import ok|every DT_NEEDED|not found)")
 WHEEL = re.compile(r"Downloading (\S+\.whl) \(([\d.]+ [kMG]B)\)")
 
 
@@ -98,6 +98,8 @@ def markdown(r: dict) -> str:
                 f"manylinux tag needs glibc {res['needs_glibc']}.", ""]
     if v := r.get("vllm_report"):
         out += [f"## The rehearsal's vLLM stages, run to the end: {r.get('report_note') or ''}", "", vbr.markdown(v)]
+    for e in r.get("earlier_vllm_reports", []):
+        out += [f"## An earlier run of the rehearsal's vLLM stages: {e['note'] or ''}", "", vbr.markdown(e["report"])]
     out += ["## Not run here, and what remains", "", *[f"- {x}" for x in r.get("remaining", [])], ""]
     return "\n".join(out) + "\n"
 
@@ -156,6 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     elif prev.get("vllm_report"):
         r["vllm_report"] = prev["vllm_report"]
     r["report_note"] = a.report_note or (prev.get("report_note") if "vllm_report" in r else None)
+    # A new vLLM report does not drop the earlier report's: it is kept, with its note, after the new one.
+    earlier = prev.get("earlier_vllm_reports", [])
+    if prev.get("vllm_report") and r.get("vllm_report") is not prev["vllm_report"]:
+        earlier = [{"note": prev.get("report_note"), "report": prev["vllm_report"]}, *earlier]
+    if earlier:
+        r["earlier_vllm_reports"] = earlier
     r["remaining"] = a.remaining
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(r, indent=2) + "\n")
