@@ -55,11 +55,13 @@ def steps(log: str) -> list[dict]:
 def attempt(log_path: Path) -> dict:
     """One bake: its steps, the lines that prove something, the wheels pip downloaded, the error it stopped on."""
     log = log_path.read_text(errors="replace")
-    proof = []
+    proof, seen = [], set()
     for line in log.splitlines():
         m = re.match(r"^#\d+ [\d.]+ (.*)$", line)
-        if m and PROOF.search(m.group(1)) and m.group(1).strip() not in proof:
-            proof.append(m.group(1).strip()[:300])
+        if m and PROOF.search(m.group(1)) and (text := m.group(1).strip()[:300]) not in seen:
+            proof.append(text)
+            # A line repeats once per probe section ("== …" headers): the same result under each variant.
+            seen = set() if text.startswith("== ") else seen | {text}
     return {"log": log_path.name, "steps": steps(log), "stages": vbr.stage_times(log), "proof": proof,
             "wheels_downloaded": sorted({f"{w} ({s})" for w, s in WHEEL.findall(log)}),
             "error": next((ln.strip()[:400] for ln in reversed(log.splitlines()) if ln.startswith("ERROR:")), None)}

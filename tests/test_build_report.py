@@ -143,7 +143,8 @@ def test_rehearsal_report_keeps_an_earlier_reports_attempts(tmp_path, monkeypatc
             "vllm_report": {"stages": {}}, "report_note": "linux/amd64 natively"}
     (tmp_path / "prev.json").write_text(json.dumps(prev))
     log = tmp_path / "bake-new.log"
-    log.write_text("#6 [torch-base 6/10] RUN check\n#6 3.1 import ok 2.14.0\n#6 DONE 40.0s\n")
+    log.write_text("#6 [torch-base 6/10] RUN check\n#6 1.0 == qemu cpu=default\n#6 3.1 import ok 2.14.0\n"
+                   "#6 3.2 import ok 2.14.0\n#6 4.0 == qemu cpu=neoverse-n1\n#6 6.1 import ok 2.14.0\n#6 DONE 40.0s\n")
     out = tmp_path / "r.json"
     monkeypatch.setattr(rr, "markdown", lambda r: "")  # a partial record's markdown is not this test's
     assert rr.main(["--bake-log", str(log), "--previous", str(tmp_path / "prev.json"), "--note", "QEMU 10.0.2",
@@ -153,6 +154,9 @@ def test_rehearsal_report_keeps_an_earlier_reports_attempts(tmp_path, monkeypatc
     assert r["attempts"][0]["project_commit"] == "a" * 40
     assert r["attempts"][1]["project_commit"] == r["provenance"]["project_commit"] != "a" * 40
     assert r["attempts"][1]["note"] == "QEMU 10.0.2" and "note" not in r["attempts"][0]
+    # one result per probe section, repeated lines within one dropped
+    assert r["attempts"][1]["proof"] == ["== qemu cpu=default", "import ok 2.14.0", "== qemu cpu=neoverse-n1",
+                                         "import ok 2.14.0"]
     assert r["resolution"]["distributions"] == 195 and r["vllm_report"] == {"stages": {}}
     assert r["report_note"] == "linux/amd64 natively" and r["inputs"] == {"x.whl": "00"}
     assert r["base_images"] == [{"ref": "base:arm64", "id": "sha256:1"}]
