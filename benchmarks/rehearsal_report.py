@@ -2,6 +2,7 @@
 
     python benchmarks/rehearsal_report.py --bake-log build/logs/bake-….log [--bake-log …] \
         [--resolve aarch64-resolve.json] [--report DIR --report-log LOG] [--base-image REF] [--input FILE…] \
+        [--previous benchmarks/results/g5g_rehearsal.json] \
         --json benchmarks/results/g5g_rehearsal.json [--md benchmarks/results/g5g_rehearsal.md]
 
 --bake-log: each attempt's plain BuildKit log (build.py writes them under <out>/logs/), in order: every step with its
@@ -10,6 +11,8 @@ rehearsal's own lines), the wheels pip took for the platform, and the error the 
 --resolve: `pip install --dry-run --report` of the runtime stage's requirement set for the target platform.
 --report/--report-log: a rehearsal's exported vllm-report stage and its bake log (benchmarks/vllm_build_report.py).
 --input: files the run used (wheels, sdists), recorded by sha256. Nothing here needs Docker but --base-image.
+--previous: an earlier report of this tool (its logs may be gone): its attempts come first, each still with the
+commit it ran at, and what this run does not give anew (resolution, vLLM report, inputs, bases) is kept.
 """
 from __future__ import annotations
 
@@ -26,7 +29,8 @@ from image_proof import sha256_file as sha256  # noqa: E402
 
 PROOF = re.compile(r"(Cuda compilation tools|sass: |no device code|CUDA (supported )?target architectures|REHEARSAL|"
                    r"rehearsal:|arch list:|Successfully installed|No space left|Could not find a version|"
-                   r"built for|vllm [0-9.]+ torch|Segmentation fault|MIDR_EL1|uncaught target signal|^loaded lib|^QEMU_CPU=)")
+                   r"built for|vllm [0-9.]+ torch|Segmentation fault|MIDR_EL1|uncaught target signal|^loaded lib|^QEMU_CPU=|"
+                   r"^== qemu|^import ok|every DT_NEEDED|not found)")
 WHEEL = re.compile(r"Downloading (\S+\.whl) \(([\d.]+ [kMG]B)\)")
 
 
@@ -51,11 +55,13 @@ def steps(log: str) -> list[dict]:
 def attempt(log_path: Path) -> dict:
     """One bake: its steps, the lines that prove something, the wheels pip downloaded, the error it stopped on."""
     log = log_path.read_text(errors="replace")
-    proof = []
+    proof, seen = [], set()
     for line in log.splitlines():
         m = re.match(r"^#\d+ [\d.]+ (.*)$", line)
-        if m and PROOF.search(m.group(1)) and m.group(1).strip() not in proof:
-            proof.append(m.group(1).strip()[:300])
+        if m and PROOF.search(m.group(1)) and (text := m.group(1).strip()[:300]) not in seen:
+            proof.append(text)
+            # A line repeats once per probe section ("== …" headers): the same result under each variant.
+            seen = set() if text.startswith("== ") else seen | {text}
     return {"log": log_path.name, "steps": steps(log), "stages": vbr.stage_times(log), "proof": proof,
             "wheels_downloaded": sorted({f"{w} ({s})" for w, s in WHEEL.findall(log)}),
             "error": next((ln.strip()[:400] for ln in reversed(log.splitlines()) if ln.startswith("ERROR:")), None)}
@@ -76,7 +82,9 @@ def markdown(r: dict) -> str:
            + ", ".join(f"`{b['ref']}` `{b['id']}`" for b in r["base_images"]) + "; inputs (sha256): "
            + ", ".join(f"`{k}` `{v}`" for k, v in r["inputs"].items()) + ".", ""]
     for i, a in enumerate(r["attempts"], 1):
-        out += [f"## Attempt {i}: `{a['log']}`", "", "| stage | step | s | command |", "|---|---|---:|---|"]
+        at = f" (commit `{a['project_commit'][:12]}`{', ' + a['note'] if a.get('note') else ''})" \
+            if a.get("project_commit") else ""
+        out += [f"## Attempt {i}: `{a['log']}`{at}", "", "| stage | step | s | command |", "|---|---|---:|---|"]
         for s in a["steps"]:
             t = s["wall_s"] if s["status"] == "done" else f"{s['status']} {s['wall_s'] or ''}".strip()
             if not s["stage"].endswith("internal"):
@@ -92,6 +100,8 @@ def markdown(r: dict) -> str:
                 f"manylinux tag needs glibc {res['needs_glibc']}.", ""]
     if v := r.get("vllm_report"):
         out += [f"## The rehearsal's vLLM stages, run to the end: {r.get('report_note') or ''}", "", vbr.markdown(v)]
+    for e in r.get("earlier_vllm_reports", []):
+        out += [f"## An earlier run of the rehearsal's vLLM stages: {e['note'] or ''}", "", vbr.markdown(e["report"])]
     out += ["## Not run here, and what remains", "", *[f"- {x}" for x in r.get("remaining", [])], ""]
     return "\n".join(out) + "\n"
 
@@ -107,16 +117,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base-image", action="append", default=[], help="an image the runs built FROM (repeatable)")
     ap.add_argument("--input", type=Path, action="append", default=[])
     ap.add_argument("--remaining", action="append", default=[], help="a line on what was not run (repeatable)")
+    ap.add_argument("--previous", type=Path, help="an earlier report (JSON) whose attempts come first")
+    ap.add_argument("--note", action="append", default=[],
+                    help="one line per --bake-log, in order: how that attempt ran (e.g. its QEMU)")
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--md", type=Path)
     a = ap.parse_args(argv)
-    r: dict = {"title": a.title, "provenance": vbr.provenance(a.report or Path("/nonexistent"), None),
-               "inputs": {p.name: sha256(p) for p in a.input}, "attempts": [attempt(p) for p in a.bake_log]}
-    r["base_images"] = [{"ref": ref, "id": subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", ref],
-                                                          capture_output=True, text=True, timeout=60).stdout.strip()
-                         or None} for ref in a.base_image]
+    prev = json.loads(a.previous.read_text()) if a.previous else {}
+    r: dict = {"title": a.title, "provenance": vbr.provenance(a.report or Path("/nonexistent"), None)}
+    r["inputs"] = {**prev.get("inputs", {}), **{p.name: sha256(p) for p in a.input}}
+    new = [attempt(p) for p in a.bake_log]
+    for i, at in enumerate(new):
+        at["project_commit"] = r["provenance"]["project_commit"]
+        if i < len(a.note):
+            at["note"] = a.note[i]
+    # Kept attempts ran at the earlier report's commit.
+    r["attempts"] = [{"project_commit": prev["provenance"]["project_commit"], **at}
+                     for at in prev.get("attempts", [])] + new
+    bases = {b["ref"]: b for b in prev.get("base_images", [])}
+    bases.update({ref: {"ref": ref, "id": subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", ref],
+                                                         capture_output=True, text=True, timeout=60).stdout.strip()
+                        or None} for ref in a.base_image})
+    r["base_images"] = list(bases.values())
     if a.resolve:
         r["resolution"] = resolution(a.resolve)
+    elif prev.get("resolution"):
+        r["resolution"] = prev["resolution"]
     if a.report and a.report_log:
         build_log = (a.report / "build.log").read_text(errors="replace")
         log = a.report_log.read_text(errors="replace")
@@ -131,7 +157,15 @@ def main(argv: list[str] | None = None) -> int:
             "sass": vbr.sass_lines((a.report / "cuobjdump.txt").read_text()),
             "rehearsal": vbr.rehearsal(a.report, log + "\n" + build_log),
             "provenance": vbr.provenance(a.report, None)}
-    r["report_note"] = a.report_note
+    elif prev.get("vllm_report"):
+        r["vllm_report"] = prev["vllm_report"]
+    r["report_note"] = a.report_note or (prev.get("report_note") if "vllm_report" in r else None)
+    # A new vLLM report does not drop the earlier report's: it is kept, with its note, after the new one.
+    earlier = prev.get("earlier_vllm_reports", [])
+    if prev.get("vllm_report") and r.get("vllm_report") is not prev["vllm_report"]:
+        earlier = [{"note": prev.get("report_note"), "report": prev["vllm_report"]}, *earlier]
+    if earlier:
+        r["earlier_vllm_reports"] = earlier
     r["remaining"] = a.remaining
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(r, indent=2) + "\n")

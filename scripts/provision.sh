@@ -10,8 +10,10 @@
 #     socket unix:///run/g5g-docker.sock, data in /var/lib/g5g-docker; bookworm's dockerd 20.10 as a fallback;
 #   - buildx 0.13 from Debian trixie's docker-buildx (bookworm has none), unpacked into the CLI plugin folder;
 #     trixie packages come through a private apt configuration under .cache/apt-trixie (the machine's own apt
-#     sources are not touched);
-#   - qemu-user-static with the arm64 binfmt handler enabled (flag F, so it works inside containers);
+#     sources are not touched; the same for other suites, .cache/apt-SUITE);
+#   - QEMU 10 (qemu-user-static from bookworm-backports, through a private apt config as below: bookworm's 7.2
+#     segfaults in `import torch` of PyPI's aarch64 wheel) with the arm64 binfmt handler registered (flag F, so it
+#     works inside containers); G5G_QEMU_SUITE picks another suite, e.g. the machine's own (`bookworm`);
 #   - Debian's docker-registry on 127.0.0.1:$G5G_REGISTRY_PORT (default 5055);
 #   - debootstrap, and the local base images (scripts/base-images.sh: bookworm amd64 + arm64, and trixie amd64 for
 #     the g4dn profile; G5G_BASE_IMAGES=0 skips, or a list
@@ -39,7 +41,15 @@ REG_ADDR=127.0.0.1:$REG_PORT
 REG_DIR=/var/lib/g5g-registry-$REG_PORT
 REG_PIDFILE=/run/g5g-registry-$REG_PORT.pid
 PLUGINS=${DOCKER_CONFIG:-${HOME:-/root}/.docker}/cli-plugins
-PACKAGES=(docker.io docker-registry qemu-user-static binfmt-support debootstrap)
+PACKAGES=(docker.io docker-registry binfmt-support debootstrap)
+# QEMU for linux/arm64 RUN steps. Bookworm's qemu-user-static 7.2 shows the aarch64 process the host's x86
+# /proc/cpuinfo and segfaults in `import torch` of PyPI's aarch64 2.14.0; 10.0 (bookworm-backports) emulates an
+# aarch64 /proc/cpuinfo and imports it (benchmarks/results/g5g_rehearsal.md). QEMU_MIN is the oldest we accept.
+QEMU_SUITE=${G5G_QEMU_SUITE:-$(. /etc/os-release && echo "${VERSION_CODENAME:-bookworm}")-backports}
+QEMU_MIN=10.0
+QEMU_PACKAGES=(qemu-user qemu-user-binfmt qemu-user-static)  # 10.x: qemu-user is the static build, no dependencies
+QEMU_BIN=/usr/libexec/qemu-binfmt/aarch64-binfmt-P         # the binfmt interpreter, 7.2 and 10.x alike
+QEMU_CHANGED=
 export DEBIAN_FRONTEND=noninteractive
 export DOCKER_HOST=$DOCKER_HOST_URL
 
@@ -74,9 +84,9 @@ alive() {  # pidfile program
 
 engine_up() { docker version --format '{{.Server.Version}}' >/dev/null 2>&1; }
 
-install_packages() {
+install_packages() {  # package…
   local missing=() p
-  for p in "${PACKAGES[@]}"; do
+  for p in "$@"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
   done
   [ ${#missing[@]} -eq 0 ] && return
@@ -90,14 +100,50 @@ install_packages() {
   [ $had_rc_d = 1 ] || rm -f $rc_d
 }
 
-enable_binfmt() {
-  local f=/proc/sys/fs/binfmt_misc
-  [ -e $f/register ] || mount -t binfmt_misc binfmt_misc $f 2>/dev/null
-  update-binfmts --enable qemu-aarch64 >/dev/null 2>&1
-  if grep -q '^enabled' $f/qemu-aarch64 2>/dev/null && grep -q '^flags:.*F' $f/qemu-aarch64; then
+# The installed QEMU's version ("qemu-aarch64 version 10.0.2 (Debian …)"), or nothing. (The binfmt interpreter,
+# 7.2's wrapper, only runs through binfmt_misc.)
+qemu_version() { qemu-aarch64-static --version 2>/dev/null | awk 'NR == 1 {print $3}'; }
+
+install_qemu() {  # sets QEMU_CHANGED when it installed a QEMU
+  local have debs=() p deb
+  have=$(qemu_version)
+  if [ -n "$have" ] && dpkg --compare-versions "$have" ge "$QEMU_MIN"; then return; fi
+  for p in "${QEMU_PACKAGES[@]}"; do
+    deb=$(suite_deb "$QEMU_SUITE" "$p") || { debs=(); break; }
+    debs+=("$deb")
+  done
+  if [ ${#debs[@]} -gt 0 ] && dpkg -i --auto-deconfigure "${debs[@]}" >>"$CACHE/apt.log" 2>&1; then
+    QEMU_CHANGED=1
     return
   fi
-  fail "arm64 binfmt (qemu-aarch64 with flag F in $f): linux/arm64 builds and runs will fail"
+  fail "QEMU >= $QEMU_MIN from $QEMU_SUITE (see .cache/apt-$QEMU_SUITE.log, .cache/apt.log): under ${have:+QEMU }${have:-no QEMU}," \
+    "linux/arm64 steps that import torch segfault"
+  if [ -z "$have" ]; then
+    install_packages qemu-user-static && QEMU_CHANGED=1
+  fi
+}
+
+binfmt_ok() {
+  local e=/proc/sys/fs/binfmt_misc/qemu-aarch64
+  grep -q '^enabled' $e 2>/dev/null && grep -q '^flags:.*F' $e && grep -q "^interpreter $QEMU_BIN\$" $e
+}
+
+# Flag F: the kernel opens the interpreter once, when the handler is registered, and keeps that file; a QEMU
+# installed since then is only used once the handler is registered again. 10.x ships its handler for
+# systemd-binfmt (/usr/lib/binfmt.d: the very line the kernel takes), 7.2 for update-binfmts.
+enable_binfmt() {
+  local f=/proc/sys/fs/binfmt_misc conf=/usr/lib/binfmt.d/qemu-aarch64.conf
+  [ -e $f/register ] || mount -t binfmt_misc binfmt_misc $f 2>/dev/null
+  if [ -n "$QEMU_CHANGED" ] || ! binfmt_ok; then
+    [ -e $f/qemu-aarch64 ] && echo -1 > $f/qemu-aarch64
+    if [ -r $conf ]; then
+      grep -v '^[#;]' $conf | head -n1 > $f/register
+    else
+      update-binfmts --enable qemu-aarch64 >/dev/null 2>&1
+    fi
+  fi
+  binfmt_ok && return
+  fail "arm64 binfmt (qemu-aarch64: $QEMU_BIN with flag F in $f): linux/arm64 builds and runs will fail"
 }
 
 # The machine's own Debian mirror, as its apt sources name it (read at run time, never stored in the repo).
@@ -107,26 +153,27 @@ debian_mirror() {
   apt-get indextargets --format '$(REPO_URI) $(RELEASE)' 2>/dev/null | awk -v c="$codename" '$2 == c {print $1; exit}'
 }
 
-# A package from Debian trixie, downloaded (not installed) through a private apt configuration under
-# .cache/apt-trixie: the machine's own apt sources and package database stay as they are. Prints the .deb path.
-trixie_deb() {
-  local pkg=$1 apt_dir=$CACHE/apt-trixie deb mirror opts
+# A package from a Debian suite (trixie, bookworm-backports…), downloaded (not installed) through a private apt
+# configuration under .cache/apt-SUITE: the machine's own apt sources and package database stay as they are.
+# Prints the .deb path.
+suite_deb() {
+  local suite=$1 pkg=$2 apt_dir=$CACHE/apt-$1 log=$CACHE/apt-$1.log deb mirror opts
   deb=$(ls "$apt_dir"/debs/"${pkg}"_*.deb 2>/dev/null | head -n1)
   if [ -n "$deb" ]; then echo "$deb"; return; fi
   mirror=$(debian_mirror)
   [ -n "$mirror" ] || { log "no Debian mirror in this machine's apt sources"; return 1; }
   mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial" "$apt_dir/debs"
-  echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $mirror trixie main" > "$apt_dir/sources.list"
+  echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $mirror $suite main" > "$apt_dir/sources.list"
   opts=(-o "Dir::Etc::SourceList=$apt_dir/sources.list" -o Dir::Etc::SourceParts=/dev/null
         -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir/cache" -o APT::Sandbox::User=root)
   if [ ! -s "$apt_dir/lists/updated" ]; then
-    apt-get "${opts[@]}" update -q >>"$CACHE/apt-trixie.log" 2>&1 || return 1
+    apt-get "${opts[@]}" update -q >>"$log" 2>&1 || return 1
     date > "$apt_dir/lists/updated"
   fi
-  if ! (cd "$apt_dir/debs" && apt-get "${opts[@]}" download "$pkg") >>"$CACHE/apt-trixie.log" 2>&1; then
+  if ! (cd "$apt_dir/debs" && apt-get "${opts[@]}" download "$pkg") >>"$log" 2>&1; then
     # A stale index names a file the mirror no longer has: refresh once and retry.
-    apt-get "${opts[@]}" update -q >>"$CACHE/apt-trixie.log" 2>&1 || return 1
-    (cd "$apt_dir/debs" && apt-get "${opts[@]}" download "$pkg") >>"$CACHE/apt-trixie.log" 2>&1 || return 1
+    apt-get "${opts[@]}" update -q >>"$log" 2>&1 || return 1
+    (cd "$apt_dir/debs" && apt-get "${opts[@]}" download "$pkg") >>"$log" 2>&1 || return 1
   fi
   ls "$apt_dir"/debs/"${pkg}"_*.deb | head -n1
 }
@@ -134,7 +181,7 @@ trixie_deb() {
 install_buildx() {
   if docker buildx version >/dev/null 2>&1; then return; fi
   local deb tmp
-  deb=$(trixie_deb docker-buildx) || { fail "buildx: download of trixie's docker-buildx (see .cache/apt-trixie.log)"; return; }
+  deb=$(suite_deb trixie docker-buildx) || { fail "buildx: download of trixie's docker-buildx (see .cache/apt-trixie.log)"; return; }
   tmp=$(mktemp -d)
   dpkg-deb -x "$deb" "$tmp" && mkdir -p "$PLUGINS" \
     && install -m 0755 "$tmp/usr/libexec/docker/cli-plugins/docker-buildx" "$PLUGINS/docker-buildx"
@@ -150,7 +197,7 @@ install_engine() {  # sets ENGINE_BIN
   local deb
   ENGINE_BIN=$CACHE/engine/usr/sbin
   [ -x "$ENGINE_BIN/dockerd" ] && return
-  if deb=$(trixie_deb docker.io) && mkdir -p "$CACHE/engine" && dpkg-deb -x "$deb" "$CACHE/engine" \
+  if deb=$(suite_deb trixie docker.io) && mkdir -p "$CACHE/engine" && dpkg-deb -x "$deb" "$CACHE/engine" \
       && "$ENGINE_BIN/dockerd" --version >/dev/null 2>&1; then
     return
   fi
@@ -205,7 +252,8 @@ if [ "${1:-}" = stop ]; then stop; exit 0; fi
 [ "$(id -u)" = 0 ] || { log "must run as root"; exit 1; }
 
 start=$SECONDS
-install_packages
+install_packages "${PACKAGES[@]}"
+install_qemu
 enable_binfmt
 install_buildx
 start_dockerd

@@ -128,3 +128,61 @@ def test_rehearsal_report_keeps_the_steps_an_attempt_stopped_on(tmp_path):
                                                                           ("6/6", "done", 41.9)]
     assert "/tmp/cuda-check sass: sm_75 ptx: none" in a["proof"] and a["error"].startswith("ERROR: failed to solve")
     assert any("No space left on device" in p for p in a["proof"])
+
+
+def test_rehearsal_report_keeps_an_earlier_reports_attempts(tmp_path, monkeypatch):
+    """--previous: the earlier report's attempts (their logs may be gone) come first, bound to the commit they ran
+    at; what this run does not give anew (the resolution, the vLLM report) is kept; the new attempt has its note."""
+    import json
+
+    import rehearsal_report as rr
+    prev = {"provenance": {"project_commit": "a" * 40}, "inputs": {"x.whl": "00"},
+            "attempts": [{"log": "old.log", "steps": [], "proof": ["segfault"], "wheels_downloaded": [], "error": None}],
+            "base_images": [{"ref": "base:arm64", "id": "sha256:1"}],
+            "resolution": {"distributions": 195, "sdists": [], "needs_glibc": "2.34"},
+            "vllm_report": {"stages": {}}, "report_note": "linux/amd64 natively"}
+    (tmp_path / "prev.json").write_text(json.dumps(prev))
+    log = tmp_path / "bake-new.log"
+    log.write_text("#6 [torch-base 6/10] RUN check\n#6 1.0 == qemu cpu=default\n#6 3.1 import ok 2.14.0\n"
+                   "#6 3.2 import ok 2.14.0\n#6 4.0 == qemu cpu=neoverse-n1\n#6 6.1 import ok 2.14.0\n#6 DONE 40.0s\n")
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(rr, "markdown", lambda r: "")  # a partial record's markdown is not this test's
+    assert rr.main(["--bake-log", str(log), "--previous", str(tmp_path / "prev.json"), "--note", "QEMU 10.0.2",
+                    "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert [a["log"] for a in r["attempts"]] == ["old.log", "bake-new.log"]
+    assert r["attempts"][0]["project_commit"] == "a" * 40
+    assert r["attempts"][1]["project_commit"] == r["provenance"]["project_commit"] != "a" * 40
+    assert r["attempts"][1]["note"] == "QEMU 10.0.2" and "note" not in r["attempts"][0]
+    # one result per probe section, repeated lines within one dropped
+    assert r["attempts"][1]["proof"] == ["== qemu cpu=default", "import ok 2.14.0", "== qemu cpu=neoverse-n1",
+                                         "import ok 2.14.0"]
+    assert r["resolution"]["distributions"] == 195 and r["vllm_report"] == {"stages": {}}
+    assert r["report_note"] == "linux/amd64 natively" and r["inputs"] == {"x.whl": "00"}
+    assert r["base_images"] == [{"ref": "base:arm64", "id": "sha256:1"}]
+
+
+def test_rehearsal_report_keeps_the_earlier_vllm_report_next_to_a_new_one(tmp_path, monkeypatch):
+    """A new --report (e.g. linux/arm64 under QEMU) does not drop the earlier report's vLLM run (linux/amd64)."""
+    import json
+
+    import rehearsal_report as rr
+    prev = {"provenance": {"project_commit": "a" * 40}, "attempts": [], "vllm_report": {"stages": {"old": 1}},
+            "report_note": "linux/amd64 natively"}
+    (tmp_path / "prev.json").write_text(json.dumps(prev))
+    report = tmp_path / "report"
+    report.mkdir()
+    (report / "build.log").write_text("-- CUDA supported target architectures: 7.5\n")
+    (report / "ninja_log").write_text("# ninja log v7\n0\t1000\t0\tCMakeFiles/x.dir/csrc/a.cu.o\tabc\n")
+    (report / "cuobjdump.txt").write_text("")
+    (report / "times.txt").write_text("wall_s 9\n")
+    log = tmp_path / "bake.log"
+    log.write_text("#6 [vllm vllm-build 3/7] RUN pip wheel .\n#6 DONE 650.8s\n")
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(rr, "markdown", lambda r: "")  # a partial record's markdown is not this test's
+    assert rr.main(["--bake-log", str(log), "--previous", str(tmp_path / "prev.json"), "--report", str(report),
+                    "--report-log", str(log), "--report-note", "linux/arm64 under QEMU 10", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["report_note"] == "linux/arm64 under QEMU 10"
+    assert r["vllm_report"]["arch_lines"] == ["-- CUDA supported target architectures: 7.5"]
+    assert r["earlier_vllm_reports"] == [{"note": "linux/amd64 natively", "report": {"stages": {"old": 1}}}]

@@ -42,3 +42,27 @@ def test_arm64_build_under_qemu(engine, registry, tmp_path):
     assert probe.returncode == 0, probe.stderr[-2000:]
     assert probe.stdout.split()[0] == "aarch64", probe.stdout
     engine.forget(ref)
+
+
+def test_arm64_steps_get_the_provisioned_qemu(engine, tmp_path):
+    """What a linux/arm64 RUN step runs under is scripts/provision.sh's QEMU (>= 10, flag F): the step sees an
+    emulated aarch64 /proc/cpuinfo. Bookworm's 7.2 passed the host's x86 one through, and under it `import torch` of
+    PyPI's aarch64 wheel segfaulted (benchmarks/results/g5g_rehearsal.md)."""
+    binfmt = "/proc/sys/fs/binfmt_misc/qemu-aarch64"
+    try:
+        entry = open(binfmt).read()
+    except OSError:
+        entry = ""
+    if not entry.startswith("enabled"):
+        unavailable(f"{binfmt} is not enabled: install qemu-user-static (scripts/provision.sh does)")
+    if engine.docker("image", "inspect", BASE).returncode != 0:
+        unavailable(f"no local base {BASE}: bash scripts/base-images.sh arm64")
+    flags = next((ln.split(":", 1)[1] for ln in entry.splitlines() if ln.startswith("flags:")), "")
+    assert "F" in flags, f"{binfmt}: flags {flags!r}, without F the handler is not found inside containers"
+
+    (tmp_path / "Dockerfile").write_text(f"FROM {BASE}\nRUN grep -m2 -E '^CPU (implementer|part)' /proc/cpuinfo\n")
+    r = engine.docker("buildx", "build", "--platform", "linux/arm64", "--no-cache", "--progress", "plain",
+                      "--output", "type=cacheonly", str(tmp_path), timeout=600)
+    assert r.returncode == 0, ("an arm64 RUN step does not see an aarch64 /proc/cpuinfo (an older QEMU, e.g. "
+                               f"bookworm's 7.2):\n{r.stderr[-3000:]}")
+    assert "CPU implementer" in r.stderr and "CPU part" in r.stderr, r.stderr[-3000:]
