@@ -11,6 +11,8 @@ once, then cuBLAS / the CPU's matmul; those are bound by compute, not by the wei
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -53,6 +55,19 @@ class PackedLinear(torch.nn.Module):
             y = packed_mm_op(x.reshape(rows, self.in_features), self.packed, self.scale, self.bits)
             return y.reshape(*x.shape[:-1], self.out_features)
         return F.linear(x, self.dequantised(x.dtype))
+
+
+def kernel_missing() -> str | None:
+    """Why the GPU kernel cannot run here (triton, or the C compiler it builds its launcher with, is missing), or
+    None: a server checks before it loads a packed checkpoint onto a GPU, instead of failing its first decode."""
+    import importlib.util
+    import shutil
+
+    if importlib.util.find_spec("triton") is None:
+        return "the packed int8/int4 kernel needs triton (pip install triton, torch's tested release)"
+    if not any(shutil.which(c) for c in (os.environ.get("CC") or "", "cc", "gcc", "clang") if c):
+        return "the packed int8/int4 kernel needs a C compiler for Triton's launcher (gcc, or CC=...)"
+    return None
 
 
 def packed_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bits: int,

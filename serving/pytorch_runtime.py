@@ -372,6 +372,8 @@ def load(model_dir: str | Path, device: str | None = None, max_context: int | No
     qargs = quantized.weight_args({"quantization_config": getattr(config, "quantization_config", None)})
     try:
         if qargs:    # compressed-tensors: the packed linears stay packed (serving/packed_matmul.py)
+            if dev.type == "cuda" and (why := packed_matmul.kernel_missing()):
+                raise ValueError(f"{model_dir}: {why}")
             state, packed = _quantised_text(model_dir, dtype)
             model, info = Gemma4ForCausalLM.from_pretrained(
                 None, config=text_config, dtype=dtype, state_dict=state, output_loading_info=True)

@@ -81,3 +81,19 @@ def test_pack_model_replaces_only_bias_free_linears_of_the_right_width():
     assert isinstance(model[0], PackedLinear)
     with pytest.raises(ValueError, match="not a bias-free Linear"):
         pack_model(model, {"1": (packed["weight_packed"], packed["weight_scale"], 8)}, bits, torch.float32)
+
+
+def test_a_missing_compiler_or_triton_is_named_before_a_gpu_load(monkeypatch):
+    """The GPU path needs triton and a C compiler (Triton builds its launcher): the server names what is missing
+    before loading a packed checkpoint onto a GPU, instead of failing its first decode step."""
+    import importlib.util
+    import shutil
+
+    from serving import packed_matmul
+
+    monkeypatch.setattr(shutil, "which", lambda c: "/usr/bin/" + c)
+    assert packed_matmul.kernel_missing() is None        # the dev extra pins triton
+    monkeypatch.setattr(shutil, "which", lambda _: None)
+    assert "C compiler" in packed_matmul.kernel_missing()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert "needs triton" in packed_matmul.kernel_missing()

@@ -379,3 +379,16 @@ def test_a_runtime_built_from_another_runtime_links_the_chain(tmp_path):
     with pytest.raises(UserError, match=r"pytorch-extra.yaml: profiles.cpu.pins.torch: 2.12.0 differs from "
                                         r"pytorch's torch 2.13.0\+cpu"):
         manifest.load(mdir, profile="cpu")
+
+
+@pytest.mark.parametrize("profile", ["g5g", "g4dn", "cpu"])
+def test_the_cuda_pytorch_image_has_triton_and_its_compiler(profile):
+    """The PyTorch image's GPU paths (the compiled decode step, serving/packed_matmul.py's kernel) need triton, pinned
+    to torch's tested release (a source-built torch declares none), and a C compiler for its launcher; a CPU image
+    needs neither."""
+    _, files = rendered(profile)
+    text = files["build/pytorch/Dockerfile"]
+    cuda = profile != "cpu"
+    assert ('pip install "triton==${TRITON_VERSION}"' in text) == cuda
+    assert ("ARG TRITON_VERSION=3.8.0" in text) == cuda
+    assert bool(re.search(r"apt-get install -y --no-install-recommends gcc libc6-dev python3-dev", text)) == cuda
