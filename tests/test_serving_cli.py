@@ -83,7 +83,8 @@ def test_serving_imports_only_what_the_images_install():
     extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["serving"]
     allowed = {r.split("==")[0].split(">")[0].split("<")[0].strip().replace("-", "_") for r in extra}
     allowed |= {"starlette", "pydantic", "tokenizers",          # via fastapi, transformers
-                "torch", "jax", "jaxlib", "ml_dtypes", "serving"}  # the runtimes (ml_dtypes comes with jax)
+                "torch", "jax", "jaxlib", "ml_dtypes", "serving",  # the runtimes (ml_dtypes comes with jax)
+                "triton"}                                       # the CUDA PyTorch images' (packed_matmul.py, on a GPU)
     found = {}
     for path in (REPO / "serving").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
