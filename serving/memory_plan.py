@@ -197,7 +197,10 @@ def kv_bytes_per_token(raw: dict, max_len: int | None = None, elem_bytes: int = 
 
 
 def plan(raw: dict, scheme: str, max_model_len: int, slots: int, gpu_mib: int = T4G_MIB,
-         overhead_mib: int = DEFAULT_OVERHEAD_MIB, tensors: dict | None = None, towers: int = 0) -> Plan:
+         overhead_mib: int = DEFAULT_OVERHEAD_MIB, tensors: dict | None = None, towers: int = 0,
+         rings: bool = False) -> Plan:
+    """rings: the runtime keeps sliding layers' KV as rings of their window (JAX); else at full length (PyTorch,
+    vLLM's allocation counted as such)."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
     tensors = tensors if tensors is not None else text_tensors(raw)
@@ -208,10 +211,11 @@ def plan(raw: dict, scheme: str, max_model_len: int, slots: int, gpu_mib: int = 
         streamed += sizes["embed_tokens.weight"]
     else:
         streamed += sizes["lm_head.weight"]
-    per_tok = kv_bytes_per_token(raw)
+    per_tok, per_tok_rings = kv_bytes_per_token(raw), kv_bytes_per_token(raw, max_model_len)
     return Plan(scheme=scheme, weights=sum(sizes.values()), towers=towers, streamed_per_token=streamed,
-                kv_per_token=per_tok, kv_per_token_sliding=kv_bytes_per_token(raw, max_model_len),
-                kv=slots * max_model_len * per_tok, overhead=overhead_mib * MIB, gpu=gpu_mib * MIB)
+                kv_per_token=per_tok, kv_per_token_sliding=per_tok_rings,
+                kv=slots * max_model_len * (per_tok_rings if rings else per_tok), overhead=overhead_mib * MIB,
+                gpu=gpu_mib * MIB)
 
 
 def plan_checkpoint(model_dir: Path, scheme: str | None, max_model_len: int, slots: int, text_only: bool = False,
@@ -231,12 +235,13 @@ def plan_checkpoint(model_dir: Path, scheme: str | None, max_model_len: int, slo
     return plan(raw, scheme or scheme_of(raw), max_model_len, slots, tensors=tensors, towers=towers, **kw)
 
 
-def refusal(model_dir: Path, max_model_len: int, slots: int, gpu_bytes: int) -> str | None:
+def refusal(model_dir: Path, max_model_len: int, slots: int, gpu_bytes: int, rings: bool = False) -> str | None:
     """The one line a server logs before refusing to start when the plan says the model does not fit the GPU it
     runs on (weights + KV + the stated overhead), else None. A checkpoint the plan cannot read is not refused
     here: loading it reports what is wrong."""
     try:
-        p = plan_checkpoint(model_dir, None, max_model_len, slots, text_only=True, gpu_mib=gpu_bytes // MIB)
+        p = plan_checkpoint(model_dir, None, max_model_len, slots, text_only=True, gpu_mib=gpu_bytes // MIB,
+                            rings=rings)
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if p.fits:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from g5g import cli
 from serving import memory_plan as mp
 
@@ -85,3 +87,18 @@ def test_our_runtimes_plan_the_packed_weights_without_towers(tiny_gemma4):
     torch_rt = mp.plan_checkpoint(tiny_gemma4, "w4a16", 64, 1, text_only=True)
     assert vllm.towers > 0 and torch_rt.towers == 0
     assert torch_rt.weights == vllm.weights < mp.plan_checkpoint(tiny_gemma4, "fp16", 64, 1).weights
+
+
+def test_the_jax_server_refuses_on_its_gpu_pool_before_reading_weights(tiny_gemma4, monkeypatch):
+    """JAX's plan keeps sliding layers as rings of their window (as its cache does), and its load refuses before any
+    weight is read when weights + KV + overhead exceed the GPU pool it may use (the device query is the seam:
+    no GPU here)."""
+    from serving.jax_runtime import Settings, checkpoint, engine
+
+    rings = mp.plan_checkpoint(tiny_gemma4, None, 4096, 4, text_only=True, rings=True)
+    full = mp.plan_checkpoint(tiny_gemma4, None, 4096, 4, text_only=True)
+    assert rings.kv == 4 * 4096 * rings.kv_per_token_sliding < full.kv
+    monkeypatch.setattr(engine, "_gpu_memory", lambda: rings.total - mp.MIB)
+    monkeypatch.setattr(checkpoint, "load_params", lambda *a: pytest.fail("weights read before the refusal"))
+    with pytest.raises(ValueError, match="does not fit this GPU at --max-model-len 4096 with 4 slot"):
+        engine.load(tiny_gemma4, Settings(buckets=(64, 4096), cache_dir=None, slots=4))

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax._src import xla_bridge  # backends_are_initialized: XLA reads XLA_FLAGS once, when a backend starts
 import numpy as np
 
+from serving import memory_plan
 from serving.engine import TOP_LOGPROBS, DeviceRow, SamplingParams, TokenLogprobs
 from serving.structured import mask_words
 
@@ -425,6 +426,14 @@ class JaxEngine:
         return [TokenLogprobs(chosen[i], tuple(zip(ids[i][:k], top[i][:k])), rank[i]) for i in range(n - 1)]
 
 
+def _gpu_memory() -> int | None:
+    """Bytes JAX may allocate on its GPU (its pool: 75% of the device unless XLA_PYTHON_CLIENT_MEM_FRACTION says
+    otherwise), None off a GPU."""
+    if jax.default_backend() != "gpu":
+        return None
+    return (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+
+
 def load(model_dir: str | Path, settings: Settings | None = None, max_context: int | None = None) -> JaxEngine:
     """Boot: read config and weights, compile the ladders (persistent cache), return a ready engine.
 
@@ -440,6 +449,9 @@ def load(model_dir: str | Path, settings: Settings | None = None, max_context: i
     _listen()
     configure_persistent_cache(settings.cache_dir)
     cfg = config.load(Path(model_dir))
+    gpu = _gpu_memory()
+    if gpu and (no := memory_plan.refusal(Path(model_dir), settings.buckets[-1], settings.slots, gpu, rings=True)):
+        raise ValueError(no)      # before any weight is read: the plan says weights + KV do not fit JAX's pool
     dtype = settings.resolve_dtype()
     params = checkpoint.load_params(Path(model_dir), cfg, dtype)
     t_load = time.perf_counter() - t0
