@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 
 KERNEL_MAX_ROWS = 16        # the kernel's row block: a decode step of up to 16 sequences
-# (BLOCK_N, BLOCK_K, num_warps) per bits: the most frequent winner over E2B/E4B's weights at 1 and 8 rows on the
-# H200 (benchmarks/quantized_decode.py --phase kernels; benchmarks/RESULTS.md, issue 21).
+# (BLOCK_N, BLOCK_K, num_warps) per bits, from the H200's kernel table over E2B/E4B's largest weights at 1 and 8
+# rows (benchmarks/quantized_decode.py --phase kernels; benchmarks/RESULTS.md, issue 21): int8's winner at 8 rows
+# (1 row prefers BLOCK_K 512 by a few percent), int4's most frequent winner.
 KERNEL_CONFIG = {8: (32, 256, 4), 4: (16, 512, 4)}
 
 
@@ -30,7 +31,8 @@ class PackedLinear(torch.nn.Module):
         if bits not in KERNEL_CONFIG:
             raise ValueError(f"{bits}-bit weights: only {sorted(KERNEL_CONFIG)} are served")
         out = packed.shape[0]
-        self.register_buffer("packed", packed.contiguous().view(torch.uint8).reshape(out, -1)[:, :in_features * bits // 8])
+        as_bytes = packed.contiguous().view(torch.uint8).reshape(out, -1)     # int32 words, little-endian
+        self.register_buffer("packed", as_bytes[:, :in_features * bits // 8])
         self.register_buffer("scale", scale.to(dtype).contiguous())
         self.in_features, self.out_features, self.bits = in_features, out, bits
         if in_features % self.scale.shape[1]:
