@@ -130,7 +130,6 @@ def kernels_torch(n: int, k: int, rows: int) -> dict:
                 per[str(cfg)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         best = min((v["us"], kk) for kk, v in per.items() if "us" in v)
         res[scheme] = {"configs": per, "best": best[1], "us": best[0], "vs_fp16": round(res["fp16"]["us"] / best[0], 2)}
-        del packs
     return res
 
 
