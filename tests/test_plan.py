@@ -81,8 +81,8 @@ def test_a_secret_named_build_arg_is_refused(tmp_path, name):
     shutil.copytree(REPO / "manifests", tmp_path / "manifests")
     runtime = tmp_path / "manifests" / "runtimes" / "pytorch.yaml"
     text = runtime.read_text()
-    assert "args: {TORCH_BASE: base}" in text
-    runtime.write_text(text.replace("args: {TORCH_BASE: base}", f"args: {{TORCH_BASE: base, {name}: base}}"))
+    assert "\n  TORCH_BASE: base\n" in text
+    runtime.write_text(text.replace("\n  TORCH_BASE: base\n", f"\n  TORCH_BASE: base\n  {name}: base\n"))
     with pytest.raises(UserError, match=f"args.{name}: secrets travel only as BuildKit secrets"):
         make_plan(manifest.load(tmp_path / "manifests", profile="g5g"), runtime="pytorch", repo_root=REPO)
 
