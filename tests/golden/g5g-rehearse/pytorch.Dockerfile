@@ -14,6 +14,18 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,re
     pip install "fastapi==0.165.0" "uvicorn==0.54.0" "prometheus-client==0.26.0" "transformers==5.20.2" "safetensors==0.8.0" "numpy>=2.1,<3" "jinja2==3.1.6" "outlines-core==0.2.14"
 COPY serving/ /opt/g5g/serving/
 ENV PYTHONPATH=/opt/g5g PYTHONUNBUFFERED=1
+ARG TRITON_VERSION=3.8.0
+# Triton runs the compiled decode step and the packed int8/int4 kernel (serving/packed_matmul.py): torch's tested
+# release, pinned (a source-built torch declares none). It builds its launcher with the system C compiler at first
+# use: gcc and Python headers stay.
+RUN --mount=type=secret,id=ca-cert,required=false \
+    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
+    apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev python3-dev \
+ && rm -rf /var/lib/apt/lists/*
+RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
+    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
+    pip install "triton==${TRITON_VERSION}"
 # The serving requirements ran under torch-base's PIP_CONSTRAINT; torch must be the one torch-base checked.
 RUN if ! python3 -c "import hashlib, importlib.metadata as m; d = m.distribution('torch'); print('torch', d.version, hashlib.sha256((d.read_text('RECORD') or '').encode()).hexdigest())" | diff /opt/g5g/torch.txt -; then \
       echo "installing the serving requirements replaced torch (<: torch-base's, >: now), despite PIP_CONSTRAINT=$PIP_CONSTRAINT" >&2; exit 1; fi
