@@ -240,7 +240,7 @@ def _is_default(value: Any, defaults: tuple) -> bool:
 
 
 def _may_hold_lone_surrogate(body: bytes) -> bool:
-    """Whether a \uD800-\uDFFF escape stands outside a high-low pair, or the body is not plain UTF-8 (json.loads
+    """Whether a \\uD800-\\uDFFF escape stands outside a high-low pair, or the body is not plain UTF-8 (json.loads
     decodes UTF-8 with surrogatepass, and UTF-16/32). A scan in small steps, like the parse."""
     try:
         body.decode()

@@ -98,6 +98,22 @@ def test_serving_imports_only_what_the_images_install():
     assert {m: str(p) for m, p in found.items() if m not in allowed} == {}
 
 
+def test_serving_docstrings_encode_as_utf8():
+    """The images' Python 3.13 cleans docstrings at compile time and encodes them as UTF-8: a lone-surrogate escape
+    in a (non-raw) docstring makes the module fail to import there, though it imports on an older Python."""
+    import ast
+    bad = []
+    for path in (REPO / "serving").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node, clean=False)
+                try:
+                    (doc or "").encode()
+                except UnicodeEncodeError:
+                    bad.append(f"{path.relative_to(REPO)}:{getattr(node, 'lineno', 1)}")
+    assert bad == []
+
+
 def test_build_py_serve_passes_server_flags_through(tiny_gemma4):
     """Flags of `python -m serving` that build.py does not know reach it (and it checks them)."""
     proc = subprocess.run([sys.executable, "build.py", "serve", "--runtime", "pytorch", "--model", str(tiny_gemma4),
