@@ -318,15 +318,16 @@ def test_huge_requests_do_not_hold_up_other_clients(runtime_servers, runtime):
     """Three huge requests at once (15 MiB of 480 000 empty messages: refused by count; two of 60 000: refused as
     too long for the context) while /health is polled and a small chat is asked. Before, their parsing and
     validation ran on the event loop: /health waited for it. Relative bounds, so that a loaded machine slows both
-    sides: the slowest /health answer takes less than half the fastest huge request's time, and the small chat
-    is answered before the last huge request."""
+    sides: the slowest /health answer takes less than half the fastest huge request's time, and the small chat takes
+    less than the huge requests' times added up (handled one at a time, it would wait for all three). Refused by
+    count while parsing, the huge requests may end before the chat's four tokens: which ends first says nothing."""
     answers, health = _huge_beside_small(runtime_servers[runtime], CHAT, [
         {"model": "tiny", "messages": [{"role": "user", "content": ""}] * n, "max_tokens": 4}
         for n in (480_000, 60_000, 60_000)])
     assert [answers[i][0] for i in range(4)] == [400, 400, 400, 200] and {code for code, _ in health} == {200}
     slowest_health, fastest_huge = max(dt for _, dt in health), min(answers[i][2] for i in (1, 2))
     assert slowest_health < fastest_huge / 2, (slowest_health, fastest_huge)
-    assert answers[3][3] < max(answers[i][3] for i in range(3))
+    assert answers[3][2] < sum(answers[i][2] for i in range(3)), answers
     assert answers[0][1] == "request body has more than 65536 JSON objects"
 
 
