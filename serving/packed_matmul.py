@@ -16,6 +16,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from serving import quantized
+
 KERNEL_MAX_ROWS = 16        # the kernel's row block: a decode step of up to 16 sequences
 # (BLOCK_N, BLOCK_K, num_warps) per bits, from the H200's kernel table over E2B/E4B's largest weights at 1 and 8
 # rows (benchmarks/quantized_decode.py --phase kernels; benchmarks/RESULTS.md, issue 21): int8's winner at 8 rows
@@ -35,8 +37,7 @@ class PackedLinear(torch.nn.Module):
         self.register_buffer("packed", as_bytes[:, :in_features * bits // 8])
         self.register_buffer("scale", scale.to(dtype).contiguous())
         self.in_features, self.out_features, self.bits = in_features, out, bits
-        if in_features % self.scale.shape[1]:
-            raise ValueError(f"scales {tuple(scale.shape)} do not divide a weight of {in_features} inputs")
+        quantized.group_size(self.scale, in_features)      # refuses scales that do not divide the inputs
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, " \

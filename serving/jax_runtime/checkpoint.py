@@ -150,8 +150,7 @@ def _read_params(model_dir: Path, cfg: TextConfig, convert) -> dict:
         full = prefix + key
         if full not in names:
             raise CheckpointError(f"{model_dir}: tensor {full!r} missing from the checkpoint")
-        else:
-            arr = st.get(full)
+        arr = st.get(full)
         if shape is not None and tuple(arr.shape) != tuple(shape):
             raise CheckpointError(f"{model_dir}: tensor {full!r} has shape {tuple(arr.shape)}, config says {shape}")
         return arr
