@@ -2,11 +2,11 @@
 the image itself (import, our Triton attention kernel compiled for sm_75 inside it), bound to what it proves: the
 project commit, the wheel's sha256, the external sources used and the image digest.
 
-    python benchmarks/vllm_build_report.py --log build/g4dn/logs/bake-….log --report DIR --image REF \
-        [--sdist-tree .cache/src/vllm-0.33.0] [--json benchmarks/results/g4dn-vllm-build.json]
+    python benchmarks/vllm_build_report.py --log build/logs/bake-….log --report DIR --image REF \
+        [--build-commit SHA] [--sdist-tree .cache/src/vllm-0.33.0] [--json benchmarks/results/g4dn-vllm-build.json]
 
 DIR is the `vllm-report` stage exported after the build (cached, so instant):
-    docker buildx bake -f build/g4dn/docker-bake.json --set vllm.target=vllm-report \
+    docker buildx bake -f build/docker-bake.json --set vllm.target=vllm-report \
         --set vllm.output=type=local,dest=DIR vllm
 The bake log is the plain-progress log build.py writes under <out>/logs/. Prints a Markdown report; --json keeps
 the figures. Docker is driven as argv lists; nothing here needs a GPU.
@@ -100,13 +100,15 @@ def sass_lines(cuobjdump_txt: str) -> list[dict]:
     return out
 
 
-def provenance(report_dir: Path, image: str | None) -> dict:
-    """What the report is bound to: this checkout's commit, the wheel's sha256, the external sources used (the
-    vllm-sources context's SOURCES.json, when the build had one) and the image's digest."""
-    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True)
-    out: dict = {"project_commit": git.stdout.strip() or None, "project_dirty": bool(dirty.stdout.strip())}
+def provenance(report_dir: Path, image: str | None, build_commit: str | None = None) -> dict:
+    """What the report is bound to: this checkout's commit (with the commit the image was built from, which image
+    inputs changed between the two), the wheel's sha256, the external sources used (the vllm-sources context's
+    SOURCES.json, when the build had one) and the image's digest."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.image_proof import git_state
+
+    state = git_state(build_commit)
+    out: dict = {"project_commit": state.pop("commit"), "project_dirty": state.pop("image_inputs_dirty"), **state}
     wheels = report_dir / "wheels.sha256"
     out["wheels"] = {Path(f).name: h for h, f in (ln.split() for ln in wheels.read_text().splitlines() if ln.strip())} \
         if wheels.is_file() else None
@@ -180,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--image", help="the built vllm image, to run the in-image checks")
     ap.add_argument("--sdist-tree", type=Path, help="vLLM's sdist, unpacked: the probe's unpatched reference")
     ap.add_argument("--json", type=Path, help="write the figures here")
+    ap.add_argument("--build-commit", help="the commit the image was built from (recorded with the image inputs that "
+                    "changed since; default: only this checkout's commit)")
     a = ap.parse_args(argv)
     build_log = (a.report / "build.log").read_text(errors="replace")
     units = ninja_units((a.report / "ninja_log").read_text())
@@ -195,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         "sass": sass_lines((a.report / "cuobjdump.txt").read_text()),
         "rehearsal": rehearsal(a.report, log + "\n" + build_log),
     }
-    r["provenance"] = provenance(a.report, a.image)
+    r["provenance"] = provenance(a.report, a.image, a.build_commit)
     if a.image:
         r["image_checks"] = image_checks(a.image, a.sdist_tree)
     if a.json:

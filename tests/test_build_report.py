@@ -60,7 +60,7 @@ def test_sass_lines():
 
 def test_main_reads_vllms_arch_lines_and_binds_the_report_to_commit_wheel_and_sources(tmp_path):
     """vLLM prints "CUDA supported target architectures" (the old pattern never matched it); the report carries
-    the project commit, the wheel's sha256 and the sources the build used."""
+    the project commit (and the one the image was built from), the wheel's sha256 and the sources the build used."""
     rep = tmp_path / "report"
     rep.mkdir()
     (rep / "build.log").write_text("#36 12.0   -- CUDA target architectures: 7.5\n"
@@ -73,11 +73,12 @@ def test_main_reads_vllms_arch_lines_and_binds_the_report_to_commit_wheel_and_so
     log = tmp_path / "bake.log"
     log.write_text(BAKE_LOG)
     out = tmp_path / "r.json"
-    assert report.main(["--log", str(log), "--report", str(rep), "--json", str(out)]) == 0
+    assert report.main(["--log", str(log), "--report", str(rep), "--json", str(out), "--build-commit", "HEAD~1"]) == 0
     import json
     r = json.loads(out.read_text())
     assert any("CUDA supported target architectures: 7.5" in a for a in r["arch_lines"]), r["arch_lines"]
     p = r["provenance"]
+    assert p["built_from"] != p["project_commit"] and isinstance(p["image_inputs_changed_since_build"], list)
     assert len(p["project_commit"]) == 40 and p["wheels"] == {"vllm-0.33.0-cp38-abi3-linux_x86_64.whl": "ab" * 32}
     assert p["sources"]["cutlass"]["ref"] == "v4.7.0"
     assert r["rehearsal"] is None and [s["wall_s"] for s in r["steps"]] == [185.0, None, 3120.1, 0.1]
