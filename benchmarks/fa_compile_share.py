@@ -1,6 +1,6 @@
 """What patch 0002 saves, measured: FlashAttention's translation units in a 7.5 build without the patch.
 
-    python benchmarks/fa_compile_share.py --bake build/g4dn/docker-bake.json --vllm-ninja-log DIR/ninja_log \
+    python benchmarks/fa_compile_share.py --bake build/docker-bake.json --vllm-ninja-log DIR/ninja_log \
         [--fa-mirror /work/.mirror/vllm-project+flash-attention/repo] [--sample 4] [--json FILE]
 
 Method. In the image's own `vllm-source` stage (vLLM 0.33.0 with both patches, the g4dn toolchain), vLLM's CMake
@@ -70,7 +70,7 @@ def fa_tree(mirror: Path, cutlass_mirror: Path, dest: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bake", type=Path, default=ROOT / "build/g4dn/docker-bake.json")
+    ap.add_argument("--bake", type=Path, default=ROOT / "build/docker-bake.json")
     ap.add_argument("--vllm-ninja-log", type=Path, required=True, help="ninja_log of the real build (vllm-report)")
     ap.add_argument("--fa-mirror", type=Path, default=Path("/work/.mirror/vllm-project+flash-attention/repo"))
     ap.add_argument("--cutlass-mirror", type=Path, default=Path("/work/.mirror/NVIDIA+cutlass/repo"))

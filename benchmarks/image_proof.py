@@ -291,10 +291,17 @@ def git_state(build_commit: str | None) -> dict:
     if build_commit:
         full = run([*git, "rev-parse", "--verify", f"{build_commit}^{{commit}}"])
         if full.returncode != 0:
-            raise UserError(f"--build-commit {build_commit}: not a commit of this repository")
+            raise UserError(f"build commit {build_commit}: not a commit of this repository")
         changed = run([*git, "diff", "--name-only", full.stdout.strip(), "HEAD", "--", *IMAGE_INPUTS]).stdout.split()
         out |= {"built_from": full.stdout.strip(), "image_inputs_changed_since_build": changed}
     return out
+
+
+def revision_label(image: str) -> str | None:
+    """The org.opencontainers.image.revision label build.py gives every image (a local image: pull it first)."""
+    cp = run(["docker", "image", "inspect", "--format", "{{json .Config.Labels}}", image])
+    labels = json.loads(cp.stdout or "null") if cp.returncode == 0 else None
+    return (labels or {}).get("org.opencontainers.image.revision") or None
 
 
 def prove(args) -> dict:
@@ -327,6 +334,8 @@ def prove(args) -> dict:
         pulled = run(["docker", "pull", "-q", "--platform", plat, pinned], timeout=3600)
         if pulled.returncode != 0:
             raise UserError(f"docker pull {pinned} ({plat}): {pulled.stderr.strip()[-300:]}")
+        if not args.build_commit and (label := revision_label(pinned)):  # the commit build.py labelled it with
+            report["project"] = git_state(label.removesuffix("-dirty")) | {"revision_label": label}
         names = sorted(set(args.dists) | set(args.cuobjdump_dists))
         cp = docker_run(pinned, plat, ["python3", "-c", PROBE, json.dumps(names)])
         if cp.returncode != 0:
@@ -412,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wheel-cache", default=str(ROOT / ".cache" / "wheels"))
     ap.add_argument("--build-log", help="build.py's bake log: per-stage times go into the report")
     ap.add_argument("--build-commit", help="the commit the image was built from (checked: which image inputs "
-                    "changed since)")
+                    "changed since; default: the image's org.opencontainers.image.revision label)")
     ap.add_argument("--build-command", help="the command that built the image, recorded as given")
     ap.add_argument("--build-wall-s", type=float, help="the build command's wall time, recorded as given")
     ap.add_argument("--smoke", type=Path, help="a `build.py smoke IMAGE --json` report to keep with the proof "

@@ -100,15 +100,29 @@ def sass_lines(cuobjdump_txt: str) -> list[dict]:
     return out
 
 
+def ccache_stats(text: str) -> dict:
+    """`ccache --show-stats --verbose` after the build: its first Cacheable/Hits/Misses lines (the totals) as
+    [count, of], and the whole listing."""
+    out: dict = {"lines": [ln.rstrip() for ln in text.splitlines() if ln.strip()]}
+    for ln in text.splitlines():
+        m = re.match(r"\s*(Cacheable calls|Hits|Misses):\s+(\d+) / +(\d+)", ln)
+        if m:
+            out.setdefault(m[1].lower().replace(" ", "_"), [int(m[2]), int(m[3])])
+    return out
+
+
 def provenance(report_dir: Path, image: str | None, build_commit: str | None = None) -> dict:
     """What the report is bound to: this checkout's commit (with the commit the image was built from, which image
     inputs changed between the two), the wheel's sha256, the external sources used (the vllm-sources context's
     SOURCES.json, when the build had one) and the image's digest."""
     sys.path.insert(0, str(ROOT))
-    from benchmarks.image_proof import git_state
+    from benchmarks.image_proof import git_state, revision_label
 
-    state = git_state(build_commit)
+    label = revision_label(image) if image else None
+    state = git_state(build_commit or (label.removesuffix("-dirty") if label else None))
     out: dict = {"project_commit": state.pop("commit"), "project_dirty": state.pop("image_inputs_dirty"), **state}
+    if label:
+        out["revision_label"] = label
     wheels = report_dir / "wheels.sha256"
     out["wheels"] = {Path(f).name: h for h, f in (ln.split() for ln in wheels.read_text().splitlines() if ln.strip())} \
         if wheels.is_file() else None
@@ -170,6 +184,9 @@ def markdown(r: dict) -> str:
     what = "the sampled objects" if r.get("rehearsal") else "every .so in the wheel"
     lines += ["", f"cuobjdump over {what}:", "", "| file | SASS | ptx |", "|---|---|---:|"]
     lines += [f"| `{s['so']}` | {' '.join(s['sass']) or 'none'} | {s['ptx']} |" for s in r["sass"]]
+    if c := r.get("ccache"):
+        lines += ["", f"ccache after the build (its cache mount persists): hits {c.get('hits')}, misses "
+                  f"{c.get('misses')} of cacheable calls {c.get('cacheable_calls')}"]
     if r.get("image_checks"):
         lines += ["", "```", json.dumps(r["image_checks"], indent=1)[:4000], "```"]
     return "\n".join(lines) + "\n"
@@ -183,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sdist-tree", type=Path, help="vLLM's sdist, unpacked: the probe's unpatched reference")
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--build-commit", help="the commit the image was built from (recorded with the image inputs that "
-                    "changed since; default: only this checkout's commit)")
+                    "changed since; default: the --image's org.opencontainers.image.revision label)")
     a = ap.parse_args(argv)
     build_log = (a.report / "build.log").read_text(errors="replace")
     units = ninja_units((a.report / "ninja_log").read_text())
@@ -198,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                   "fa_units": sum("vllm-flash-attn" in u["output"] for u in units), "slowest": units[:20]},
         "sass": sass_lines((a.report / "cuobjdump.txt").read_text()),
         "rehearsal": rehearsal(a.report, log + "\n" + build_log),
+        "ccache": ccache_stats(ccache.read_text()) if (ccache := a.report / "ccache.txt").is_file() else None,
     }
     r["provenance"] = provenance(a.report, a.image, a.build_commit)
     if a.image:

@@ -193,7 +193,8 @@ def _requirements(rt: Runtime, pins: dict[str, str], repo_root: Path) -> list[st
 
 
 def _image(manifests: Manifests, profile: Profile, name: str, tags: dict[str, tuple[str, ...]],
-           platforms: tuple[str, ...], out: str, repo_root: Path, rehearse: bool = False) -> ImagePlan:
+           platforms: tuple[str, ...], out: str, repo_root: Path, rehearse: bool = False,
+           revision: str | None = None) -> ImagePlan:
     """One image, from its runtime manifest: what it is built FROM, its build args and contexts (Runtime.resolve)."""
     rt = manifests.runtimes[name]
     pins = rt.pins_for(profile.name)
@@ -215,6 +216,8 @@ def _image(manifests: Manifests, profile: Profile, name: str, tags: dict[str, tu
         "io.g5g.upstream": json.dumps(upstream, sort_keys=True, separators=(",", ":")),
         "io.g5g.patches": json.dumps([dict(p) for p in patches], separators=(",", ":")),
     }
+    if revision:  # labels are image metadata: a new commit changes no layer's cache key
+        labels["org.opencontainers.image.revision"] = revision
     # A rehearsal: what it cut (the runtime's rehearse.why), or that it is built on a rehearsal's images.
     rehearsal = None
     if rehearse:
@@ -249,10 +252,11 @@ def _image(manifests: Manifests, profile: Profile, name: str, tags: dict[str, tu
 def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", platforms: str | None = None,
               registry: str | None = None, out: str = "build", push: bool = False, sequential: bool = False,
               secrets: tuple[str, ...] = (), repo_root: Path | None = None, cache: str | None = None,
-              builder: str | None = None, rehearse: bool = False) -> Plan:
+              builder: str | None = None, rehearse: bool = False, revision: str | None = None) -> Plan:
     """Every input explicit; the result depends on nothing else.
 
-    repo_root: where pyproject.toml (the serving extra) lives; default: the manifest directory's parent."""
+    repo_root: where pyproject.toml (the serving extra) lives; default: the manifest directory's parent.
+    revision: the project commit the images are built from (their org.opencontainers.image.revision label)."""
     if profile not in manifests.profiles:
         raise UserError(f"--profile {profile}: unknown profile (known: {', '.join(sorted(manifests.profiles))})")
     prof = manifests.profiles[profile]
@@ -291,7 +295,7 @@ def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", 
                         "use a profile with cuda")
     tags = {n: _tags(reg, n, manifests.runtimes[n].pins_for(profile)[manifests.runtimes[n].version_pin], prof,
                      rehearse) for n in names}
-    every = tuple(_image(manifests, prof, n, tags, plats, out, root, rehearse) for n in names)
+    every = tuple(_image(manifests, prof, n, tags, plats, out, root, rehearse, revision) for n in names)
     selected = every if runtime == "all" else tuple(i for i in every if i.runtime == runtime)
     if not selected:
         raise UserError(f"--runtime {runtime}: unknown runtime (known: {', '.join(names)}, all)")

@@ -187,3 +187,24 @@ def test_rehearsal_report_keeps_the_earlier_vllm_report_next_to_a_new_one(tmp_pa
     assert r["report_note"] == "linux/arm64 under QEMU 10"
     assert r["vllm_report"]["arch_lines"] == ["-- CUDA supported target architectures: 7.5"]
     assert r["earlier_vllm_reports"] == [{"note": "linux/amd64 natively", "report": {"stages": {"old": 1}}}]
+
+
+CCACHE = """\
+Cache directory:                    /root/.cache/ccache
+Cacheable calls:                      78 /   80 (97.50%)
+  Hits:                               70 /   78 (89.74%)
+    Direct:                           70 /   70
+    Preprocessed:                      0 /    0
+  Misses:                              8 /   78 (10.26%)
+Uncacheable calls:                     2 /   80 ( 2.50%)
+Local storage:
+  Cache size (GiB):                  0.1 /  5.0 ( 2.71%)
+  Hits:                              140 /  156 (89.74%)
+"""
+
+
+def test_ccache_totals_are_the_first_of_each_line():
+    """The build's `ccache --show-stats --verbose`: the totals, not the local-storage lines below them."""
+    c = report.ccache_stats(CCACHE)
+    assert c["cacheable_calls"] == [78, 80] and c["hits"] == [70, 78] and c["misses"] == [8, 78]
+    assert c["lines"][0].startswith("Cache directory:")

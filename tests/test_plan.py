@@ -67,6 +67,23 @@ def test_labels_carry_arch_list_pins_and_patch_digests(g5g, cpu):
     assert jax_cpu.labels["io.g5g.cuda-archs"] == "" and "cuda" not in jax_cpu.upstream
 
 
+
+def test_images_carry_the_commit_they_are_built_from(g5g, tmp_path):
+    """org.opencontainers.image.revision: what image_proof and vllm_build_report bind their reports to."""
+    labels = [i.labels for i in make_plan(g5g, revision="f" * 40).images]
+    assert labels and all(lb["org.opencontainers.image.revision"] == "f" * 40 for lb in labels)
+    assert not any("org.opencontainers.image.revision" in i.labels for i in make_plan(g5g).images)
+    assert build_cmd.git_revision(tmp_path) is None  # not a checkout: no label rather than a guess
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "f").write_text("1")
+    subprocess.run([*git, "add", "f"], check=True)
+    subprocess.run([*git, "commit", "-qm", "x"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert build_cmd.git_revision(tmp_path) == head
+    (tmp_path / "f").write_text("2")
+    assert build_cmd.git_revision(tmp_path) == head + "-dirty"
+
 def test_vllm_build_args(g5g):
     a = make_plan(g5g, runtime="vllm").images[0].build_args
     assert a["TORCH_CUDA_ARCH_LIST"] == "7.5" and "PTX" not in a["TORCH_CUDA_ARCH_LIST"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -53,6 +54,21 @@ def out_dir(out: str | None) -> str:
     return str(Path(out).resolve()) if out else str(REPO_ROOT / "build")
 
 
+def git_revision(root: Path) -> str | None:
+    """The checkout's commit, "-dirty" when a tracked file differs from it (git describe's convention); None outside
+    git (or without git). It becomes the images' org.opencontainers.image.revision label, which proofs and reports
+    read back."""
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+    except FileNotFoundError:
+        return None
+    if head.returncode != 0:
+        return None
+    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    return head.stdout.strip() + ("-dirty" if dirty else "")
+
+
 def plan_from_args(args, push: bool = False, with_secrets: bool = True) -> Plan:
     mdir = Path(args.manifests) if args.manifests else REPO_ROOT / "manifests"
     rehearse = getattr(args, "rehearse", False)
@@ -63,7 +79,7 @@ def plan_from_args(args, push: bool = False, with_secrets: bool = True) -> Plan:
                      registry=args.registry, out=out_dir(getattr(args, "out", None)), push=push,
                      sequential=getattr(args, "sequential", False), secrets=sec, repo_root=REPO_ROOT,
                      cache=getattr(args, "cache", None), builder=getattr(args, "builder", None),
-                     rehearse=rehearse)
+                     rehearse=rehearse, revision=git_revision(REPO_ROOT))
 
 
 def check_patches(plan: Plan) -> None:

@@ -20,6 +20,7 @@ import os
 import re
 import secrets
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,8 @@ def test_labels_read_back_from_registry(built, runtime):
     assert isinstance(upstream, dict) and upstream, labels["io.g5g.upstream"]
     assert isinstance(json.loads(labels["io.g5g.patches"]), list)
     assert any(k.startswith("org.opencontainers.image.") for k in labels), sorted(labels)
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert labels["org.opencontainers.image.revision"].removesuffix("-dirty") == head, "not the commit built from"
     # The entrypoint is the shared server, as the contract says.
     argv = (cfg["config"].get("Entrypoint") or []) + (cfg["config"].get("Cmd") or [])
     assert "serving" in " ".join(argv), argv

@@ -211,6 +211,9 @@ RUN --mount=type=bind,source=check-sass.sh,target=/tmp/check/check-sass.sh \
  && ls -l /wheels >> /report/times.txt && sha256sum /wheels/*.whl > /report/wheels.sha256 \
  && mkdir -p /driver-stub && cp -L /usr/local/cuda/lib64/stubs/libcuda.so /driver-stub/libcuda.so.1
 WORKDIR /src/vllm
+# ccache persists in its cache mount from build to build: its statistics go into the report (a rebuild shows hits).
+RUN --mount=type=cache,target=/root/.cache/ccache CCACHE_DIR=/root/.cache/ccache ccache --show-stats --verbose \
+      | tee /report/ccache.txt
 
 FROM scratch AS vllm-report
 COPY --from=vllm-build /report/ /
