@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from g5g import archlist, registry  # noqa: E402
+from g5g.commands.build import IMAGE_INPUTS  # noqa: E402
 from g5g.errors import UserError  # noqa: E402
 
 CUOBJDUMP_VERSION = "13.4.92"  # nvidia-cuda-cuobjdump, the g4dn profile's pin
@@ -276,9 +277,6 @@ def ptxas_check(image: str, platform: str, ptxas: str, cuobjdump: str, arch: str
         archs = [str(e)]
     return {"ok": archs == [f"sm_{sm}"], "ptxas": ptxas, "version": version.strip().splitlines(),
             "ptx_target": f"sm_{sm}", "cubin_archs": archs, "cubin_bytes": cubin.stat().st_size}
-
-
-IMAGE_INPUTS = ("serving", "dockerfiles", "manifests", "pyproject.toml", "g5g")  # what build.py puts in an image
 
 
 def git_state(build_commit: str | None) -> dict:

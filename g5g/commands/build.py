@@ -54,18 +54,22 @@ def out_dir(out: str | None) -> str:
     return str(Path(out).resolve()) if out else str(REPO_ROOT / "build")
 
 
+# What build.py turns into an image: templates and their scripts, manifests, patches, the serving code, the generator.
+IMAGE_INPUTS = ("dockerfiles", "manifests", "patches", "serving", "g5g", "pyproject.toml")
+
+
 def git_revision(root: Path) -> str | None:
-    """The checkout's commit, "-dirty" when a tracked file differs from it (git describe's convention); None outside
-    git (or without git). It becomes the images' org.opencontainers.image.revision label, which proofs and reports
-    read back."""
+    """The checkout's commit, "-dirty" when a tracked image input differs from it (git describe's convention); None
+    outside git (or without git). It becomes the images' org.opencontainers.image.revision label, which proofs and
+    reports read back."""
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
     except FileNotFoundError:
         return None
     if head.returncode != 0:
         return None
-    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
+                            *IMAGE_INPUTS], capture_output=True, text=True).stdout.strip()
     return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
