@@ -27,34 +27,48 @@ DONE = re.compile(r"^#(\d+) DONE ([\d.]+)s$")
 CACHED = re.compile(r"^#(\d+) CACHED$")
 
 
+def _events(log: str):
+    """(bake, step id, match) for every step, DONE and CACHED line. build.py logs its build and push bakes into one
+    file and BuildKit numbers each bake's steps from #1 again, so a step is known by its bake and number."""
+    bake = 0
+    for line in log.splitlines():
+        if line.startswith("#0 building with "):
+            bake += 1
+        for kind, rx in (("step", STEP), ("done", DONE), ("cached", CACHED)):
+            if m := rx.match(line):
+                yield kind, (bake, m.group(1)), m
+                break
+
+
 def stage_times(log: str) -> dict[str, dict]:
     """Per Dockerfile stage: wall seconds summed over its steps (as BuildKit timed them) and steps cached."""
-    steps: dict[str, tuple[str, str]] = {}
+    steps: dict[tuple, str] = {}
     out: dict[str, dict] = defaultdict(lambda: {"wall_s": 0.0, "steps": 0, "cached": 0})
-    for line in log.splitlines():
-        if m := STEP.match(line):
-            steps[m.group(1)] = (f"{m.group(2) or ''}/{m.group(3)}".lstrip("/"), m.group(6)[:80])
-        elif (m := DONE.match(line)) and m.group(1) in steps:
-            s = out[steps[m.group(1)][0]]
+    for kind, key, m in _events(log):
+        if kind == "step":
+            steps[key] = f"{m.group(2) or ''}/{m.group(3)}".lstrip("/")
+        elif kind == "done" and key in steps:
+            s = out[steps[key]]
             s["wall_s"] = round(s["wall_s"] + float(m.group(2)), 1)
             s["steps"] += 1
-        elif (m := CACHED.match(line)) and m.group(1) in steps:
-            out[steps[m.group(1)][0]]["cached"] += 1
+        elif kind == "cached" and key in steps:
+            out[steps[key]]["cached"] += 1
     return dict(out)
 
 
 def step_times(log: str) -> list[dict]:
-    """Every step BuildKit ran or found cached, in log order: stage, step, the command's start, seconds (None: cached)."""
-    steps: dict[str, dict] = {}
-    for line in log.splitlines():
-        if m := STEP.match(line):
-            steps.setdefault(m.group(1), {"stage": f"{m.group(2) or ''}/{m.group(3)}".lstrip("/"),
-                                          "step": f"{m.group(4)}/{m.group(5)}", "cmd": m.group(6)[:100],
-                                          "wall_s": None, "cached": False})
-        elif (m := DONE.match(line)) and m.group(1) in steps:
-            steps[m.group(1)]["wall_s"] = float(m.group(2))
-        elif (m := CACHED.match(line)) and m.group(1) in steps:
-            steps[m.group(1)]["cached"] = True
+    """Every step BuildKit ran or found cached, in log order: bake, stage, step, the command's start, seconds (None:
+    cached)."""
+    steps: dict[tuple, dict] = {}
+    for kind, key, m in _events(log):
+        if kind == "step":
+            steps.setdefault(key, {"bake": key[0], "stage": f"{m.group(2) or ''}/{m.group(3)}".lstrip("/"),
+                                   "step": f"{m.group(4)}/{m.group(5)}", "cmd": m.group(6)[:100],
+                                   "wall_s": None, "cached": False})
+        elif kind == "done" and key in steps:
+            steps[key]["wall_s"] = float(m.group(2))
+        elif kind == "cached" and key in steps:
+            steps[key]["cached"] = True
     return [s for s in steps.values() if s["wall_s"] is not None or s["cached"]]
 
 

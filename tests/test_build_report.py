@@ -218,3 +218,17 @@ def test_ccache_totals_are_the_first_of_each_line():
     c = report.ccache_stats(CCACHE.replace("Hits:               0 /  73", "Hits:               5 /  73", 1))
     assert c["cacheable_calls"] == [73, 73] and c["hits"] == [5, 73] and c["misses"] == [73, 73]
     assert c["lines"][0].startswith("Cache directory:")
+
+
+def test_the_push_bake_in_the_same_log_numbers_its_steps_again():
+    """build.py logs its build and push bakes into one file; BuildKit numbers each from #1, so #14 of the push bake
+    is another step than #14 of the build."""
+    push = "#0 building with \"default\" instance using docker driver\n" \
+           "#14 [vllm vllm 2/6] RUN pip install /tmp/wheels/vllm.whl\n#14 CACHED\n"
+    log = "#0 building with \"default\" instance using docker driver\n" + BAKE_LOG + push
+    stages = report.stage_times(log)
+    assert stages["torch-base/torch-base"] == {"wall_s": 185.0, "steps": 1, "cached": 0}
+    assert stages["vllm/vllm"] == {"wall_s": 0.0, "steps": 0, "cached": 1}
+    steps = report.step_times(log)
+    assert [(s["bake"], s["stage"], s["cached"]) for s in steps][0] == (1, "torch-base/torch-base", False)
+    assert (2, "vllm/vllm", True) in [(s["bake"], s["stage"], s["cached"]) for s in steps]
