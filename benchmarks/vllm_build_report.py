@@ -201,8 +201,9 @@ def markdown(r: dict) -> str:
     lines += ["", f"cuobjdump over {what}:", "", "| file | SASS | ptx |", "|---|---|---:|"]
     lines += [f"| `{s['so']}` | {' '.join(s['sass']) or 'none'} | {s['ptx']} |" for s in r["sass"]]
     if c := r.get("ccache"):
-        lines += ["", f"ccache after the build (its cache mount persists): hits {c.get('hits')}, misses "
-                  f"{c.get('misses')} of cacheable calls {c.get('cacheable_calls')}"]
+        hits, misses = (c.get("hits") or ["?", "?"]), (c.get("misses") or ["?", "?"])
+        lines += ["", f"ccache's counters after the build (its cache mount persists; the counters add up every build "
+                  f"since the cache was created): {hits[0]} hits, {misses[0]} misses of {hits[1]} cacheable calls"]
     if r.get("image_checks"):
         lines += ["", "```", json.dumps(r["image_checks"], indent=1)[:4000], "```"]
     return "\n".join(lines) + "\n"
