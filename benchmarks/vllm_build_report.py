@@ -22,6 +22,9 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.image_proof import git_state, revision_label  # noqa: E402
+
 STEP = re.compile(r"^#(\d+) \[(?:(\S+) )?(\S+) +(\d+)/(\d+)\] (.*)$")  # "#23 [vllm toolchain 1/6] RUN …", "#13 [vllm torch-base  4/10] …"
 DONE = re.compile(r"^#(\d+) DONE ([\d.]+)s$")
 CACHED = re.compile(r"^#(\d+) CACHED$")
@@ -129,9 +132,6 @@ def provenance(report_dir: Path, image: str | None, build_commit: str | None = N
     """What the report is bound to: this checkout's commit (with the commit the image was built from, which image
     inputs changed between the two), the wheel's sha256, the external sources used (the vllm-sources context's
     SOURCES.json, when the build had one) and the image's digest."""
-    sys.path.insert(0, str(ROOT))
-    from benchmarks.image_proof import git_state, revision_label
-
     label = revision_label(image) if image else None
     state = git_state(build_commit or (label.removesuffix("-dirty") if label else None))
     out: dict = {"project_commit": state.pop("commit"), "project_dirty": state.pop("image_inputs_dirty"), **state}

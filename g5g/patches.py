@@ -201,10 +201,12 @@ def apply_all(patches: list[tuple[str, str | None]], sdist: Sdist, dest: Path,
         check = _git_apply(p, patched, "--check")
         if check.returncode != 0:
             why = next((ln for ln in check.stderr.splitlines() if ln.startswith("error:")), check.stderr.strip())
-            raise UserError(f"patch {rel} does not apply to {sdist.package} {sdist.version}: {why.removeprefix('error: ')}")
+            raise UserError(f"patch {rel} does not apply to {sdist.package} {sdist.version}: "
+                            f"{why.removeprefix('error: ')}")
         applied = _git_apply(p, patched)
         if applied.returncode != 0:
-            raise UserError(f"patch {rel}: git apply failed on {sdist.package} {sdist.version}: {applied.stderr.strip()}")
+            raise UserError(f"patch {rel}: git apply failed on {sdist.package} {sdist.version}: "
+                            f"{applied.stderr.strip()}")
     return unpatched, patched
 
 

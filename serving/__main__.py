@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 
-
 def runtimes(package_dir: Path = Path(__file__).parent) -> dict[str, str]:
     """--runtime NAME -> its module: every serving/<NAME>_runtime module or package (a new runtime is a module)."""
     return {m.name.removesuffix("_runtime"): f"serving.{m.name}" for m in pkgutil.iter_modules([str(package_dir)])
