@@ -182,3 +182,30 @@ def test_patch_digest_check(tmp_path: Path, mdir: Path):
     (root / "patches/vllm/0.33.0/0001-fix.patch").unlink()
     with pytest.raises(UserError, match=r"patches\[0\].path: .*does not exist"):
         manifest.check_patch_digests(manifest.load(mdir), root)
+
+
+@pytest.mark.parametrize("archs", [["7.5+PTX"], ["7.5", "8.0+ptx"]])
+def test_ptx_in_an_arch_list_is_refused_for_what_it_is(mdir: Path, archs):
+    """Not merely "not an arch like 7.5": the error says why +PTX cannot serve sm_75."""
+    edit(mdir, "profiles/g5g.yaml", _set("cuda.archs", archs))
+    with pytest.raises(UserError, match=r"profiles/g5g.yaml: cuda.archs: .*\+PTX is not allowed .*cannot JIT down"):
+        manifest.load(mdir)
+
+
+def test_a_pin_equal_to_its_floor_is_accepted(mdir: Path):
+    vllm = yaml.safe_load((mdir / "runtimes/vllm.yaml").read_text())["pins"]["vllm"]
+    edit(mdir, "runtimes/vllm.yaml", _set("min_pins.vllm", vllm))
+    assert manifest.load(mdir).runtimes["vllm"].min_pins["vllm"] == vllm
+    above = ".".join([*vllm.split(".")[:2], str(int(vllm.split(".")[2]) + 1)])
+    edit(mdir, "runtimes/vllm.yaml", _set("min_pins.vllm", above))
+    with pytest.raises(UserError, match=rf"runtimes/vllm.yaml: pins.vllm: {vllm} is below the Gemma 4 floor"):
+        manifest.load(mdir)
+
+
+@pytest.mark.parametrize("key,path", [("wheels", "../outside"), ("wheels", ".whl/../../outside"),
+                                      ("build.vllm_sources", "../../src")])
+def test_a_path_escaping_the_repository_is_refused(mdir: Path, key, path):
+    rel = "profiles/cpu.yaml" if key == "wheels" else "profiles/g4dn.yaml"
+    edit(mdir, rel, _set(key, path))
+    with pytest.raises(UserError, match=rf"{rel}: {key}: .*inside the repository"):
+        manifest.load(mdir)

@@ -380,3 +380,15 @@ def test_a_failed_builds_error_line_is_printed_as_written(cpu, tmp_path, monkeyp
     plan = make_plan(cpu, runtime="pytorch", profile="cpu", out=str(tmp_path / "out"))
     assert build_cmd.execute(plan, REPO) == 1
     assert "cuda-toolkit[nvcc,cccl,crt,nvvm,cudart]==13.0.3" in capsys.readouterr().err
+
+
+def test_a_profile_of_two_archs_separates_them_in_the_tag_and_the_label():
+    """sm75-86 in the tag (sm7586 would read as one arch), and the label `build.py inspect` reads back lists them
+    with a space, as TORCH_CUDA_ARCH_LIST does."""
+    from g5g import archlist
+    two = manifest.load(REPO / "manifests", profile="g4dn", overrides=['profile.cuda.archs=["7.5", "8.6"]'])
+    vllm = make_plan(two, runtime="vllm", profile="g4dn", registry="r.example").images[0]
+    assert vllm.tags[0] == "r.example/g5g-images:vllm-0.33.0-cu130-sm75-86-g4dn"
+    assert vllm.labels["io.g5g.cuda-archs"] == "7.5 8.6" == vllm.build_args["TORCH_CUDA_ARCH_LIST"]
+    found = archlist.find({}, vllm.labels)
+    assert found.source == "label:io.g5g.cuda-archs" and found.archs.native == ("7.5", "8.6")
