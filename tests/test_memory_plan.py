@@ -102,3 +102,19 @@ def test_the_jax_server_refuses_on_its_gpu_pool_before_reading_weights(tiny_gemm
     monkeypatch.setattr(checkpoint, "load_params", lambda *a: pytest.fail("weights read before the refusal"))
     with pytest.raises(ValueError, match="does not fit this GPU at --max-model-len 4096 with 4 slot"):
         engine.load(tiny_gemma4, Settings(buckets=(64, 4096), cache_dir=None, slots=4))
+
+
+def test_fits_holds_at_exact_equality_and_not_a_byte_over():
+    import dataclasses
+    p = mp.plan(E2B, "fp16", 4096, 1)
+    assert dataclasses.replace(p, gpu=p.total).fits
+    assert not dataclasses.replace(p, gpu=p.total - 1).fits
+
+
+def test_sliding_layers_hold_only_their_window():
+    """E2B: 3 full layers at full length, 12 sliding ones capped at their 512-token window."""
+    full, sliding = 3 * 2 * 512 * 2, 12 * 2 * 256 * 2
+    assert mp.kv_bytes_per_token(E2B, 4096) == full + round(sliding * 512 / 4096)
+    assert mp.kv_bytes_per_token(E2B, 256) == full + sliding          # shorter than the window: all of it
+    rings, flat = mp.plan(E2B, "fp16", 4096, 2, rings=True), mp.plan(E2B, "fp16", 4096, 2)
+    assert rings.kv == 2 * 4096 * (full + sliding // 8) and flat.kv == 2 * 4096 * (full + sliding)

@@ -146,6 +146,7 @@ BAD = [
     (json.dumps({"messages": []}), 400, "messages"),
     (json.dumps({"messages": ASK, "temperature": "hot"}), 400, "temperature"),
     (json.dumps({"messages": ASK, "temperature": 5}), 400, "temperature"),
+    (json.dumps({"messages": ASK, "temperature": 2.01}), 400, "temperature"),           # OpenAI's range is 0-2
     (json.dumps({"messages": ASK, "max_tokens": 1.5}), 400, "max_tokens"),
     (json.dumps({"messages": ASK, "max_tokens": 0}), 400, "max_tokens"),
     (json.dumps({"messages": ASK, "stream": "yes"}), 400, "stream"),
@@ -170,6 +171,12 @@ BAD = [
     (json.dumps({"messages": ASK, "max_tokens": 250}), 400, "messages"),   # prompt + max_tokens > context
     (json.dumps({"model": "gpt-4o", "messages": ASK}), 404, "model"),
 ]
+
+
+def test_temperature_is_accepted_over_openais_whole_range():
+    from serving.protocol import ChatRequest, parse
+    for t in (0, 0.5, 2, 2.0):
+        assert parse(ChatRequest, json.dumps({"messages": ASK, "temperature": t}).encode()).temperature == t
 
 
 @pytest.mark.parametrize("body,status,param", BAD, ids=[f"{i}" for i in range(len(BAD))])

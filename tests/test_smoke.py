@@ -338,3 +338,21 @@ def test_every_cuda_profile_gets_the_gpu_and_the_labels_choose(labels, gpu):
 def test_an_unknown_runtime_or_profile_names_the_choices(runtime, profile, message):
     with pytest.raises(UserError, match=message):
         smoke_cmd.image_runtime("img", {}, runtime, profile)
+
+
+@pytest.mark.parametrize("text", ["<think>The capital is Paris", "<thought>Paris, surely", "<|channel>thought\nParis"])
+def test_an_unterminated_thought_is_stripped_and_cannot_pass_as_the_answer(text):
+    """A model cut off mid-thought (max_tokens) has no answer: the thought must not count as one."""
+    assert smoke.clean(text + "<eos>") == ""
+    ans = wire.Answer(success=True, text=text, finish_reason="stop", usage={"prompt_tokens": 9, "completion_tokens": 6})
+    checks = {c.name: c for c in smoke.check_answer(ans, "paris", 64)}
+    assert not checks["non_empty"].ok and not checks["expected"].ok
+
+
+def test_more_visible_characters_than_tokens_can_decode_fails():
+    """A token decodes to at most a few dozen characters: 69 per token is text that no token produced."""
+    for chars, ok in [(600, True), (640, True), (690, False), (6000, False)]:
+        ans = wire.Answer(success=True, text="x" * chars, finish_reason="stop", chunks=5,
+                          usage={"prompt_tokens": 9, "completion_tokens": 10})
+        check = smoke.token_check(ans, 64)
+        assert check.ok is ok and (ok or f"{chars} characters from 10 tokens" in check.detail), (chars, check.detail)
