@@ -27,6 +27,7 @@ pytest.importorskip("compressed_tensors")
 
 from compressed_tensors.compressors import PackedQuantizationCompressor  # noqa: E402
 from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme  # noqa: E402
+from compressed_tensors.utils.match import match_name  # noqa: E402
 
 from serving import memory_plan, quantized  # noqa: E402
 
@@ -57,6 +58,23 @@ def test_numpy_reader_equals_compressed_tensors_decompress(scheme, group):
     assert np.all(np.abs(got - w.numpy()) <= 0.6 * step)
 
 
+@pytest.mark.parametrize("scheme,group", [("w8a16", None), ("w4a16", None)])
+def test_codes_are_quantised_against_the_float16_scale_that_is_stored(scheme, group):
+    """The runtimes multiply the codes by the stored float16 scale: the codes must be round(w / that scale), not
+    w / the float32 scale before its rounding (a different code wherever the two straddle a .5)."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 256, generator=gen) * torch.logspace(-3, 1, 64)[:, None]
+    args = quantize.scheme_args(scheme, group)
+    packed = quantize.pack(w, args)
+    assert packed["weight_scale"].dtype == torch.float16
+    scale = packed["weight_scale"].float().repeat_interleave(args.group_size or 256, 1)
+    lim = 2 ** (args.num_bits - 1)
+    want = torch.clamp(torch.round(w / scale), -lim, lim - 1)
+    got = quantized.dequantise(packed["weight_packed"].numpy(), packed["weight_scale"].numpy(),
+                               packed["weight_shape"].numpy(), args.num_bits) / scale.numpy()
+    np.testing.assert_array_equal(np.round(got), want.numpy())
+
+
 def _quantised(src: Path, tmp: Path, scheme: str) -> Path:
     out = tmp / scheme
     if not out.exists():
@@ -83,6 +101,10 @@ def test_written_config_is_what_compressed_tensors_and_our_plan_read(tiny_quanti
         assert memory_plan.scheme_of(raw) == scheme and quantized.weight_args(raw)["num_bits"] == w.num_bits
         headers = memory_plan.safetensors_headers(out)
         assert "model.language_model.embed_tokens.weight" in headers                 # kept 16-bit (tied LM head)
+        # what the plan keeps 16-bit, compressed-tensors (vLLM, transformers) must not look for packed
+        for module in ("lm_head", "model.vision_tower.encoder.layers.0.mlp.fc1", "model.embed_audio.embedding_projection"):
+            assert not memory_plan.QUANTISED.search(module + ".weight")
+            assert any(match_name(module, target) for target in qc.ignore), (module, qc.ignore)
         assert headers["model.language_model.layers.0.mlp.up_proj.weight_packed"]["dtype"] == "I32"
         # the tiny model's per_layer_projection has 16 inputs: no group of 32 divides them -> 16-bit, in ignore
         left = "model.language_model.layers.0.per_layer_projection.weight"
