@@ -301,6 +301,12 @@ def test_check_sass_requires_the_arch_and_fails_on_what_it_cannot_read(nvidia_ve
     assert r.returncode == 1 and "no sm_61 SASS" in r.stderr
     r = check("--only", "7.5", nccl)
     assert r.returncode == 1 and "unexpected SASS" in r.stderr
+    # every SASS it has, so only its PTX is left to object to: vLLM's libraries must be SASS-only
+    line = check("7.5", nccl).stdout
+    sass = line.split(" sass: ")[1].split(" ptx: ")[0].split()
+    assert "sm_75" in sass and line.split(" ptx: ")[1].strip() != "none", line
+    r = check("--only", " ".join(f"{s[3:-1]}.{s[-1]}" for s in sass), nccl)
+    assert r.returncode == 1 and "carries PTX" in r.stderr, r.stdout + r.stderr
     r = check("7.5", str(tmp_path / "host.so"))
     assert r.returncode == 0 and "no device code" in r.stdout
     for bad, why in (("not an ELF file\n", "not a readable ELF file"), ("\x7fELF broken\n", "cuobjdump failed")):
