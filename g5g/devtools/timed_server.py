@@ -209,8 +209,8 @@ def _handler(server: TimedServer):
             event(chunk({"role": "assistant", "content": ""}))  # at once: not a token
             for k, text in enumerate(chunks):
                 _sleep_until(arrived + cfg.ttft + k * cfg.gap)
+                entry["sent"].append(time.perf_counter())  # before the write: no client reads it earlier
                 event(chunk({"content": text}))
-                entry["sent"].append(time.perf_counter())
             if chunks:
                 entry["first"], entry["last"] = entry["sent"][0], entry["sent"][-1]
             else:
