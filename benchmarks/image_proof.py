@@ -43,8 +43,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from g5g import archlist, registry  # noqa: E402
-from g5g.commands.build import IMAGE_INPUTS  # noqa: E402
 from g5g.errors import UserError  # noqa: E402
+from benchmarks.provenance import git_state, revision_label, run  # noqa: E402
+from benchmarks.vllm_build_report import stage_times  # noqa: E402
 
 CUOBJDUMP_VERSION = "13.4.92"  # nvidia-cuda-cuobjdump, the g4dn profile's pin
 NO_DEVICE_CODE = "does not contain device code"
@@ -184,10 +185,6 @@ def pip_platform_args(tags: list[str], python: str) -> list[str]:
 
 # -- against the image -----------------------------------------------------------------------------------------
 
-def run(argv: list[str], timeout: int = 1800, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)
-
-
 def docker_run(image: str, platform: str, argv: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
     return run(["docker", "run", "--rm", "--network", "none", "--platform", platform, "--entrypoint", argv[0],
                 image, *argv[1:]], timeout=timeout)
@@ -279,32 +276,8 @@ def ptxas_check(image: str, platform: str, ptxas: str, cuobjdump: str, arch: str
             "ptx_target": f"sm_{sm}", "cubin_archs": archs, "cubin_bytes": cubin.stat().st_size}
 
 
-def git_state(build_commit: str | None) -> dict:
-    """The checkout this proof ran from; with the commit the image was built from, whether anything that goes into
-    an image changed between the two."""
-    git = ["git", "-C", str(ROOT)]
-    head = run([*git, "rev-parse", "HEAD"]).stdout.strip()
-    dirty = run([*git, "status", "--porcelain", "--untracked-files=no", "--", *IMAGE_INPUTS]).stdout.strip()
-    out = {"commit": head, "image_inputs_dirty": bool(dirty)}
-    if build_commit:
-        full = run([*git, "rev-parse", "--verify", f"{build_commit}^{{commit}}"])
-        if full.returncode != 0:
-            raise UserError(f"build commit {build_commit}: not a commit of this repository")
-        changed = run([*git, "diff", "--name-only", full.stdout.strip(), "HEAD", "--", *IMAGE_INPUTS]).stdout.split()
-        out |= {"built_from": full.stdout.strip(), "image_inputs_changed_since_build": changed}
-    return out
-
-
-def revision_label(image: str) -> str | None:
-    """The org.opencontainers.image.revision label build.py gives every image (a local image: pull it first)."""
-    cp = run(["docker", "image", "inspect", "--format", "{{json .Config.Labels}}", image])
-    labels = json.loads(cp.stdout or "null") if cp.returncode == 0 else None
-    return (labels or {}).get("org.opencontainers.image.revision") or None
-
-
 def prove(args) -> dict:
     from g5g import inspect as g5g_inspect
-    from benchmarks.vllm_build_report import stage_times
 
     arch = archlist.target(args.arch)
     found = g5g_inspect.inspect(args.image, arch=arch, backend="http", insecure=args.insecure)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.image_proof import git_state, revision_label  # noqa: E402
+from benchmarks.provenance import git_state, revision_label  # noqa: E402
 
 STEP = re.compile(r"^#(\d+) \[(?:(\S+) )?(\S+) +(\d+)/(\d+)\] (.*)$")  # "#23 [vllm toolchain 1/6] RUN …", "#13 [vllm torch-base  4/10] …"
 DONE = re.compile(r"^#(\d+) DONE ([\d.]+)s$")

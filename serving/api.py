@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
@@ -37,10 +37,12 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from serving import openai_text, tokenization
 from serving.engine import Engine
-from serving.generation import Batch, Finish, SamplingParams, TokenizerInfo
+from serving.generation import Batch, Finish, TokenizerInfo
 from serving.middleware import Guard, http_protocol
 from serving.protocol import APIError, unavailable
+from serving.scheduler import Job, QueueFull
 from serving.structured import Grammars
 
 log = logging.getLogger("serving.api")
@@ -123,31 +125,6 @@ class Metrics:
 
 
 # ------------------------------------------------------------------------------------------- scheduling
-@dataclass
-class Job:
-    prompt_ids: list[int]
-    params: SamplingParams
-    loop: asyncio.AbstractEventLoop
-    arrival: float = field(default_factory=time.monotonic)
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    shutdown: bool = False        # aborted because the server is shutting down (not because the client left)
-    index: int = 0                # which of the request's `n` choices (its jobs share one `events` queue)
-    grammar: Any = None           # serving/structured.py: the grammar the output follows (None: free text)
-    reveal: frozenset[int] = frozenset()    # special tokens shown in the text (tool-call markup)
-
-    def send(self, ev: Any) -> None:
-        """From the engine thread: hand an event, as (index, event), to the request's coroutine."""
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, ev))
-        except RuntimeError:             # the server is shutting down: its loop is gone
-            self.cancelled.set()
-
-
-class QueueFull(Exception):
-    pass
-
-
 class Scheduler:
     """A FIFO of jobs and the engine thread that runs them, continuously batched over the runtime's slots:
     between two decode steps, waiting jobs join free slots in order of arrival and finished ones leave.
@@ -350,7 +327,6 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
     returns and a warm-up has produced a token. `app.state.begin_shutdown()` (thread-safe; `Server` calls it on
     SIGTERM) starts the drain: new requests get 503, running ones `shutdown_grace` seconds to finish, then
     every open stream ends with finish_reason "abort" and [DONE] and every other request gets a 503."""
-    from serving import openai_text, tokenization    # here: they import Job and QueueFull from this module
 
     model_dir = Path(model_dir)
     name = served_model_name or model_dir.name

@@ -17,10 +17,10 @@ from typing import Any, Callable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from serving.api import Job, QueueFull
 from serving.generation import Delta, Finish, Logprob, PromptLogprob, PromptTooLong, SamplingParams
 from serving.protocol import (APIError, ChatRequest, CompletionRequest, ResponseFormat, messages, read,
                               template_options, unavailable)
+from serving.scheduler import Job, QueueFull
 from serving.structured import InvalidGrammar
 from serving.tool_calls import GemmaCalls, NamedCall, Reader, RequiredCalls, merge, required_schema
 

@@ -194,7 +194,7 @@ def test_the_validation_can_fail(helm, bad, error):  # noqa: F811
 @pytest.mark.slow
 def test_the_real_server_answers_health_while_busy_and_exits_within_the_grace(tiny_gemma4):
     """What the probes and the grace period assume, on the real server: /health does not wait for a busy engine
-    (each decode step here blocks 1.5 s, standing in for a long prefill), and after SIGTERM the process ends within
+    (each decode step here blocks 3 s, standing in for a long prefill), and after SIGTERM the process ends within
     --shutdown-timeout + the chart's exit backstop, a request still running."""
     import threading
     import time
@@ -206,7 +206,7 @@ def test_the_real_server_answers_health_while_busy_and_exits_within_the_grace(ti
     v = yaml.safe_load((CHART / "values-pytorch-g5g.yaml").read_text())
     live_timeout = v["probes"]["liveness"]["timeoutSeconds"]
     drain = 2
-    with tiny_server(tiny_gemma4, "--shutdown-timeout", str(drain), pace=1.5, timeout=240) as srv:
+    with tiny_server(tiny_gemma4, "--shutdown-timeout", str(drain), pace=3.0, timeout=240) as srv:
         body = {"model": requests.get(f"{srv.url}/v1/models", timeout=10).json()["data"][0]["id"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64,
                 "ignore_eos": True}
         answer: dict = {}
@@ -220,7 +220,9 @@ def test_the_real_server_answers_health_while_busy_and_exits_within_the_grace(ti
             assert requests.get(f"{srv.url}/health", timeout=live_timeout).status_code == 200
             lat.append(time.monotonic() - t0)
             time.sleep(0.3)
-        assert max(lat) < 1.0, lat  # under one engine step (1.5 s), far under the probe's timeout
+        # under two thirds of an engine step (3 s; a /health that waited for a step would wait ~2.7 s by the second
+        # poll at the latest), far under the probe's timeout; room for a loaded machine's slower answers
+        assert max(lat) < 2.0, lat
         t0 = time.monotonic()
         srv.terminate()
         rc = srv.exited(drain + v["lifecycle"]["exitBackstopSeconds"])

@@ -7,6 +7,7 @@ import zipfile
 import pytest
 
 from benchmarks import image_proof as ip
+from benchmarks import provenance
 
 ELF = """ELF file    1: xla_cuda_plugin.1.sm_75.cubin
 ELF file    2: xla_cuda_plugin.2.sm_80.cubin
@@ -95,14 +96,14 @@ def test_compressed_wheel_tags_expand(tmp_path):
 
 
 def test_the_proof_names_the_build_commit_and_what_changed_since():
-    state = ip.git_state("HEAD")
+    state = provenance.git_state("HEAD")
     assert len(state["commit"]) == 40 and state["built_from"] == state["commit"]
     assert state["image_inputs_changed_since_build"] == []
-    first = ip.run(["git", "-C", str(ip.ROOT), "rev-list", "--max-parents=0", "HEAD"]).stdout.split()[0]
+    first = provenance.run(["git", "-C", str(provenance.ROOT), "rev-list", "--max-parents=0", "HEAD"]).stdout.split()[0]
     if first != state["commit"]:  # a depth-1 clone has no older commit
-        assert "serving/api.py" in ip.git_state(first)["image_inputs_changed_since_build"]
-    with pytest.raises(ip.UserError, match="not a commit"):
-        ip.git_state("0" * 40)
+        assert "serving/api.py" in provenance.git_state(first)["image_inputs_changed_since_build"]
+    with pytest.raises(provenance.UserError, match="not a commit"):
+        provenance.git_state("0" * 40)
 
 
 def test_an_uncovered_library_fails_unless_named_with_a_reason():

@@ -85,7 +85,7 @@ def test_past_the_grace_period_streams_end_with_abort_and_the_rest_get_503(tiny_
         queued_stream = Call(srv.url, {**LONG, "stream": True})
         queued = Call(srv.url, {"messages": ASK})
         wait_until(lambda: in_flight(srv.url) == 3, what="one running, two queued")
-        t0 = time.monotonic()
+        before = len(running.events)
         srv.terminate()
         time.sleep(0.3)                        # draining, within the grace period: new requests are refused
         try:
@@ -96,8 +96,10 @@ def test_past_the_grace_period_streams_end_with_abort_and_the_rest_get_503(tiny_
         for c in (running, queued_stream, queued):
             c.join(60)
         assert srv.exited(60) == 0, srv.output[-3000:]
-        elapsed = time.monotonic() - t0
-    assert elapsed < 8                         # grace 1 s, then one paced step: not 200 steps (10 s)
+    # Counted in steps, not seconds (a loaded machine slows the steps, never speeds them): each waits its 0.05 s
+    # pace, so the 1 s grace holds at most 20, and the abort comes within one more (not after 200 steps).
+    after = [c for c in running.chunks()[before:] if c["choices"] and c["choices"][0]["delta"].get("content")]
+    assert len(after) <= 1 / 0.05 + 2, len(after)
     for c in (running, queued_stream):
         assert c.status == 200 and c.error is None
         assert c.events[-1] == "data: [DONE]", c.events[-3:]
@@ -118,11 +120,12 @@ def test_a_running_non_streamed_request_past_the_grace_period_gets_a_json_503(ti
 
 
 def test_an_idle_server_exits_0_at_once(tiny_gemma4):
-    with tiny_server(tiny_gemma4, "--shutdown-timeout", "30") as srv:
+    with tiny_server(tiny_gemma4, "--shutdown-timeout", "300") as srv:
         t0 = time.monotonic()
         srv.terminate()
-        assert srv.exited(30) == 0, srv.output[-3000:]
-        assert time.monotonic() - t0 < 10          # the 30 s grace is for requests, not spent when there are none
+        assert srv.exited(150) == 0, srv.output[-3000:]
+        # the 300 s grace is for requests, not spent when there are none (half of it: room for a loaded machine)
+        assert time.monotonic() - t0 < 150
 
 
 # ---------------------------------------------------------------------------------------------- queueing
@@ -212,7 +215,8 @@ def test_abort_all_ends_requests_taken_from_the_queue_but_not_started(tiny_gemma
     turn; abort_all must end those too (they ran on to `length`), not only the queued and the running ones."""
     import asyncio
 
-    from serving.api import Job, Metrics, Scheduler
+    from serving.api import Metrics, Scheduler
+    from serving.scheduler import Job
     from serving.generation import Finish, SamplingParams, TokenizerInfo
 
     info = TokenizerInfo.load(tiny_gemma4)
