@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from g5g.errors import UserError
-from g5g.manifest import IMAGE_RE, Manifests, Profile, Resolved, Runtime
+from g5g.manifest import Manifests
+from g5g.resolve import RuntimeBuild, resolve
+from g5g.schema import IMAGE_RE, Profile
 
 IMAGE_NAME = "g5g-images"
 # A secret never travels as a build argument.
@@ -171,82 +173,69 @@ def _tags(registry: str, runtime: str, version: str, profile: Profile, rehearse:
     return f"{repo}:{runtime}-{v}{suffix}", f"{repo}:{runtime}{suffix}"
 
 
-def _upstream(rt: Runtime, profile: Profile, build: Resolved) -> dict[str, str]:
-    up = {k: v for k, v in rt.pins_for(profile.name).items() if k not in build.unused_pins}
+def _upstream(build: RuntimeBuild, profile: Profile) -> dict[str, str]:
+    up = {k: v for k, v in build.pins.items() if k not in build.unused_pins}
     if profile.cuda:
         up["cuda"] = profile.cuda.version
     up["python"] = profile.python
     return dict(sorted((up | build.upstream).items()))
 
 
-def _requirements(rt: Runtime, pins: dict[str, str], repo_root: Path) -> list[str]:
+def _requirements(build: RuntimeBuild, repo_root: Path) -> list[str]:
     """The pyproject extra the image installs; a pin of the runtime that the extra also pins must agree with it."""
-    if rt.requirements is None:
+    if build.requirements is None:
         return []
-    reqs = serving_requirements(repo_root, rt.requirements)
+    reqs = serving_requirements(repo_root, build.requirements)
     for r in reqs:
         m = re.match(r"^([\w.-]+)==(.+)$", r)
-        if m and m.group(1) in pins and m.group(2) != pins[m.group(1)]:
-            raise UserError(f"{rt.file}: pins.{m.group(1)}: {pins[m.group(1)]} differs from "
-                            f"pyproject.toml's {rt.requirements} extra ({r}); the image installs that one")
+        if m and m.group(1) in build.pins and m.group(2) != build.pins[m.group(1)]:
+            raise UserError(f"{build.file}: pins.{m.group(1)}: {build.pins[m.group(1)]} differs from "
+                            f"pyproject.toml's {build.requirements} extra ({r}); the image installs that one")
     return list(reqs)
 
 
-def _image(manifests: Manifests, profile: Profile, name: str, tags: dict[str, tuple[str, ...]],
-           platforms: tuple[str, ...], out: str, repo_root: Path, rehearse: bool = False,
-           revision: str | None = None) -> ImagePlan:
-    """One image, from its runtime manifest: what it is built FROM, its build args and contexts (Runtime.resolve)."""
-    rt = manifests.runtimes[name]
-    pins = rt.pins_for(profile.name)
-    version = pins[rt.version_pin]
-    base = manifests.base(rt, profile.name)
-    build = rt.resolve(profile, tags[base.name][0] if base else None, rehearse=rehearse)
+def _image(build: RuntimeBuild, profile: Profile, tags: dict[str, tuple[str, ...]], platforms: tuple[str, ...],
+           out: str, repo_root: Path, rehearse: bool = False, revision: str | None = None) -> ImagePlan:
+    """One image, from its runtime's build (g5g/resolve.py): tags, labels, build args, contexts."""
+    name = build.name
     archs = " ".join(profile.cuda.archs) if profile.cuda else ""
-    upstream = _upstream(rt, profile, build)
-    patches = tuple({"path": p.path, "sha256": p.sha256} for p in rt.patches)
+    upstream = _upstream(build, profile)
     labels = {
         "org.opencontainers.image.title": f"{IMAGE_NAME} {name}",
-        "org.opencontainers.image.description": rt.description,
-        "org.opencontainers.image.version": version,
+        "org.opencontainers.image.description": build.description,
+        "org.opencontainers.image.version": build.version,
         "org.opencontainers.image.vendor": IMAGE_NAME,
         "org.opencontainers.image.base.name": build.from_image,
         "io.g5g.runtime": name,
         "io.g5g.profile": profile.name,
         "io.g5g.cuda-archs": archs,
         "io.g5g.upstream": json.dumps(upstream, sort_keys=True, separators=(",", ":")),
-        "io.g5g.patches": json.dumps([dict(p) for p in patches], separators=(",", ":")),
+        "io.g5g.patches": json.dumps([dict(p) for p in build.patches], separators=(",", ":")),
     }
     if revision:  # labels are image metadata: a new commit changes no layer's cache key
         labels["org.opencontainers.image.revision"] = revision
     # A rehearsal: what it cut (the runtime's rehearse.why), or that it is built on a rehearsal's images.
     rehearsal = None
     if rehearse:
-        rehearsal = {"why": rt.rehearse.why if rt.rehearse else "no rehearse section: built as always",
-                     "objects": list(rt.rehearse.objects) if rt.rehearse else []}
+        rehearsal = {"why": build.rehearse_why or "no rehearse section: built as always",
+                     "objects": list(build.rehearse_objects)}
         labels["io.g5g.rehearsal"] = rehearsal["why"]
     # Build args: exactly the ARGs the image's Dockerfile declares (a render test holds us to it).
-    args = build.args
-    for k in args:
+    for k in build.args:
         if any(w in k for w in SECRET_WORDS):
-            raise UserError(f"{rt.file}: args.{k}: secrets travel only as BuildKit secrets (hf-token, ca-cert)")
+            raise UserError(f"{build.file}: args.{k}: secrets travel only as BuildKit secrets (hf-token, ca-cert)")
     contexts = dict(build.contexts)
-    if base:  # bake links the image it is built FROM by its tag
-        contexts = {build.from_image: f"target:{base.name}", **contexts}
-    depends: tuple[str, ...] = ()
-    while base:  # and what that one is built FROM, and so on
-        depends, base = (base.name, *depends), manifests.base(base, profile.name)
-    ctx_vars = {"source": build.source, "serve_args": list(rt.serve_args), "model_arg": rt.serve.model_arg,
-                "port": rt.port,
-                "requirements": _requirements(rt, pins, repo_root), "rehearse": rehearsal}
-    origin = build.context_expr or ""
-    origin = (f"{profile.source}: {origin.removeprefix('profile.')}" if re.match(r"^profile\.[\w.]+$", origin)
-              else f"{rt.file}: context")
+    if build.depends_on:  # bake links the image it is built FROM by its tag
+        contexts = {build.from_image: f"target:{build.depends_on[-1]}", **contexts}
+    ctx_vars = {"source": build.source, "serve_args": list(build.serve_args), "model_arg": build.model_arg,
+                "port": build.port, "requirements": _requirements(build, repo_root), "rehearse": rehearsal}
     return ImagePlan(runtime=name, target=name, tags=tags[name], platforms=platforms,
-                     build_args=dict(sorted(args.items())), labels=labels, patches=patches, upstream=upstream,
-                     dockerfile=str(PurePosixPath(out) / name / "Dockerfile"), template=f"{name}.Dockerfile.j2",
-                     contexts=contexts, depends_on=depends, context_vars=ctx_vars, context=build.context,
-                     context_origin=origin, copy=build.copy, cache_mode=rt.cache_mode,
-                     patch_base=(rt.version_pin, version, rt.sdist_sha256) if patches else None)
+                     build_args=dict(sorted(build.args.items())), labels=labels, patches=build.patches,
+                     upstream=upstream, dockerfile=str(PurePosixPath(out) / name / "Dockerfile"),
+                     template=f"{name}.Dockerfile.j2", contexts=contexts, depends_on=build.depends_on,
+                     context_vars=ctx_vars, context=build.context, context_origin=build.context_origin,
+                     copy=build.copy, cache_mode=build.cache_mode,
+                     patch_base=(build.version_pin, build.version, build.sdist_sha256) if build.patches else None)
 
 
 def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", platforms: str | None = None,
@@ -287,15 +276,15 @@ def make_plan(manifests: Manifests, runtime: str = "all", profile: str = "g5g", 
     # Generated files go anywhere: inside the checkout the paths stay relative to it (bake runs there), else absolute.
     where = (root / out).resolve()
     out = where.relative_to(root.resolve()).as_posix() if where.is_relative_to(root.resolve()) else where.as_posix()
-    names = [n for n, rt in manifests.runtimes.items() if manifests.usable(rt, prof)]  # in build order
+    builds = resolve(manifests.runtimes, prof, lambda name, version: _tags(reg, name, version, prof, rehearse)[0],
+                     rehearse)  # in build order
+    names = list(builds)
     if runtime in manifests.runtimes and runtime not in names:
-        rt = manifests.runtimes[runtime]
-        raise UserError(f"--runtime {runtime} --profile {profile}: {runtime} needs CUDA (needs_cuda in {rt.file} or "
-                        f"what it is built FROM); the {profile} profile has none and builds {', '.join(names)}: "
-                        "use a profile with cuda")
-    tags = {n: _tags(reg, n, manifests.runtimes[n].pins_for(profile)[manifests.runtimes[n].version_pin], prof,
-                     rehearse) for n in names}
-    every = tuple(_image(manifests, prof, n, tags, plats, out, root, rehearse, revision) for n in names)
+        raise UserError(f"--runtime {runtime} --profile {profile}: {runtime} needs CUDA (needs_cuda in "
+                        f"{manifests.runtimes[runtime].file} or what it is built FROM); the {profile} profile has none "
+                        f"and builds {', '.join(names)}: use a profile with cuda")
+    tags = {n: _tags(reg, n, b.version, prof, rehearse) for n, b in builds.items()}
+    every = tuple(_image(b, prof, tags, plats, out, root, rehearse, revision) for b in builds.values())
     selected = every if runtime == "all" else tuple(i for i in every if i.runtime == runtime)
     if not selected:
         raise UserError(f"--runtime {runtime}: unknown runtime (known: {', '.join(names)}, all)")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from g5g import REPO_ROOT, manifest
 from g5g.errors import UserError
-from g5g.manifest import Local
+from g5g.schema import Local
 
 
 def local_runtimes(manifest_dir: Path | None = None) -> dict[str, Local]:
