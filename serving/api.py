@@ -39,7 +39,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from serving import openai_text, tokenization
 from serving.engine import Engine
-from serving.generation import Batch, Finish, TokenizerInfo
+from serving.generation import Batch, Finish, SamplingParams, TokenizerInfo
 from serving.middleware import Guard, http_protocol
 from serving.protocol import APIError, unavailable
 from serving.scheduler import Job, QueueFull
