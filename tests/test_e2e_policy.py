@@ -61,11 +61,12 @@ def test_in_ci_a_module_skipped_at_collection_fails_and_the_run_goes_on(tmp_path
     """A module-level importorskip skips while collecting, before any test runs: in CI it fails like a test's skip."""
     (tmp_path / "test_policy_module.py").write_text('import pytest\npytest.importorskip("g5g_no_such_module")\n\n'
                                                     'def test_never_collected():\n    pass\n')
-    local = pytest_run(tmp_path, str(tmp_path / "test_policy_module.py"), "-m", "not e2e", "-k", "test_unit or collection")
+    module = str(tmp_path / "test_policy_module.py")
+    local = pytest_run(tmp_path, module, "-m", "not e2e", "-k", "test_unit or collection")
     assert local.returncode == 0 and "1 passed, 1 skipped" in local.stdout, local.stdout
     for env in ({"CI": "true"}, {"G5G_REQUIRE_E2E": "1"}):
-        r = pytest_run(tmp_path, str(tmp_path / "test_policy_module.py"), "-m", "not e2e", "-k", "test_unit or collection",
-                       **env)
+        r = pytest_run(tmp_path, module, "-m", "not e2e", "-k", "test_unit or collection", **env)
         assert r.returncode == 1 and "1 failed, 1 passed, 3 deselected in" in r.stdout, r.stdout
         assert "_ skipped-at-collection _" in r.stdout, r.stdout
-        assert "a module skipped at collection fails: Skipped: could not import 'g5g_no_such_module'" in r.stdout, r.stdout
+        why = "a module skipped at collection fails: Skipped: could not import 'g5g_no_such_module'"
+        assert why in r.stdout, r.stdout

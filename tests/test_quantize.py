@@ -102,7 +102,8 @@ def test_written_config_is_what_compressed_tensors_and_our_plan_read(tiny_quanti
         headers = memory_plan.safetensors_headers(out)
         assert "model.language_model.embed_tokens.weight" in headers                 # kept 16-bit (tied LM head)
         # what the plan keeps 16-bit, compressed-tensors (vLLM, transformers) must not look for packed
-        for module in ("lm_head", "model.vision_tower.encoder.layers.0.mlp.fc1", "model.embed_audio.embedding_projection"):
+        for module in ("lm_head", "model.vision_tower.encoder.layers.0.mlp.fc1",
+                       "model.embed_audio.embedding_projection"):
             assert not memory_plan.QUANTISED.search(module + ".weight")
             assert any(match_name(module, target) for target in qc.ignore), (module, qc.ignore)
         assert headers["model.language_model.layers.0.mlp.up_proj.weight_packed"]["dtype"] == "I32"
