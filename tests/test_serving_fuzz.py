@@ -236,8 +236,6 @@ class HealthWatch(threading.Thread):
                 self.stop.wait(0.05)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("runtime", ["pytorch", "jax"])
 def calm_times(url: str) -> tuple[float, float]:
     """The slowest of 10 /health answers and a small chat's time, before the fuzz: how loaded this machine is now.
     The bounds grow with them (a loaded 2-core machine slows every answer), never below the stated ones."""
@@ -252,6 +250,8 @@ def calm_times(url: str) -> tuple[float, float]:
         return max(health), time.monotonic() - t0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("runtime", ["pytorch", "jax"])
 def test_fuzz(runtime_servers, runtime):
     url = runtime_servers[runtime]
     health_calm, chat_calm = calm_times(url)
