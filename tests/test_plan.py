@@ -392,3 +392,29 @@ def test_a_profile_of_two_archs_separates_them_in_the_tag_and_the_label():
     assert vllm.labels["io.g5g.cuda-archs"] == "7.5 8.6" == vllm.build_args["TORCH_CUDA_ARCH_LIST"]
     found = archlist.find({}, vllm.labels)
     assert found.source == "label:io.g5g.cuda-archs" and found.archs.native == ("7.5", "8.6")
+
+
+@pytest.mark.parametrize("profile", ["g5g", "g4dn", "cpu"])
+def test_the_planner_reads_each_runtime_resolved_once_and_never_the_manifest_again(monkeypatch, profile):
+    """g5g/resolve.py evaluates the manifests' expressions once, into plain data; past that, planning asks the
+    manifest nothing (no expression evaluated, no pin or source looked up)."""
+    from g5g import plan as plan_mod, resolve, schema
+
+    m = manifest.load(REPO / "manifests", profile=profile)
+    want = make_plan(m, profile=profile, registry="r.example", rehearse=True).to_json()
+    calls = []
+
+    def resolve_then_close(*args, **kw):
+        builds = resolve.resolve(*args, **kw)
+        calls.append(list(builds))
+
+        def closed(*_, **__):
+            raise AssertionError("the planner went back to the manifest")
+        monkeypatch.setattr(resolve, "_eval", closed)
+        for name in ("pins_for", "source_for", "build_for"):
+            monkeypatch.setattr(schema.Runtime, name, closed)
+        return builds
+
+    monkeypatch.setattr(plan_mod, "resolve", resolve_then_close)
+    assert make_plan(m, profile=profile, registry="r.example", rehearse=True).to_json() == want
+    assert len(calls) == 1 and calls[0] == [i["runtime"] for i in want["images"]]
