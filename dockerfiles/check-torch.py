@@ -62,8 +62,8 @@ def installed(want: dict[str, bool]) -> list[str]:
              "USE_NCCL": ("the NCCL process group (torch.distributed.is_nccl_available())",
                           torch.distributed.is_available() and torch.distributed.is_nccl_available())}
     if "USE_KINETO" in want:
-        facts["USE_KINETO"] = ("CUPTI linked for kineto (libcupti loaded with torch)",
-                               any(d.startswith("libcupti.so") for d in loaded()))
+        facts["USE_KINETO"] = ("kineto built with CUPTI (-DHAS_CUPTI, libcupti loaded with torch)",
+                               "-DHAS_CUPTI" in show and any(d.startswith("libcupti.so") for d in loaded()))
     for name, (what, present) in facts.items():
         if name in want and want[name] != present:
             bad.append(f"{name}={'1' if want[name] else '0'}: {what} is {present}")
