@@ -233,7 +233,7 @@ class ArgsFrom(_Model):
 
 
 class Rehearse(_Model):
-    """`build.py --rehearse` (README, "Rehearsing the g5g chain"): every stage for real, the long compile cut to its
+    """`build.py --rehearse` (docs/g5g-chain.md, "Rehearsing the g5g chain"): every stage for real, the long compile cut to its
     configure and a sample of objects. What a runtime's rehearsal changes is data: manifest overrides (as --set,
     applied before the user's), the sampled objects, build args only a rehearsal has."""
     why: StrictStr  # what the rehearsal cuts or stands in, and why: in the plan and the io.g5g.rehearsal label

@@ -1,4 +1,4 @@
-"""The GitHub workflows users run: valid against GitHub's schema, clean under zizmor, and doing what README says."""
+"""The GitHub workflows users run: valid against GitHub's schema, clean under zizmor, and doing what docs/building.md says."""
 from __future__ import annotations
 
 import json
