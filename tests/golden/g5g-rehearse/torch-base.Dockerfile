@@ -77,7 +77,7 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,re
  && python3 -c "import glob, zipfile; z = zipfile.ZipFile(glob.glob('/tmp/torch-wheel/torch-*.whl')[0]); \
 z.extractall('/opt/torch-cmake', [n for n in z.namelist() if n.startswith('torch/share/cmake/')])" \
  && rm -rf /tmp/torch-wheel
-# hadolint ignore=SC2086
+# hadolint ignore=SC2086,SC2163
 RUN --mount=type=bind,source=torch-discovery,target=/tmp/torch-discovery \
     if [ "$MAX_JOBS" = auto ]; then \
       MAX_JOBS=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 4194304 )); \

@@ -79,7 +79,8 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,re
 # The compile, alone in this step. MAX_JOBS=auto: one compile job per 4 GiB of the build host's memory, at most one
 # per core. USE_FLASH_ATTENTION=0: its kernels are sm_80+ (hours of build for nothing on 7.5); memory-efficient
 # attention stays. Then the configure's cache is read back: every flag of TORCH_BUILD_FLAGS as the manifest asks.
-# hadolint ignore=SC2086
+# The flags are NAME=VALUE words, exported as such (SC2086, SC2163: split and exported on purpose).
+# hadolint ignore=SC2086,SC2163
 RUN --mount=type=cache,target=/root/.cache/ccache \
     --mount=type=bind,source=check-torch.py,target=/tmp/check/check-torch.py \
     if [ "$MAX_JOBS" = auto ]; then \
