@@ -259,8 +259,7 @@ def test_every_from_of_every_image_job_resolves(tmp_path):
     (shim / "python").write_text('#!/bin/sh\nprintf \'%s\\n\' "$@" > "$ARGV_FILE"\n')
     (shim / "python").chmod(0o755)
     jobs = image_jobs()
-    assert {(j, r) for j, r, _, _ in jobs} == {("torch-base", None), ("build", "vllm"), ("build", "pytorch"),
-                                               ("jax", None)}
+    assert {r or j for j, r, _, _ in jobs} == {"torch-base", "vllm", "pytorch", "jax"}  # every image, by some job
     for job, runtime, env, script in jobs:
         argv_file = tmp_path / f"{job}-{runtime}.argv"
         r = subprocess.run(["bash", "-eo", "pipefail", "-c", script], cwd=ROOT, capture_output=True, text=True,
