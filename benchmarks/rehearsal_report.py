@@ -90,7 +90,7 @@ def resolution(path: Path) -> dict:
 
 def markdown(r: dict) -> str:
     out = [f"# {r['title']}", "", f"Project commit `{r['provenance']['project_commit']}`"
-           f"{' (dirty)' if r['provenance']['project_dirty'] else ''}; images built FROM: "
+           f"{' (dirty)' if r['provenance'].get('project_dirty') else ''}; images built FROM: "
            + ", ".join(f"`{b['ref']}` `{b['id']}`" for b in r["base_images"]) + "; inputs (sha256): "
            + ", ".join(f"`{k}` `{v}`" for k, v in r["inputs"].items()) + ".", ""]
     for i, a in enumerate(r["attempts"], 1):
