@@ -88,6 +88,12 @@ def build(rt: Runtime, profile: Profile, base: RuntimeBuild | None, tag: Callabl
     ns["base"] = from_image
     args = {k: v for k, e in src.args.items() if (v := value(f"{prefix}args.{k}", e)) is not None}
     if rehearse and rt.rehearse:
+        if (af := rt.rehearse.args_from) and _eval(rt, "rehearse.args_from.if", af.if_, ns, profile.name, test=True):
+            if af.source not in rt.sources:
+                raise UserError(f"{rt.file}: rehearse.args_from.source: {af.source} is not one of sources "
+                                f"({', '.join(sorted(rt.sources))})")
+            args |= {k: v for k, e in rt.sources[af.source].args.items()
+                     if (v := value(f"sources.{af.source}.args.{k}", e)) is not None}
         args |= {k: v for k, e in rt.rehearse.args.items() if (v := value(f"rehearse.args.{k}", e)) is not None}
     # A pin that only unused args read (rust with the Rust frontend off; torch-base's CUDA wheels for a source
     # other than `build`) is not in the image: no label claims it. Pins no arg reads (e.g. transformers) stay.

@@ -222,6 +222,11 @@ class ProfileSection(_Model):
     source: StrictStr | None = None
 
 
+class ArgsFrom(_Model):
+    source: StrictStr  # one of the runtime's `sources`
+    if_: Expr = Field("true", alias="if")
+
+
 class Rehearse(_Model):
     """`build.py --rehearse` (docs/g5g-chain.md, "Rehearsing the g5g chain"): every stage for real, the long compile
     cut to its configure and a sample of objects. What a runtime's rehearsal changes is data: manifest overrides (as
@@ -230,6 +235,7 @@ class Rehearse(_Model):
     set: dict[StrictStr, Any] = {}  # DOC.KEY: value, as `--set DOC.KEY=VALUE` (DOC: profile or a runtime)
     objects: tuple[StrictStr, ...] = ()  # build-system targets compiled instead of everything (ninja's names)
     args: dict[StrictStr, Value] = {}  # build args only a rehearsal has (the template declares them under `rehearse`)
+    args_from: ArgsFrom | None = None  # and those of another source (e.g. `build`'s, for a stage the rehearsal keeps)
 
 
 class Runtime(Source):
