@@ -271,7 +271,7 @@ def load(model_dir: str | Path, device: str | None = None, max_context: int | No
     slots = slots or slots_from_env(os.environ, dev.type)
     if dev.type == "cuda":          # refuse before loading what the plan says cannot fit (weights + KV cache)
         gpu = torch.cuda.get_device_properties(dev).total_memory
-        if no := memory_plan.refusal(model_dir, context, slots, gpu):
+        if no := memory_plan.refusal(model_dir, context, slots, gpu, rings=True, attention=True):
             raise ValueError(no)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()     # the towers' tensors are "unexpected" for a text model, by design

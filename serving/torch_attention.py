@@ -12,8 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from serving.memory_plan import ATTENTION_QUERY_CHUNK
+
 ATTENTION = "g5g_slots"
-QUERY_CHUNK = 256   # prompt queries attended at once: their mask, group x chunk x keys, is what a prefill holds
+QUERY_CHUNK = ATTENTION_QUERY_CHUNK     # prompt queries attended at once (what a prefill holds: memory_plan counts it)
 
 
 def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
