@@ -231,6 +231,19 @@ def slots_from_env(env=os.environ, device_type: str = "cpu") -> int:
     return int(text)
 
 
+DEFAULT_CACHE_DIR = "~/.cache/g5g-torch"
+
+
+def inductor_env(env=os.environ) -> dict[str, str]:
+    """G5G_TORCH_CACHE_DIR: where inductor keeps the compiled decode step (FX graphs, AOT graphs, Triton kernels), so
+    a restarted server loads them instead of compiling (default ~/.cache/g5g-torch; empty: torch's temporary
+    directory, lost with the container). The variables to set; TORCHINDUCTOR_CACHE_DIR itself, when set, wins."""
+    if "TORCHINDUCTOR_CACHE_DIR" in env:
+        return {}
+    path = env.get("G5G_TORCH_CACHE_DIR", DEFAULT_CACHE_DIR)
+    return {"TORCHINDUCTOR_CACHE_DIR": str(Path(path).expanduser())} if path else {}
+
+
 def _quantised_text(model_dir: Path, dtype) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
     """A compressed-tensors checkpoint's text weights named as Gemma4ForCausalLM's, and its packed linears as
     {module path: (packed words, scales, in_features)} for packed_matmul.pack_model. The state dict holds an
@@ -295,6 +308,13 @@ def load(model_dir: str | Path, device: str | None = None, max_context: int | No
         raise ValueError(f"{model_dir}: checkpoint lacks text weights, e.g. {missing[:3]} "
                          f"(expected Gemma 4 weights under model.language_model.*)")
     model.to(dev).eval()
+    if dev.type == "cuda":
+        for key, path in inductor_env().items():
+            try:
+                Path(path).mkdir(parents=True, exist_ok=True)
+                os.environ[key] = path
+            except OSError as e:
+                log.warning("G5G_TORCH_CACHE_DIR %s unusable (%s): compiling without a persistent cache", path, e)
     if slots > 1:        # SlotKV's attention: each K/V read once, on the SDPA backends sm_75 has
         model.set_attn_implementation(torch_attention.register())
         if dev.type == "cuda":

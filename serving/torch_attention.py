@@ -63,9 +63,9 @@ class SlotKV:
     sliding layers a ring of their window [slots, kv_heads, window, head_dim] (position p at p % window). Rows are
     at different positions, which transformers' caches cannot hold, so the model reaches this one through the Cache
     `update` call and takes {layer type: mask} as attention_mask. A decode step attends over the first
-    span(positions) keys of full layers and over min(span, window) ring entries of sliding ones: keys are stored
-    rotated, so a ring's order does not matter, and entry j is written exactly when j <= p, the same mask as a full
-    layer's prefix."""
+    span(positions) keys of full layers, the length of their mask (marked dynamic: one compiled graph serves every
+    span), and over the whole ring of sliding ones: keys are stored rotated, so a ring's order does not matter, and
+    entry j is written exactly when j <= p, the same mask as a full layer's prefix."""
 
     def __init__(self, model, slots: int, max_context: int, device: torch.device, dtype):
         self.window = min(model.config.sliding_window, max_context)
@@ -82,7 +82,7 @@ class SlotKV:
             for t in (*self.k.values(), *self.v.values()):
                 torch._dynamo.mark_static_address(t)
         self.max_context, self.device = max_context, device
-        self._slot, self._pos, self._span = 0, None, 0
+        self._slot, self._pos = 0, None
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
@@ -98,10 +98,13 @@ class SlotKV:
 
     def decode(self, positions: torch.Tensor, span: int) -> dict:
         """One token per row at positions [rows] (on the device); span: span() of them, from the host."""
-        self._pos, self._span = positions, span
-        self._ring_pos = positions % self.window
-        full = torch.arange(span, device=self.device)[None, :] <= positions[:, None]
-        masks = {"full_attention": full[:, None, None], "sliding_attention": full[:, None, None, :self.window]}
+        self._pos, self._ring_pos = positions, positions % self.window
+        at = positions.view(-1, 1, 1, 1)
+        # tensors of their own, not views of one: the compiler sees a view's base, and the span's mark with it
+        self._full = torch.arange(span, device=self.device).view(1, 1, 1, span) <= at
+        torch._dynamo.maybe_mark_dynamic(self._full, 3)
+        masks = {"full_attention": self._full,
+                 "sliding_attention": torch.arange(self.window, device=self.device).view(1, 1, 1, -1) <= at}
         return dict(position_ids=positions[:, None], attention_mask=masks, past_key_values=self)
 
     def update(self, key, value, layer_idx, cache_kwargs=None):
@@ -120,5 +123,7 @@ class SlotKV:
         rows = torch.arange(key.shape[0], device=key.device)
         at = self._ring_pos if ring else self._pos
         k[rows, :, at], v[rows, :, at] = key[:, :, 0], value[:, :, 0]
-        n = min(self._span, self.window) if ring else self._span
+        if ring:
+            return k, v
+        n = self._full.shape[-1]
         return k[:, :, :n], v[:, :, :n]

@@ -111,3 +111,30 @@ def test_a_decode_step_reads_the_cache_where_it_lies(engines, monkeypatch):
     layers = len(engine.model.model.layers)
     assert len(read) == layers
     assert all(k in buffers and v in buffers and kv_heads == q_heads for k, v, kv_heads, q_heads in read)
+
+
+@pytest.mark.slow
+def test_one_compiled_decode_serves_every_span(engines):
+    """The span of keys a decode step reads grows with the sequence (64, 128, ...): it reaches the compiled step as a
+    mask length marked dynamic, so growing past a power of two replays the graph, never compiles another (goal:
+    no per-shape recompiles after the warm-up)."""
+    from torch._dynamo.testing import CompileCounter
+
+    engine, reference = engines
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    engine._decode, engine._decode_checked = torch.compile(engine.model.__call__, backend=counter), True
+    try:
+        prompt = np.random.default_rng(9).integers(0, 512, 60).tolist()
+        seq = prompt + [engine.start(2, prompt, SamplingParams(temperature=0.0))]
+        seq.append(engine.step({2: seq[-1]})[2])
+        compiled = counter.frame_count
+        assert compiled >= 1
+        while len(seq) < 72:                              # positions 61 .. 70: spans 64, then 128
+            seq.append(engine.step({2: seq[-1]})[2])
+        assert counter.frame_count == compiled
+        want = reference(input_ids=torch.tensor([seq[:-1]]), use_cache=False).logits[0, -1]
+        assert seq[-1] == int(want.argmax())
+    finally:
+        engine._decode = engine.model.__call__
+        torch._dynamo.reset()
