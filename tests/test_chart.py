@@ -107,7 +107,7 @@ def test_every_runtime_and_profile_renders_and_validates(helm, runtime, profile)
     assert dep["spec"]["replicas"] == 1 and "replicas" not in by_kind(full)["Deployment"]["spec"]
     caches = [v for v in by_kind(full)["Deployment"]["spec"]["template"]["spec"]["volumes"] if v["name"] != "model"]
     assert caches == ([{"name": "compile-cache", "persistentVolumeClaim": {"claimName": "jax-cache"}}]
-                      if runtime == "jax" else [])
+                      if runtime in ("jax", "pytorch") else [])      # runtimes that compile: fleet.yaml compile_cache
 
 
 def test_secrets_come_from_secret_refs_never_from_values(helm):  # noqa: F811
