@@ -128,7 +128,8 @@ def measured_boots() -> dict[str, float]:
     for path in sorted(RESULTS.glob("*.json")):
         data = json.loads(path.read_text())
         for runtime, phase, key in (("jax", "jax", "boot_cold_s"), ("pytorch", "pytorch", "boot_s"),
-                                    ("pytorch", "pytorch_batched", "boot_s")):
+                                    ("pytorch", "pytorch_batched", "boot_s"), ("pytorch", "pytorch", "boot_cold_s"),
+                                    ("pytorch", "pytorch_batched", "boot_cold_s")):
             if key in data.get(phase, {}):
                 boots[runtime] = max(boots.get(runtime, 0.0), data[phase][key])
         if "load_s" in data.get("jax_profile", {}).get("boot", {}):
