@@ -137,10 +137,10 @@ def _fit(drawn: np.ndarray, p: np.ndarray) -> float:
 
 
 def test_batched_draws_follow_the_per_slot_distributions(history):
-    """Each case's 20 000 batched draws against 4000 of the per-slot sampler: only tokens the per-slot cuts keep, a
+    """Each case's 10 000 batched draws against 4000 of the per-slot sampler: only tokens the per-slot cuts keep, a
     chi-squared test of homogeneity, and each against the exact distribution the per-slot code defines, none
     rejecting at 0.1% (fixed seeds: a reproducible verdict)."""
-    n = 20000
+    n = 10000
     batched = _batched(history, n)
     for case, params in enumerate(CASES):
         ours, ref = batched[:, case], _per_slot(history, case, 4000)
