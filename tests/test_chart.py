@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -514,3 +515,109 @@ def test_the_fetch_script_knows_the_hubs_hashes(tmp_path):
                                 lfs=SimpleNamespace(sha256="c" * 64))]
     assert fm.hub_expected(siblings) == {"tokenizer_config.json": ("git-sha1", git),
                                          "model.safetensors": ("sha256", "c" * 64)}
+
+
+class _Hub:
+    """The two Hub routes a snapshot download uses, on loopback: a revision's file list with hashes, and each
+    file's bytes (the real huggingface_hub client talks to it through HF_ENDPOINT)."""
+
+    COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+    def __init__(self, files: dict[str, bytes], lfs: set[str]):
+        import hashlib
+        import http.server
+        import threading
+
+        hub = self
+        self.files, self.seen, self.served = files, [], {}   # served: bytes sent instead of a listed file
+
+        def sibling(name: str) -> dict:
+            data = files[name]
+            out = {"rfilename": name, "size": len(data),
+                   "blobId": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()}
+            if name in lfs:
+                out["lfs"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+            return out
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _route(self, body: bool):
+                hub.seen.append((self.command, self.path, self.headers.get("authorization")))
+                path = self.path.split("?")[0]
+                if path.startswith("/api/models/") and "/tree/" in path:   # snapshot_download's listing
+                    data = json.dumps([{"type": "file", "path": s["rfilename"], "size": s["size"], "oid": s["blobId"],
+                                        **({"lfs": {"oid": s["lfs"]["sha256"], "size": s["size"],
+                                                    "pointerSize": 134}} if "lfs" in s else {})}
+                                       for s in map(sibling, files)]).encode()
+                    headers = {"Content-Type": "application/json"}
+                elif path.startswith("/api/models/"):
+                    data = json.dumps({"id": "google/gemma-4-E2B-it", "sha": hub.COMMIT,
+                                       "siblings": [sibling(n) for n in files]}).encode()
+                    headers = {"Content-Type": "application/json"}
+                elif "/resolve/" in path:
+                    name = path.split("/resolve/", 1)[1].split("/", 1)[1]
+                    if name not in files:
+                        self.send_response(404)
+                        self.end_headers()
+                        return
+                    data = hub.served.get(name, files[name])
+                    s = sibling(name)
+                    etag = s["lfs"]["sha256"] if "lfs" in s else s["blobId"]
+                    headers = {"X-Repo-Commit": hub.COMMIT, "ETag": f'"{etag}"', "Content-Type": "application/octet-stream"}
+                else:
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if body:
+                    self.wfile.write(data)
+
+            def do_GET(self):
+                self._route(True)
+
+            def do_HEAD(self):
+                self._route(False)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_the_fetch_script_downloads_from_a_hub_and_checks_the_hubs_hashes(tmp_path):
+    """The init container's command as the chart renders it, run here with the real huggingface_hub against a
+    loopback Hub: the token goes with the requests, every file is checked against the Hub's hashes, and a file
+    spoiled on the way is refused."""
+    files = {"config.json": b'{"model_type": "gemma4"}\n', "model.safetensors": bytes(range(256)) * 64,
+             "tokenizer.json": b'{"version": "1.0"}\n'}
+    hub = _Hub(files, lfs={"model.safetensors"})
+    try:
+        env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_secret", "HF_HOME": str(tmp_path / "hf"),
+               "POD": "gemma-0", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_XET": "1"}
+        dest = tmp_path / "cache" / "gemma"
+        argv = [sys.executable, str(CHART / "files" / "fetch_model.py"), "huggingface", "--dest", str(dest),
+                "--repo", "google/gemma-4-E2B-it", "--revision", "main"]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == 0, r.stderr
+        assert {n: (dest / n).read_bytes() for n in files} == files
+        record = json.loads((dest / ".verified").read_text())
+        assert record["commit"] == hub.COMMIT and set(record["files"]) == set(files)
+        assert record["files"]["model.safetensors"].startswith("sha256:")
+        assert record["files"]["config.json"].startswith("git-sha1:")
+        assert all(auth == "Bearer hf_secret" for _, path, auth in hub.seen if "gemma" in path), hub.seen
+        # a file that arrives spoiled (the bytes are not those the Hub lists): refused in one line, nothing published
+        hub.served["model.safetensors"] = b"\xff" + files["model.safetensors"][1:]
+        other = tmp_path / "cache" / "other"
+        r = subprocess.run([*argv[:4], str(other), *argv[5:]], capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == 1 and r.stderr.startswith("fetch_model: model.safetensors: sha256 "), r.stderr
+        assert r.stderr.count("\n") == 1 and not other.exists()
+        # the first pod's checked copy is never fetched again
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == 0 and "nothing to do" in r.stdout, r.stderr
+    finally:
+        hub.server.shutdown()

@@ -78,6 +78,7 @@ def hub_expected(siblings) -> dict[str, tuple[str, str]]:
 
 
 def fetch_huggingface(repo: str, revision: str, partial: Path) -> tuple[dict, dict]:
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")   # a pod's log: no carriage-return bars
     from huggingface_hub import HfApi, snapshot_download
 
     token = os.environ.get("HF_TOKEN") or None
