@@ -169,7 +169,7 @@ def values(image: ImagePlan, plan: Plan, fleet: dict, repo_root: Path) -> dict:
             "source": "pvc",                                     # pvc | huggingface | s3
             "pvc": {"claimName": MODEL.lower(), "subPath": MODEL},
             "huggingface": {"repo": f"google/{MODEL}", "revision": "main"},
-            "s3": {"uri": "", "image": "public.ecr.aws/aws-cli/aws-cli:2.22.35"},
+            "s3": {"uri": "", "image": "public.ecr.aws/aws-cli/aws-cli:2.35.19"},
             "sha256": {},                                        # file -> sha256: checked after a fetch
             "cache": {"claimName": "", "sizeLimit": "24Gi"},     # huggingface/s3: a PVC (fetched once) or emptyDir
         },

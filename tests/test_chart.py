@@ -81,6 +81,14 @@ def test_chart_registry_and_a_new_directory(tmp_path):
     assert r.returncode == 2 and "error: --registry a b: expected host[:port][/namespace]" in r.stderr, r.stderr
 
 
+def test_helm_lint_passes_with_every_values_file(helm):  # noqa: F811
+    """Every generated values file meets values.schema.json, and the chart lints strictly with it."""
+    for values in sorted(CHART.glob("values*.yaml")):
+        r = subprocess.run([helm, "lint", "--strict", str(CHART), "-f", str(values)], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, (values.name, r.stdout + r.stderr)
+
+
 @pytest.mark.parametrize("runtime,profile", COMBOS)
 def test_every_runtime_and_profile_renders_and_validates(helm, runtime, profile):  # noqa: F811
     values = f"values-{runtime}-{profile}.yaml"
@@ -407,6 +415,7 @@ def test_the_model_from_s3_is_downloaded_then_checked_against_its_hashes(helm): 
                           *(f"model.sha256.{k.replace('.', chr(92) + '.')}={v}" for k, v in sums.items())))
     download, check = docs["Deployment"]["spec"]["template"]["spec"]["initContainers"]
     assert download["image"].startswith("public.ecr.aws/aws-cli/aws-cli:") and "aws s3 cp" in download["command"][2]
+    assert subprocess.run(["sh", "-n", "-c", download["command"][2]], timeout=30).returncode == 0   # it parses
     cmd = check["command"]
     assert cmd[2] == "s3" and [cmd[i + 1] for i, a in enumerate(cmd) if a == "--sha256"] == \
         [f"{k}={v}" for k, v in sums.items()]
@@ -449,7 +458,7 @@ def test_fleet_yaml_errors_are_one_line_naming_the_key(tmp_path):
         assert str(e.value).startswith(f"deploy/fleet.yaml: {message}"), str(e.value)
 
 
-def test_build_py_chart_says_a_fleet_error_in_one_line_and_removes_stale_values(tmp_path):
+def test_build_py_chart_removes_values_files_it_no_longer_generates(tmp_path):
     out = tmp_path / "chart"
     out.mkdir()
     (out / "values-llama-g5g.yaml").write_text("runtime: llama\n")   # a runtime no longer generated
