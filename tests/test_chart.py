@@ -630,3 +630,23 @@ def test_the_fetch_script_downloads_from_a_hub_and_checks_the_hubs_hashes(tmp_pa
         assert r.returncode == 0 and "nothing to do" in r.stdout, r.stderr
     finally:
         hub.server.shutdown()
+
+
+@pytest.mark.slow
+def test_the_real_server_listens_on_the_charts_port_with_the_charts_args(helm, tiny_gemma4):  # noqa: F811
+    """The image's entrypoint and the chart's args as the pod runs them (the model path and the host changed for
+    this machine: the tiny checkpoint, loopback only): the server answers on the chart's port, not the image's."""
+    from g5g.devtools.server import free_port, running, serving_env
+
+    port = free_port()
+    (c,) = by_kind(render(helm, "values-pytorch-g5g.yaml", f"port={port}"))["Deployment"]["spec"]["template"][
+        "spec"]["containers"]
+    entry = _entrypoint("pytorch", "g5g")
+    assert entry[:3] == ["python3", "-m", "serving"] and "8000" in entry
+    args = [str(tiny_gemma4) if a == "/models/gemma-4-E2B-it" else a for a in c["args"]]
+    argv = [sys.executable, *entry[1:], *args, "--host", "127.0.0.1", "--log-level", "warning"]
+    with running(argv, f"http://127.0.0.1:{port}", env=serving_env(), timeout=600) as srv:
+        import requests
+
+        card = requests.get(f"{srv.url}/v1/models", timeout=30).json()["data"][0]
+        assert card["id"] == "gemma-4-E2B-it" and card["max_model_len"] <= FLEET["max_model_len"]
