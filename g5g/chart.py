@@ -1,8 +1,10 @@
 """The serving Helm chart's values, generated from the same plan as the images (tags, port, platform) and from
-deploy/fleet.yaml (nodes, measured boot times, probe and shutdown settings). Pure: files in, dicts out.
+deploy/fleet.yaml (nodes, measured boot times, decode speeds, probe, rollout and shutdown settings), which is checked
+like the manifests (`check_fleet`: one line naming the file and the key). Pure: files in, dicts out.
 
-The templates are static Helm templates in deploy/chart/templates; `write` puts Chart.yaml, values.yaml (the
-g5g vLLM defaults) and one values-<runtime>-<profile>.yaml per serving image next to them.
+The templates (deploy/chart/templates), values.schema.json and the init container's script (files/) are
+hand-written; `write` puts Chart.yaml, values.yaml (fleet.yaml's `default`) and one values-<runtime>-<profile>.yaml
+per serving image next to them, and removes a values file no longer generated.
 """
 from __future__ import annotations
 
@@ -10,11 +12,9 @@ import json
 import math
 import shutil
 from pathlib import Path
-
-import yaml
-
 from typing import Annotated, Literal
 
+import yaml
 from pydantic import Field, StrictFloat, StrictInt, StrictStr, model_validator
 
 from g5g.containers import server_command
