@@ -6,7 +6,8 @@
 A pod downloads into /cache/.partial/<pod>, every file's hash is checked (Hugging Face: the Hub's own sha256 of each
 LFS file and git blob id of the others, at the commit the revision resolved to; and the --sha256 list), then the
 directory is renamed to DIR with a `.verified` record. DIR with its record is never fetched again: on a shared PVC,
-the first pod fetches for all. Runs with the serving image's python3 (huggingface_hub comes with transformers and
+every pod that starts after the first checked fetch reuses it (pods that start together each fetch; the first to
+finish publishes, the others drop their copies). Runs with the serving image's python3 (huggingface_hub comes with transformers and
 vLLM); stdlib otherwise. An error is one line on stderr and exit 1 (the kubelet retries the init container).
 """
 from __future__ import annotations
