@@ -256,6 +256,7 @@ def test_the_validation_can_fail(helm):  # noqa: F811
      "autoscaling.maxReplicas: 1 is below autoscaling.minReplicas (2)"),
     ("model.source=s3,model.s3.uri=s3://models/gemma/", "model.sha256: required with model.source s3"),
     ("model.source=git", "at '/model/source'"),
+    ("extraArgs={--max-model-len,32768}", "extraArgs: --max-model-len is set by maxModelLen"),
 ])
 def test_bad_values_are_refused_naming_the_key(helm, bad, where):  # noqa: F811
     r = helm_template(helm, "values.yaml", bad)
