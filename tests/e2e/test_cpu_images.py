@@ -170,8 +170,9 @@ def test_secrets_stay_out_of_the_image(engine, built, canaries):
         assert not found[n], f"{n.decode()} in layers {found[n]}"
 
 
-def test_the_image_runs_as_the_charts_pod_runs_it(engine, built, tiny_gemma4, helm):  # noqa: F811
-    """The PyTorch image with the chart's args and the pod's restrictions, as docker can give them: a read-only root
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_the_image_runs_as_the_charts_pod_runs_it(engine, built, tiny_gemma4, helm, runtime):  # noqa: F811
+    """The image with the chart's args and the pod's restrictions, as docker can give them: a read-only root
     with HOME and /tmp writable (the chart's emptyDirs), uid 1000, no capabilities, no privilege escalation, the
     model read-only where the chart mounts it, the chart's `port` (not the image's 8000). It serves."""
     import time
@@ -181,11 +182,11 @@ def test_the_image_runs_as_the_charts_pod_runs_it(engine, built, tiny_gemma4, he
 
     from g5g.devtools.server import free_port
 
-    ref = built("pytorch")
+    ref = built(runtime)
     if engine.docker("image", "inspect", ref).returncode != 0:   # pushed, not kept: take it from the registry
         assert engine.docker("pull", "-q", ref, timeout=600).returncode == 0
     chart = ROOT / "deploy" / "chart"
-    r = subprocess.run([helm, "template", "gemma", str(chart), "-f", str(chart / "values-pytorch-g4dn.yaml"),
+    r = subprocess.run([helm, "template", "gemma", str(chart), "-f", str(chart / f"values-{runtime}-g4dn.yaml"),
                         "--set", "port=9000"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     dep = next(d for d in yaml.safe_load_all(r.stdout) if d and d["kind"] == "Deployment")
