@@ -19,8 +19,9 @@ from pydantic import Field, StrictFloat, StrictInt, StrictStr, model_validator
 
 from g5g.containers import server_command
 from g5g.errors import UserError
-from g5g.manifest import _Model, _read_yaml, _validate
+from g5g.manifest import _read_yaml
 from g5g.plan import ImagePlan, Plan
+from g5g.schema import _Model, validate
 
 CHART_NAME = "g5g-serving"
 ARCH = {"linux/arm64": "arm64", "linux/amd64": "amd64"}
@@ -95,7 +96,7 @@ class Fleet(_Model):
 
 def check_fleet(data, file: str, repo_root: Path) -> dict:
     """`data` (deploy/fleet.yaml) checked: the keys and types above, then what they refer to."""
-    fleet = _validate(Fleet, file, data)
+    fleet = validate(Fleet, file, data)
     runtime, profile = fleet.default
     if runtime not in fleet.boot or profile not in fleet.nodes:
         raise UserError(f"{file}: default: [{runtime}, {profile}] needs a boot entry for {runtime} and nodes for "
