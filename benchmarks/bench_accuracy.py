@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from g5g import bench
-from g5g.devtools.timed_server import Config, TimedServer
+from devtools.timed_server import Config, TimedServer
 
 SETTINGS = [  # ttft s, gap s, tokens, tokens per chunk, concurrency
     (0.20, 0.050, 64, 1, 1),

@@ -37,7 +37,7 @@ t_import = time.perf_counter() - t0
 engine = load(model_dir)
 boot = time.perf_counter() - t0
 from transformers import AutoTokenizer
-from g5g.devtools.tiny_gemma4 import QUESTION
+from devtools.tiny_gemma4 import QUESTION
 from serving.engine import SamplingParams
 tok = AutoTokenizer.from_pretrained(model_dir)
 text = tok.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True)
@@ -85,7 +85,7 @@ def main() -> int:
     if args.model:
         model = Path(args.model)
     else:
-        from g5g.devtools.tiny_gemma4 import cached
+        from devtools.tiny_gemma4 import cached
         model = cached(log=lambda m: print(m, file=sys.stderr))
 
     with tempfile.TemporaryDirectory(prefix="g5g-jax-cache-") as cache:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from g5g.devtools.server import ServerFailed, serving, serving_env  # noqa: E402
+from devtools.server import ServerFailed, serving, serving_env  # noqa: E402
 
 BOOT_TIMEOUT_S = 600
 
@@ -49,7 +49,7 @@ def main() -> int:
     if args.model:
         model = Path(args.model)
     else:
-        from g5g.devtools.tiny_gemma4 import cached
+        from devtools.tiny_gemma4 import cached
         model = cached()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -48,7 +48,7 @@ def make_checkpoint(ckpt: Path, layers: int, tiny: bool) -> None:
     """E2B-shaped random weights + a tokenizer over the whole vocabulary (extra ids decode to ' w<id>')."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     from benchmarks.jax_gpu_e2b_shape import build
-    from g5g.devtools.tiny_gemma4 import build_tokenizer
+    from devtools.tiny_gemma4 import build_tokenizer
 
     build(ckpt, layers, tiny)
     build_tokenizer(ckpt)
@@ -106,7 +106,7 @@ def bench(url: str, out: Path, name: str, *, requests_n: int, concurrency: int, 
 
 
 def measure_server(runtime: str, ckpt: Path, work: Path, runs: int, p: dict, torch_slots: int = 1) -> dict:
-    from g5g.devtools.server import serving, serving_env
+    from devtools.server import serving, serving_env
 
     env = serving_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"), G5G_JAX_CACHE_DIR=str(work / "jaxcache"),
                       G5G_JAX_BUCKETS=BUCKETS, G5G_JAX_SLOTS=str(SLOTS), XLA_PYTHON_CLIENT_MEM_FRACTION="0.5",

@@ -1,4 +1,4 @@
-"""bench against a server whose timing is known exactly (g5g/devtools/timed_server.py).
+"""bench against a server whose timing is known exactly (devtools/timed_server.py).
 
 Tolerance, stated once: a figure measured on the wire is within TOL_ABS + TOL_REL of the truth (loopback, a
 shared 2-core machine: a few ms of scheduling noise per event). TPOT and ITL average many gaps, so they get the
@@ -18,7 +18,7 @@ import requests
 
 from g5g import bench, wire
 from g5g.cli import main
-from g5g.devtools.server import serving
+from devtools.server import serving
 
 TOL_ABS, TOL_REL = 0.010, 0.05  # seconds, fraction
 
@@ -290,7 +290,7 @@ def project_server(request, tiny_gemma4, tmp_path_factory):
 @pytest.mark.slow
 def test_smoke_passes_on_the_project_server_with_the_fixed_answer(project_server, capsys):
     from g5g.commands.smoke import check_server
-    from g5g.devtools.tiny_gemma4 import ANSWER, QUESTION
+    from devtools.tiny_gemma4 import ANSWER, QUESTION
 
     _, server_url = project_server
     report = check_server(server_url, None, QUESTION, "Site Reliability Engineering")
@@ -304,7 +304,7 @@ def test_smoke_passes_on_the_project_server_with_the_fixed_answer(project_server
 
 @pytest.mark.slow
 def test_bench_on_the_project_server_agrees_with_its_own_counters(project_server, tmp_path):
-    from g5g.devtools.tiny_gemma4 import QUESTION
+    from devtools.tiny_gemma4 import QUESTION
 
     runtime, server_url = project_server
     out = tmp_path / f"{runtime}.json"

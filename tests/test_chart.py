@@ -640,7 +640,7 @@ def test_the_fetch_script_downloads_from_a_hub_and_checks_the_hubs_hashes(tmp_pa
 def test_the_real_server_listens_on_the_charts_port_with_the_charts_args(helm, tiny_gemma4):  # noqa: F811
     """The image's entrypoint and the chart's args as the pod runs them (the model path and the host changed for
     this machine: the tiny checkpoint, loopback only): the server answers on the chart's port, not the image's."""
-    from g5g.devtools.server import free_port, running, serving_env
+    from devtools.server import free_port, running, serving_env
 
     port = free_port()
     (c,) = by_kind(render(helm, "values-pytorch-g5g.yaml", f"port={port}"))["Deployment"]["spec"]["template"][

@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from g5g.devtools.server import REPO
+from devtools.server import REPO
 
 TESTS = '''
 import pytest

@@ -1,5 +1,5 @@
-"""No import circles among the project's modules (g5g/, serving/, benchmarks/): a module's imports, at its top or
-inside a function, never lead back to it. A circle ties two modules into one that no one can read or test alone
+"""No import circles among the project's modules (g5g/, serving/, benchmarks/, devtools/): a module's imports, at
+its top or inside a function, never lead back to it. A circle ties two modules into one that no one can read or test alone
 (before: serving/api.py <-> serving/openai_text.py, benchmarks/image_proof.py <-> benchmarks/vllm_build_report.py)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("g5g", "serving", "benchmarks")
+PACKAGES = ("g5g", "serving", "benchmarks", "devtools")
 
 
 def modules() -> dict[str, Path]:

@@ -8,7 +8,7 @@ import pytest
 from g5g import inspect as inspector
 from g5g.errors import UserError
 from tests.fixtures.registry import Platform, docker_config_dir, push_image
-from g5g.devtools.server import free_port
+from devtools.server import free_port
 
 pytestmark = pytest.mark.usefixtures("buildx")  # skips (fails in CI) saying why when it is missing
 

@@ -9,7 +9,7 @@ from g5g import inspect as inspector
 from g5g import registry as reg_client
 from g5g.errors import UserError
 from tests.fixtures.registry import VLLM_AMD64, VLLM_ARM64, Platform, push_image
-from g5g.devtools.server import free_port
+from devtools.server import free_port
 
 
 def inspect_http(ref, **kw):

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import requests
 
-from g5g.devtools.tiny_gemma4 import ANSWER, QUESTION
-from g5g.devtools.server import serving, serving_env
+from devtools.tiny_gemma4 import ANSWER, QUESTION
+from devtools.server import serving, serving_env
 
 pytest.importorskip("jax")
 

@@ -14,7 +14,7 @@ from g5g import buildx, manifest, render
 from g5g.commands import build as build_cmd
 from g5g.errors import UserError
 from g5g.plan import make_plan
-from g5g.devtools.server import free_port
+from devtools.server import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 CONTRACT_KEYS = {"runtime", "tags", "platforms", "build_args", "labels", "patches", "upstream", "commands"}

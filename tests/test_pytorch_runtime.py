@@ -10,8 +10,8 @@ import pytest
 import requests
 
 from serving.engine import SamplingParams
-from g5g.devtools.server import serving, serving_env
-from g5g.devtools.tiny_gemma4 import ANSWER, QUESTION
+from devtools.server import serving, serving_env
+from devtools.tiny_gemma4 import ANSWER, QUESTION
 
 GREEDY = SamplingParams(temperature=0.0)
 SLOTS = 4

@@ -33,7 +33,7 @@ from serving import memory_plan, quantized  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import quantize  # noqa: E402  (tools/quantize.py)
-from g5g.devtools.tiny_gemma4 import _prompt_ids  # noqa: E402
+from devtools.tiny_gemma4 import _prompt_ids  # noqa: E402
 
 BOUNDS = {"w8a16": (2e-3, 0.97), "w4a16": (5e-2, 0.85)}
 BOUNDS_RANDOM = {"w8a16": (5e-3, 0.85), "w4a16": (0.3, 0.25)}   # random weights: flat logits, near-ties
@@ -164,7 +164,7 @@ def test_tiny_quantised_logits_and_greedy_answer(tiny_quantised, runtime):
     """The trained tiny checkpoint: its chat answer (teacher-forced) under each scheme, against the bf16 original."""
     from transformers import AutoTokenizer
 
-    from g5g.devtools.tiny_gemma4 import ANSWER
+    from devtools.tiny_gemma4 import ANSWER
     src, outs = tiny_quantised
     tok = AutoTokenizer.from_pretrained(src)
     prompt = _prompt_ids(tok)
@@ -272,8 +272,8 @@ def test_servers_answer_from_the_int8_checkpoint(tiny_quantised, runtime):
     runtimes (measured)."""
     import requests
 
-    from g5g.devtools.server import serving, serving_env
-    from g5g.devtools.tiny_gemma4 import ANSWER, QUESTION
+    from devtools.server import serving, serving_env
+    from devtools.tiny_gemma4 import ANSWER, QUESTION
     _, outs = tiny_quantised
     with serving(runtime, outs["w8a16"], "--served-model-name", "tiny", env=serving_env()) as srv:
         body = {"model": "tiny", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 200}

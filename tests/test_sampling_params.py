@@ -9,7 +9,7 @@ import pytest
 from serving.engine import SamplingParams
 from serving.generation import Delta, Finish, TokenizerInfo, generate
 from tests.fixtures.batching import Job, run_in_batch
-from g5g.devtools.tiny_gemma4 import ANSWER, QUESTION
+from devtools.tiny_gemma4 import ANSWER, QUESTION
 
 RUNTIMES = ["pytorch", "jax"]
 LP_ATOL = 1e-4          # logprobs against log_softmax of the same engine's logits (same float32 numbers)

@@ -1,4 +1,4 @@
-"""g5g/devtools/server.py, the one way tests and benchmarks start a server, against a real process (timed_server)."""
+"""devtools/server.py, the one way tests and benchmarks start a server, against a real process (timed_server)."""
 from __future__ import annotations
 
 import os
@@ -10,11 +10,11 @@ import time
 import pytest
 import requests
 
-from g5g.devtools.server import free_port
+from devtools.server import free_port
 from tests.fixtures.observe import wait_until
-from g5g.devtools.server import REPO, ServerFailed, launch, running, serving_env, wait_ready
+from devtools.server import REPO, ServerFailed, launch, running, serving_env, wait_ready
 
-TIMED = str(REPO / "g5g/devtools/timed_server.py")
+TIMED = str(REPO / "devtools/timed_server.py")
 
 
 def timed(*flags: str) -> tuple[list[str], str]:
@@ -91,7 +91,7 @@ def test_exited_kills_a_server_that_ignores_sigterm():
 
 def test_a_killed_test_run_leaves_no_server_behind():
     argv, url = timed()
-    code = f"from g5g.devtools.server import running\nwith running({argv!r}, {url!r}): print('up', flush=True); input()"
+    code = f"from devtools.server import running\nwith running({argv!r}, {url!r}): print('up', flush=True); input()"
     parent = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         assert parent.stdout.readline() == b"up\n"
@@ -121,11 +121,21 @@ def test_serving_env_prepends_the_checkout_to_pythonpath(monkeypatch, before, af
 
 def test_benchmarks_and_the_package_import_no_test_code():
     """What benchmarks share with the tests (server start/stop, the timed server, the tiny checkpoint) lives in
-    g5g/devtools/; tests/ is for tests: neither benchmarks/ nor g5g/ imports from it."""
+    devtools/, outside the product: neither benchmarks/ nor the product imports tests/, the product (g5g/,
+    serving/: what pyproject.toml ships) imports no devtools, and ships none."""
     import ast
 
-    for path in [*(REPO / "benchmarks").glob("*.py"), *(REPO / "g5g").rglob("*.py")]:
+    import setuptools
+    import tomllib
+
+    product = [*(REPO / "g5g").rglob("*.py"), *(REPO / "serving").rglob("*.py")]
+    for path in [*(REPO / "benchmarks").glob("*.py"), *product]:
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             assert not any(n == "tests" or n.startswith("tests.") for n in names), (path, names)
+            if path in product:
+                assert not any("devtools" in n.split(".") for n in names), (path, names)
+    include = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    shipped = setuptools.find_packages(str(REPO), include=include)
+    assert "g5g" in shipped and not [p for p in shipped if "devtools" in p.split(".")], shipped

@@ -15,8 +15,8 @@ import requests
 
 from serving.api import create_app
 from tests.fixtures.observe import metrics, wait_until
-from g5g.devtools.tiny_gemma4 import ANSWER, QUESTION
-from g5g.devtools.server import in_thread, wait_ready
+from devtools.tiny_gemma4 import ANSWER, QUESTION
+from devtools.server import in_thread, wait_ready
 from tests.fixtures.serving import tiny_server
 
 ASK = [{"role": "user", "content": QUESTION}]
@@ -25,7 +25,7 @@ NAME = ("--served-model-name", "tiny-gemma4")
 
 # ----------------------------------------------------------------------------------------------- helpers
 def live_server(load_engine, model_dir, **kw):
-    """create_app(load_engine, …) in this process (g5g/devtools/server.py's in_thread): the seam for a loader."""
+    """create_app(load_engine, …) in this process (devtools/server.py's in_thread): the seam for a loader."""
     return in_thread(create_app(load_engine, model_dir, **kw))
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from g5g.devtools.tiny_gemma4 import ANSWER, QUESTION
-from g5g.devtools.server import free_port
-from g5g.devtools.server import serving, serving_env
+from devtools.tiny_gemma4 import ANSWER, QUESTION
+from devtools.server import free_port
+from devtools.server import serving, serving_env
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = serving_env()

@@ -5,7 +5,7 @@ import json
 
 from safetensors import safe_open
 
-from g5g.devtools import tiny_gemma4 as fx
+from devtools import tiny_gemma4 as fx
 
 
 def test_config_is_the_multimodal_layout_with_gemma4_text_features(tiny_gemma4):

@@ -16,7 +16,7 @@ import time
 import pytest
 import requests
 
-from g5g.devtools.tiny_gemma4 import ANSWER, QUESTION
+from devtools.tiny_gemma4 import ANSWER, QUESTION
 
 REQUEST_BOUND = 10.0
 HEALTH_BOUND = 2.0

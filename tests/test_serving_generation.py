@@ -9,7 +9,7 @@ import pytest
 from serving.generation import (Batch, Delta, Detokenizer, Finish, SamplingParams, StopStrings, TokenizerInfo,
                                 generate)
 from tests.fixtures.batching import Job, run_in_batch
-from g5g.devtools.tiny_gemma4 import ANSWER, QUESTION
+from devtools.tiny_gemma4 import ANSWER, QUESTION
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,9 @@ import pytest
 import requests
 
 from tests.fixtures.observe import metrics as gauges, wait_until
-from g5g.devtools.server import REPO, serving_env
+from devtools.server import REPO, serving_env
 from tests.fixtures.serving import tiny_server
-from g5g.devtools.tiny_gemma4 import ANSWER, QUESTION
+from devtools.tiny_gemma4 import ANSWER, QUESTION
 
 ASK = [{"role": "user", "content": QUESTION}]
 LONG = {"messages": ASK, "max_tokens": 200, "ignore_eos": True}        # 200 paced steps: seconds

@@ -18,9 +18,9 @@ import pytest
 import requests
 
 from serving.openai_text import GOLDEN
-from g5g.devtools.server import serving_env
+from devtools.server import serving_env
 from tests.fixtures.serving import tiny_server
-from g5g.devtools.tiny_gemma4 import ANSWER, QUESTION
+from devtools.tiny_gemma4 import ANSWER, QUESTION
 
 ASK = [{"role": "user", "content": QUESTION}]
 RUNTIMES = ["pytorch", "jax"]

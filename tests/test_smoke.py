@@ -165,7 +165,7 @@ def test_hf_token_comes_from_the_environment(monkeypatch):
 # ---- images on a real Docker engine ----
 
 BASE_CANDIDATES = [os.environ.get("G5G_TEST_BASE_IMAGE"), "g5g-local/bookworm:amd64", "g5g-local/bookworm:latest"]
-TIMED = Path(__file__).parents[1] / "g5g" / "devtools" / "timed_server.py"
+TIMED = Path(__file__).parents[1] / "devtools" / "timed_server.py"
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from serving.structured import (ANY_OBJECT, MASKED, Grammars, InvalidGrammar, in
                                 token_bytes)
 from serving.tool_calls import GemmaCalls, NamedCall, RequiredCalls, merge, parse_call, required_schema
 from tests.fixtures.batching import Job, run_in_batch
-from g5g.devtools.tiny_gemma4 import QUESTION
+from devtools.tiny_gemma4 import QUESTION
 
 # Every field bounded (an integer range too: an unbounded one lets a model write digits until max_tokens, which a
 # fixture trained on another CPU did), so whatever the weights the answer ends by itself within max_tokens.

@@ -136,7 +136,7 @@ def test_inspect_both_backends_agree(engine, built, runtime):
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_smoke_answers_with_the_tiny_model(engine, built, runtime, tiny_gemma4):
-    from g5g.devtools.tiny_gemma4 import ANSWER, QUESTION
+    from devtools.tiny_gemma4 import ANSWER, QUESTION
 
     ref = built(runtime)
     run = engine.cli("smoke", ref, "--model", str(tiny_gemma4), "--prompt", QUESTION,
@@ -180,7 +180,7 @@ def test_the_image_runs_as_the_charts_pod_runs_it(engine, built, tiny_gemma4, he
     import requests
     import yaml
 
-    from g5g.devtools.server import free_port
+    from devtools.server import free_port
 
     ref = built(runtime)
     if engine.docker("image", "inspect", ref).returncode != 0:   # pushed, not kept: take it from the registry

@@ -1,4 +1,5 @@
-"""What the tests and the benchmarks share, outside the test suite (build.py's commands never import it):
+"""What the tests and the benchmarks share, outside the test suite and outside the product (pyproject.toml ships
+g5g and serving only; build.py's commands never import it):
 
 - `server`: start a local server process (`python -m serving`, `build.py serve`, any argv), wait until it answers,
   stop it as `docker stop` does;

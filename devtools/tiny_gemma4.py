@@ -13,7 +13,7 @@ What it has in common with google/gemma-4-E2B-it, so code that serves it serves 
 It is trained for a few seconds (fixed seed) until greedy decoding of the chat-formatted QUESTION yields ANSWER
 followed by <turn|>, and the saved checkpoint is checked with transformers' own `generate` before it is cached.
 
-    python -m g5g.devtools.tiny_gemma4 OUTDIR      # build into OUTDIR (used by e2e/CI without pytest)
+    python -m devtools.tiny_gemma4 OUTDIR      # build into OUTDIR (used by e2e/CI without pytest)
 """
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ _CORPUS = [
     "Graphics cards, tensors, tokens per second, time to first token, kernels and memory.",
 ]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 CACHE_ROOT = REPO_ROOT / ".cache" / "tiny-gemma4"
 
 
@@ -357,7 +357,7 @@ def _readable(path: Path) -> Path:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m g5g.devtools.tiny_gemma4 OUTDIR")
+        raise SystemExit("usage: python -m devtools.tiny_gemma4 OUTDIR")
     dest = Path(sys.argv[1])
     if dest.exists() and any(dest.iterdir()):
         raise SystemExit(f"{dest}: not empty")
