@@ -156,10 +156,11 @@ class Plan:
     kv: int                     # slots x max_model_len x kv_per_token
     overhead: int
     gpu: int
+    tuning: int = 0             # a runtime whose compiler autotunes its dots: what tuning the largest one holds
 
     @property
     def total(self) -> int:
-        return self.weights + self.towers + self.kv + self.overhead
+        return self.weights + self.towers + self.kv + self.overhead + self.tuning
 
     @property
     def fits(self) -> bool:
@@ -173,6 +174,8 @@ class Plan:
                 f"KV cache                {m(self.kv)}  ({self.kv_per_token} B/token; sliding layers at their "
                 f"window: {self.kv_per_token_sliding} B/token at this length)",
                 f"overhead (stated)       {m(self.overhead)}",
+                *([f"GEMM autotuning at boot {m(self.tuning)}  (a copy of the LM head and its logits)"]
+                  if self.tuning else []),
                 f"total                   {m(self.total)} of {m(self.gpu)}: "
                 + ("fits" if self.fits else f"does NOT fit (over by {(self.total - self.gpu) / MIB:.1f} MiB)"),
                 f"streamed per token      {self.streamed_per_token / 1e9:.3f} GB (decode bound on bandwidth)"]
@@ -198,9 +201,11 @@ def kv_bytes_per_token(raw: dict, max_len: int | None = None, elem_bytes: int = 
 
 def plan(raw: dict, scheme: str, max_model_len: int, slots: int, gpu_mib: int = T4G_MIB,
          overhead_mib: int = DEFAULT_OVERHEAD_MIB, tensors: dict | None = None, towers: int = 0,
-         rings: bool = False) -> Plan:
+         rings: bool = False, autotuned: bool = False) -> Plan:
     """rings: the runtime keeps sliding layers' KV as rings of their window (JAX); else at full length (PyTorch,
-    vLLM's allocation counted as such)."""
+    vLLM's allocation counted as such). autotuned: the runtime's compiler autotunes each dot at boot (XLA on a GPU),
+    running it on fresh copies of its operands and output: the LM head's is the largest (16-bit, [slots, vocab]
+    float32 logits out), held once if the runtime compiles one executable per shape of it before the rest."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
     tensors = tensors if tensors is not None else text_tensors(raw)
@@ -212,7 +217,10 @@ def plan(raw: dict, scheme: str, max_model_len: int, slots: int, gpu_mib: int = 
     else:
         streamed += sizes["lm_head.weight"]
     per_tok, per_tok_rings = kv_bytes_per_token(raw), kv_bytes_per_token(raw, max_model_len)
-    return Plan(scheme=scheme, weights=sum(sizes.values()), towers=towers, streamed_per_token=streamed,
+    untied = not text_section(raw).get("tie_word_embeddings", raw.get("tie_word_embeddings", True))
+    head = tensors["lm_head.weight" if untied and "lm_head.weight" in tensors else "embed_tokens.weight"]
+    tuning = 2 * head[0] * head[1] + 4 * slots * head[0] if autotuned else 0
+    return Plan(tuning=tuning, scheme=scheme, weights=sum(sizes.values()), towers=towers, streamed_per_token=streamed,
                 kv_per_token=per_tok, kv_per_token_sliding=per_tok_rings,
                 kv=slots * max_model_len * (per_tok_rings if rings else per_tok), overhead=overhead_mib * MIB,
                 gpu=gpu_mib * MIB)
@@ -235,13 +243,14 @@ def plan_checkpoint(model_dir: Path, scheme: str | None, max_model_len: int, slo
     return plan(raw, scheme or scheme_of(raw), max_model_len, slots, tensors=tensors, towers=towers, **kw)
 
 
-def refusal(model_dir: Path, max_model_len: int, slots: int, gpu_bytes: int, rings: bool = False) -> str | None:
+def refusal(model_dir: Path, max_model_len: int, slots: int, gpu_bytes: int, rings: bool = False,
+            autotuned: bool = False) -> str | None:
     """The one line a server logs before refusing to start when the plan says the model does not fit the GPU it
     runs on (weights + KV + the stated overhead), else None. A checkpoint the plan cannot read is not refused
     here: loading it reports what is wrong."""
     try:
         p = plan_checkpoint(model_dir, None, max_model_len, slots, text_only=True, gpu_mib=gpu_bytes // MIB,
-                            rings=rings)
+                            rings=rings, autotuned=autotuned)
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if p.fits:

@@ -333,6 +333,18 @@ def test_a_dtype_the_gpu_cannot_run_is_refused_in_one_line(e2b_ckpt, monkeypatch
     assert Settings(dtype="bfloat16").resolve_dtype(None) == jnp.bfloat16       # CPU: XLA runs it
 
 
+def test_one_executable_per_lm_head_shape_compiles_alone_before_the_rest():
+    """compile_waves: the first wave holds one executable per shape of the head's dot (decode: per batch size;
+    prefill: per prompt-logprobs chunk, 16 -> 16, 48 -> 24, 64 and 128 -> 32), so the ones compiled side by side
+    after it find XLA's autotuning results for their head (memory_plan counts one copy of it)."""
+    from serving.jax_runtime.engine import compile_waves
+
+    ladder = [("prefill", c) for c in (16, 48, 64, 128)] + [("decode", b, c) for c in (16, 48, 64, 128) for b in (1, 4)]
+    first, rest = compile_waves(ladder)
+    assert first == [("prefill", 16), ("prefill", 48), ("prefill", 64), ("decode", 1, 16), ("decode", 4, 16)]
+    assert sorted(first + rest) == sorted(ladder) and ("prefill", 128) in rest
+
+
 def test_pipeline_and_xla_default_switches_read_0_or_1_and_refuse_anything_else():
     assert Settings.from_env({}).pipeline and not Settings.from_env({"G5G_JAX_PIPELINE": "0"}).pipeline
     assert Settings.from_env({}).xla_defaults and not Settings.from_env({"G5G_JAX_XLA_DEFAULTS": "0"}).xla_defaults

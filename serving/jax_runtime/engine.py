@@ -194,6 +194,20 @@ class Settings:
         return jnp.dtype(name)
 
 
+def compile_waves(keys: Sequence[tuple]) -> tuple[list[tuple], list[tuple]]:
+    """The ladder's executables ("prefill", length) and ("decode", batch, length) in two waves: first, one after
+    another, one executable per shape the LM head's dot takes in it (decode: [batch, hidden]; prefill: the last
+    position's row and the prompt logprobs' chunk); then the rest side by side. XLA's GPU compiler autotunes a dot
+    on fresh copies of its operands and keeps the result for the process: compiled side by side from the start,
+    every executable would hold its own copy of the 16-bit LM head at once (memory_plan.plan's `tuning`: one)."""
+    first, rest, seen = [], [], set()
+    for key in keys:
+        shape = ("prefill", sampling.prompt_chunk(key[1])) if key[0] == "prefill" else key[:2]
+        (rest if shape in seen else first).append(key)
+        seen.add(shape)
+    return first, rest
+
+
 # -- the engine ---------------------------------------------------------------------------------------------------
 @dataclass
 class _Step:
@@ -315,9 +329,12 @@ class JaxEngine:
             for b in self.batches:
                 lowered["decode", b, c] = jax.jit(functools.partial(decode_fn, c), donate_argnums=(1, 2)).lower(
                     params_spec, cache_spec, state_spec, vec(b), vec(b), vec(b), *sampling_spec(b))
-        # Tracing holds the GIL; XLA's compile (or persistent-cache load) does not: compile the ladder side by side.
-        with ThreadPoolExecutor(max(1, min(len(lowered), os.cpu_count() or 1))) as pool:
-            compiled = dict(zip(lowered, pool.map(lambda lo: lo.compile(), lowered.values())))
+        # Tracing holds the GIL; XLA's compile (or persistent-cache load) does not: compile the ladder side by side,
+        # after one executable per shape of the LM head's dot has compiled alone (compile_waves).
+        first, rest = compile_waves(list(lowered))
+        compiled = {k: lowered[k].compile() for k in first}
+        with ThreadPoolExecutor(max(1, min(len(rest), os.cpu_count() or 1))) as pool:
+            compiled |= dict(zip(rest, pool.map(lambda k: lowered[k].compile(), rest)))
         return ({k[1]: v for k, v in compiled.items() if k[0] == "prefill"},
                 {k[1:]: v for k, v in compiled.items() if k[0] == "decode"})
 
@@ -469,8 +486,9 @@ def load(model_dir: str | Path, settings: Settings | None = None, max_context: i
     cfg = config.load(Path(model_dir))
     dtype = settings.resolve_dtype(_gpu_capability())     # a dtype the GPU cannot run: refused before anything
     gpu = _gpu_memory()
-    if gpu and (no := memory_plan.refusal(Path(model_dir), settings.buckets[-1], settings.slots, gpu, rings=True)):
-        raise ValueError(no)      # before any weight is read: the plan says weights + KV do not fit JAX's pool
+    if gpu and (no := memory_plan.refusal(Path(model_dir), settings.buckets[-1], settings.slots, gpu, rings=True,
+                                          autotuned=True)):
+        raise ValueError(no)      # before any weight is read: weights + KV + boot's autotuning do not fit JAX's pool
     params = checkpoint.load_params(Path(model_dir), cfg, dtype)
     t_load = time.perf_counter() - t0
     engine = JaxEngine(cfg, params, settings)

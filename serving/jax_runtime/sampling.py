@@ -241,12 +241,17 @@ def logprobs(logits, chosen, wanted, k: int):
         return jnp.zeros((b,), jnp.float32), jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), jnp.float32)
 
     return jax.lax.cond(jnp.any(wanted), compute, none, None)
+def prompt_chunk(p: int, chunk: int = 32) -> int:
+    """Positions prompt_logprobs runs the head over at a time for a prompt bucket of p: the largest divisor <= chunk."""
+    return max(d for d in range(1, min(p, chunk) + 1) if p % d == 0)
+
+
 def prompt_logprobs(head, h, tokens, wanted, k: int, chunk: int = 32):
     """Raw logprobs of a prompt: per position i of hidden states h [P, D], of tokens[i + 1] (the next prompt token;
     the last row's is junk) -> (its logprob [P], its rank [P], the top k ids [P, k] and logprobs [P, k]); zeros
     unless `wanted`. `head` maps hidden states [c, D] to float32 logits [c, V]: a chunk of positions at a time."""
     p = h.shape[0]
-    c = max(d for d in range(1, min(p, chunk) + 1) if p % d == 0)
+    c = prompt_chunk(p, chunk)
     following = jnp.roll(tokens, -1)
 
     def block(args):
