@@ -76,8 +76,8 @@ def _candidate_cut(x, top_k, top_p, n: int):
     """top-k then top-p over each row's n candidates (x: tempered logits, max 0, floor FLOOR) ->
     (values [B, n], token ids [B, n], kept [B, n] bool, exact [B] bool).
 
-    exact: every token the cut keeps (those above FLOOR) is a candidate, so `kept` is the set _cut keeps; a row
-    that is not exact needs the whole-vocabulary path."""
+    exact: the row has a cut and every token it keeps (those above FLOOR) is a candidate, so `kept` is the set _cut
+    keeps; a row that is not exact needs the whole-vocabulary path."""
     v = x.shape[1]
     n = min(n, v)
     c, ids = _candidates(x, n)
@@ -94,7 +94,8 @@ def _candidate_cut(x, top_k, top_p, n: int):
     cut = jnp.maximum(t_k, t_p)[:, None]
     kept = (c >= cut) & (c > FLOOR)
     everywhere = ((x >= cut) & (x > FLOOR)).sum(-1)
-    exact = ((k <= n) | (k >= v)) & ((top_p >= 1.0) | reach.any(-1)) & (everywhere == kept.sum(-1))
+    exact = (((k <= n) | (k >= v)) & ((top_p >= 1.0) | reach.any(-1)) & (everywhere == kept.sum(-1))
+             & ((k < v) | (top_p < 1.0)))        # a row without a cut draws over the whole row, in any batch
     return c, ids, kept, exact
 
 
@@ -109,7 +110,8 @@ def sample(logits, temperature, top_k, top_p, keys, positions, candidates: int =
         hot = temperature > 0
         t = jnp.where(hot, temperature, 1.0)[:, None]
         x = jnp.maximum((logits - logits.max(-1, keepdims=True)) / t, FLOOR)
-        filtered = jnp.any(hot & ((top_k > 0) | (top_p < 1.0)))
+        cuts = hot & ((top_k > 0) | (top_p < 1.0))
+        filtered = jnp.any(cuts)
 
         def noise(n):
             def row(key, pos):
@@ -117,8 +119,8 @@ def sample(logits, temperature, top_k, top_p, keys, positions, candidates: int =
                 return jax.random.gumbel(key, (n,), jnp.float32)
             return jax.vmap(row)(keys, positions)
 
-        def whole(_):
-            keep = jax.lax.cond(filtered, lambda: _cut(x, top_k, top_p), lambda: jnp.ones(x.shape, bool))
+        def whole(bisect):
+            keep = jax.lax.cond(bisect, lambda: _cut(x, top_k, top_p), lambda: jnp.ones(x.shape, bool))
             return jnp.argmax(jnp.where(keep, x + noise(v), -jnp.inf), axis=-1).astype(jnp.int32)
 
         def via_candidates(_):
@@ -126,12 +128,12 @@ def sample(logits, temperature, top_k, top_p, keys, positions, candidates: int =
             at = jnp.argmax(jnp.where(kept, c + noise(c.shape[1]), -jnp.inf), axis=-1)
             pick = jnp.take_along_axis(ids, at[:, None], axis=1)[:, 0].astype(jnp.int32)
             return jax.lax.cond(jnp.all(exact | ~hot), lambda _: pick,
-                                lambda _: jnp.where(exact, pick, whole(None)), None)
+                                lambda _: jnp.where(exact, pick, whole(jnp.any(cuts & ~exact))), None)
 
         if not candidates:
-            drawn = whole(None)
+            drawn = whole(filtered)
         else:
-            drawn = jax.lax.cond(filtered, via_candidates, whole, None)
+            drawn = jax.lax.cond(filtered, via_candidates, lambda _: whole(False), None)
         return jnp.where(hot, drawn, greedy)
 
     return jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda _: greedy, None)
