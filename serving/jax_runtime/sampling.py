@@ -84,13 +84,10 @@ def _candidate_cut(x, top_k, top_p, n: int):
     k = jnp.where((top_k > 0) & (top_k < v), top_k, v)
     t_k = jnp.where(k <= n, jnp.take_along_axis(c, jnp.clip(k - 1, 0, n - 1)[:, None], axis=1)[:, 0], FLOOR)
     z = jnp.where(x >= t_k[:, None], jnp.exp(x), 0.0).sum(-1)               # the top-k set's mass, whole row
-    # mass of the candidates >= each candidate's value: the running sum up to the end of its run of equal values
-    cum = jnp.cumsum(jnp.exp(c), axis=-1)
-    pos = jnp.arange(n)
-    run_end = jnp.where(jnp.concatenate([c[:, 1:] != c[:, :-1], jnp.ones_like(c[:, :1], bool)], axis=1), pos, n)
-    mass = jnp.take_along_axis(cum, jax.lax.cummin(run_end, axis=1, reverse=True), axis=1)
+    # per candidate, the mass of the candidates at or above its value (ties counted together): [B, n, n], in L2
+    mass = jnp.where(c[:, None, :] >= c[:, :, None], jnp.exp(c)[:, None, :], 0.0).sum(-1)
     reach = (mass >= (top_p * z)[:, None]) & (c >= t_k[:, None])
-    t_p = jnp.where(top_p >= 1.0, FLOOR, jnp.take_along_axis(c, jnp.argmax(reach, axis=1)[:, None], axis=1)[:, 0])
+    t_p = jnp.where(top_p >= 1.0, FLOOR, jnp.where(reach, c, -jnp.inf).max(-1))
     cut = jnp.maximum(t_k, t_p)[:, None]
     kept = (c >= cut) & (c > FLOOR)
     everywhere = ((x >= cut) & (x > FLOOR)).sum(-1)
