@@ -74,7 +74,7 @@ def main() -> int:
 
 
 def sampler_alone(steps: int, rows: int = 8, vocab: int = 262144) -> dict:
-    """Milliseconds per call of the jitted sampler, candidates path and whole-row bisection, per logits shape and cut."""
+    """Milliseconds per call of the jitted sampler, candidates path and whole-row bisection, per logits and cut."""
     import jax
     import jax.numpy as jnp
     from serving.jax_runtime import sampling
@@ -84,7 +84,8 @@ def sampler_alone(steps: int, rows: int = 8, vocab: int = 262144) -> dict:
     for shape, zipf in (("peaked", 2.0), ("flat", 1.1)):
         logits = np.stack([rng.permutation(-zipf * np.log(np.arange(1, vocab + 1))) for _ in range(rows)])
         logits = jnp.asarray(logits, jnp.float32)
-        for cut, (top_k, top_p) in {"top_p0.9": (0, 0.9), "top_k50": (50, 1.0), "top_k50+top_p0.95": (50, 0.95)}.items():
+        cuts = {"top_p0.9": (0, 0.9), "top_k50": (50, 1.0), "top_k50+top_p0.95": (50, 0.95)}
+        for cut, (top_k, top_p) in cuts.items():
             args = (logits, jnp.ones(rows, jnp.float32), jnp.full(rows, top_k, jnp.int32),
                     jnp.full(rows, top_p, jnp.float32), jnp.zeros((rows, 2), jnp.uint32), jnp.arange(rows))
             ms = {}
