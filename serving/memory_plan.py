@@ -166,10 +166,11 @@ class Plan:
     overhead: int
     gpu: int
     attention: int = 0          # the PyTorch runtime's attention and sampler buffers (attention_bytes)
+    tuning: int = 0             # a runtime whose compiler autotunes its dots: what tuning the largest one holds
 
     @property
     def total(self) -> int:
-        return self.weights + self.towers + self.kv + self.attention + self.overhead
+        return self.weights + self.towers + self.kv + self.attention + self.overhead + self.tuning
 
     @property
     def fits(self) -> bool:
@@ -185,6 +186,8 @@ class Plan:
                 *([f"attention + sampling   {m(self.attention)}  (prompt chunks' scores, per-slot sampler state)"]
                   if self.attention else []),
                 f"overhead (stated)       {m(self.overhead)}",
+                *([f"GEMM autotuning at boot {m(self.tuning)}  (a copy of the LM head and its logits)"]
+                  if self.tuning else []),
                 f"total                   {m(self.total)} of {m(self.gpu)}: "
                 + ("fits" if self.fits else f"does NOT fit (over by {(self.total - self.gpu) / MIB:.1f} MiB)"),
                 f"streamed per token      {self.streamed_per_token / 1e9:.3f} GB (decode bound on bandwidth)"]
@@ -218,9 +221,12 @@ def attention_bytes(raw: dict, max_model_len: int, slots: int) -> int:
 
 def plan(raw: dict, scheme: str, max_model_len: int, slots: int, gpu_mib: int = T4G_MIB,
          overhead_mib: int = DEFAULT_OVERHEAD_MIB, tensors: dict | None = None, towers: int = 0,
-         rings: bool = False, attention: bool = False) -> Plan:
+         rings: bool = False, attention: bool = False, autotuned: bool = False) -> Plan:
     """rings: the runtime keeps sliding layers' KV as rings of their window (JAX, PyTorch); else at full length
-    (vLLM's allocation counted as such). attention: count attention_bytes (the PyTorch runtime's)."""
+    (vLLM's allocation counted as such). attention: count attention_bytes (the PyTorch runtime's). autotuned: the
+    runtime's compiler autotunes each dot at boot (XLA on a GPU), running it on fresh copies of its operands and
+    output: the LM head's is the largest (16-bit, [slots, vocab] float32 logits out), held once if the runtime
+    compiles one executable per shape of it before the rest."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
     tensors = tensors if tensors is not None else text_tensors(raw)
@@ -232,7 +238,10 @@ def plan(raw: dict, scheme: str, max_model_len: int, slots: int, gpu_mib: int = 
     else:
         streamed += sizes["lm_head.weight"]
     per_tok, per_tok_rings = kv_bytes_per_token(raw), kv_bytes_per_token(raw, max_model_len)
-    return Plan(scheme=scheme, weights=sum(sizes.values()), towers=towers, streamed_per_token=streamed,
+    untied = not text_section(raw).get("tie_word_embeddings", raw.get("tie_word_embeddings", True))
+    head = tensors["lm_head.weight" if untied and "lm_head.weight" in tensors else "embed_tokens.weight"]
+    tuning = 2 * head[0] * head[1] + 4 * slots * head[0] if autotuned else 0
+    return Plan(tuning=tuning, scheme=scheme, weights=sum(sizes.values()), towers=towers, streamed_per_token=streamed,
                 kv_per_token=per_tok, kv_per_token_sliding=per_tok_rings,
                 kv=slots * max_model_len * (per_tok_rings if rings else per_tok), overhead=overhead_mib * MIB,
                 gpu=gpu_mib * MIB, attention=attention_bytes(raw, max_model_len, slots) if attention else 0)
@@ -256,13 +265,13 @@ def plan_checkpoint(model_dir: Path, scheme: str | None, max_model_len: int, slo
 
 
 def refusal(model_dir: Path, max_model_len: int, slots: int, gpu_bytes: int, rings: bool = False,
-            attention: bool = False) -> str | None:
+            attention: bool = False, autotuned: bool = False) -> str | None:
     """The one line a server logs before refusing to start when the plan says the model does not fit the GPU it
     runs on (weights + KV + the stated overhead), else None. A checkpoint the plan cannot read is not refused
     here: loading it reports what is wrong."""
     try:
         p = plan_checkpoint(model_dir, None, max_model_len, slots, text_only=True, gpu_mib=gpu_bytes // MIB,
-                            rings=rings, attention=attention)
+                            rings=rings, attention=attention, autotuned=autotuned)
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if p.fits:
