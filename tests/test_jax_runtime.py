@@ -354,7 +354,7 @@ def test_pipeline_and_xla_default_switches_read_0_or_1_and_refuse_anything_else(
 
 
 def test_default_xla_flags_fill_in_what_the_user_did_not_set():
-    from serving.jax_runtime.engine import DEFAULT_XLA_FLAGS, with_default_xla_flags
+    from serving.jax_runtime.xla import DEFAULT_XLA_FLAGS, with_default_xla_flags
 
     every = with_default_xla_flags("")
     assert every.split() == [f"{k}={v}" for k, v in DEFAULT_XLA_FLAGS.items()]

@@ -65,7 +65,7 @@ def test_models_card_reports_the_jax_ladder_top(servers):
 def test_max_model_len_caps_the_jax_ladder_and_the_gpu_xla_defaults_apply(tiny_gemma4, tmp_path):
     """One boot, two checks: --max-model-len tops the ladder, and `python -m serving` with no XLA_FLAGS runs with
     the measured winner's flags (on a CPU they change nothing; on a GPU they make the step CUDA graphs)."""
-    from serving.jax_runtime.engine import with_default_xla_flags
+    from serving.jax_runtime.xla import with_default_xla_flags
 
     env = serving_env(tmp_path / "jaxcache", G5G_JAX_SLOTS="4")
     env.pop("XLA_FLAGS", None)

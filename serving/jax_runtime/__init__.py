@@ -8,10 +8,11 @@ ladder and returns a ready engine. Settings come from the environment:
   G5G_JAX_SLOTS      sequences decoded together (continuous batching; default 8)
   G5G_JAX_BATCHES    extra, smaller decode batch sizes to compile, e.g. "1,4" (default: none, only SLOTS)
   G5G_JAX_PIPELINE   1 (default): dispatch decode step t+1 before reading step t's tokens; 0: no speculation
-  G5G_JAX_XLA_DEFAULTS 1 (default): add engine.DEFAULT_XLA_FLAGS (the step as CUDA graphs) to XLA_FLAGS for each
+  G5G_JAX_XLA_DEFAULTS 1 (default): add xla.DEFAULT_XLA_FLAGS (the step as CUDA graphs) to XLA_FLAGS for each
                      flag XLA_FLAGS does not name; 0: XLA's own defaults
 """
 from .config import CheckpointError
-from .engine import JaxEngine, Settings, compile_counts, load
+from .engine import JaxEngine, Settings, load
+from .xla import compile_counts
 
 __all__ = ["CheckpointError", "JaxEngine", "Settings", "compile_counts", "load"]

@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import logging
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,102 +29,18 @@ from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax._src import xla_bridge  # backends_are_initialized: XLA reads XLA_FLAGS once, when a backend starts
 import numpy as np
 
 from serving import memory_plan
 from serving.engine import TOP_LOGPROBS, DeviceRow, SamplingParams, TokenLogprobs
 from serving.structured import mask_words
 
-from . import checkpoint, config, model, sampling
+from . import checkpoint, config, model, sampling, xla
+from .xla import apply_default_xla_flags, compile_counts, configure_persistent_cache
 
 DEFAULT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
 DEFAULT_SLOTS = 8
 log = logging.getLogger("serving.jax")
-
-
-# -- compile accounting --------------------------------------------------------------------------------------
-# jax.monitoring reports every executable obtained (XLA compile or persistent-cache load) as a backend-compile
-# duration event, and every trace as a jaxpr-trace event. Counted process-wide; engines report deltas.
-_counts = {"compiles": 0, "traces": 0, "cache_hits": 0}
-_counts_lock = threading.Lock()
-_listening = False
-
-
-def _on_duration(event: str, duration: float, **_kw) -> None:
-    key = {"/jax/core/compile/backend_compile_duration": "compiles",
-           "/jax/core/compile/jaxpr_trace_duration": "traces"}.get(event)
-    if key:
-        with _counts_lock:
-            _counts[key] += 1
-
-
-def _on_event(event: str, **_kw) -> None:
-    if event == "/jax/compilation_cache/cache_hits":
-        with _counts_lock:
-            _counts["cache_hits"] += 1
-
-
-def compile_counts() -> dict:
-    """Process-wide counts so far: backend compiles (incl. persistent-cache loads), traces, persistent-cache hits."""
-    _listen()
-    with _counts_lock:
-        return dict(_counts)
-
-
-def _listen() -> None:
-    global _listening
-    if not _listening:
-        jax.monitoring.register_event_duration_secs_listener(_on_duration)
-        jax.monitoring.register_event_listener(_on_event)
-        _listening = True
-
-
-def configure_persistent_cache(cache_dir: str | None) -> None:
-    """Point JAX's persistent compilation cache at cache_dir (None/'' disables it); cache every executable."""
-    if cache_dir:
-        try:
-            Path(cache_dir).mkdir(parents=True, exist_ok=True)
-        except OSError as e:  # a read-only or foreign mount must not stop the server: boot compiles instead
-            log.warning("G5G_JAX_CACHE_DIR %s unusable (%s): compiling without the persistent cache", cache_dir, e)
-            cache_dir = None
-    if not cache_dir:
-        jax.config.update("jax_enable_compilation_cache", False)
-        return
-    jax.config.update("jax_enable_compilation_cache", True)
-    jax.config.update("jax_compilation_cache_dir", str(cache_dir))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-# -- settings ---------------------------------------------------------------------------------------------------
-# XLA flags the runtime sets unless the user's XLA_FLAGS names them (G5G_JAX_XLA_DEFAULTS=0: none): the fastest
-# decode measured on a GPU (benchmarks/decode_variants.py, benchmarks/RESULTS.md) runs the whole step as CUDA graphs,
-# the sampler's conditional and bisection loop included (H200: 5.31 ms per step, 7.07 with XLA's own command-buffer
-# set). XLA's CPU backend reads none of them.
-DEFAULT_XLA_FLAGS = {
-    "--xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE",
-    "--xla_gpu_graph_min_graph_size": "1",
-}
-
-
-def with_default_xla_flags(current: str, defaults: Mapping[str, str] = DEFAULT_XLA_FLAGS) -> str:
-    """XLA_FLAGS `current` plus each default flag it does not name (the user's value of a flag wins)."""
-    named = {flag.split("=", 1)[0] for flag in current.split()}
-    return " ".join([*current.split(), *(f"{k}={v}" for k, v in defaults.items() if k not in named)])
-
-
-def apply_default_xla_flags(env=os.environ) -> str:
-    """Set the defaults into env["XLA_FLAGS"] before XLA reads it (once per process, when a backend starts)."""
-    current = env.get("XLA_FLAGS", "")
-    wanted = with_default_xla_flags(current)
-    if wanted == current:
-        return current
-    if xla_bridge.backends_are_initialized():
-        log.warning("XLA backends already started: XLA_FLAGS defaults not applied (%s)", current)
-        return current
-    env["XLA_FLAGS"] = wanted
-    return wanted
 
 
 # Precision dtypes a GPU runs only from a compute capability on: Turing (sm_75) has no bfloat16 datapath.
@@ -481,7 +396,7 @@ def load(model_dir: str | Path, settings: Settings | None = None, max_context: i
             settings, buckets=tuple(b for b in settings.buckets if b < max_context) + (int(max_context),))
     t0 = time.perf_counter()
     xla_flags = apply_default_xla_flags() if settings.xla_defaults else os.environ.get("XLA_FLAGS", "")
-    _listen()
+    xla.listen()
     configure_persistent_cache(settings.cache_dir)
     cfg = config.load(Path(model_dir))
     dtype = settings.resolve_dtype(_gpu_capability())     # a dtype the GPU cannot run: refused before anything
