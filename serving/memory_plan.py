@@ -23,6 +23,10 @@ DEFAULT_OVERHEAD_MIB = 1024
 # scheme -> (bits, group size or None for one scale per output channel); None: 16-bit weights.
 SCHEMES = {"fp16": None, "w8a16": (8, None), "w4a16": (4, 32)}
 SCALE_BYTES = 2                 # fp16 scales, one per output row (channel) or per group
+# The LM head as the decode step reads it: fp16, or int8 with one scale per vocabulary row (a copy the PyTorch
+# runtime quantises at load, G5G_LM_HEAD=int8; the tied embedding stays 16-bit for the gather, so a tied head adds
+# the int8 copy to the resident bytes and streams only it).
+LM_HEADS = ("fp16", "int8")
 PREFIXES = ("model.language_model.", "model.")
 # Linear weights the quantiser packs: attention, MLP and the per-layer-input gate/projection of every layer.
 # Left in 16-bit (the quantisation_config's `ignore`): the tied embedding/LM head, the per-layer embedding table
@@ -150,12 +154,13 @@ class Plan:
     scheme: str
     weights: int                # bytes resident: text model
     towers: int                 # bytes of the vision/audio towers (vLLM loads them; our runtimes do not)
-    streamed_per_token: int     # bytes read per decode step: every linear + the tied LM head (not the gathers)
+    streamed_per_token: int     # bytes read per decode step: every linear + the LM head (not the gathers)
     kv_per_token: int           # bytes of KV cache per token of context, every non-shared layer at full length
     kv_per_token_sliding: int   # the same with sliding layers holding only their window (the floor)
     kv: int                     # slots x max_model_len x kv_per_token
     overhead: int
     gpu: int
+    lm_head: str = "fp16"
 
     @property
     def total(self) -> int:
@@ -167,7 +172,8 @@ class Plan:
 
     def lines(self) -> list[str]:
         m = lambda b: f"{b / MIB:9.1f} MiB"  # noqa: E731
-        return [f"weights ({self.scheme}, text) {m(self.weights)}",
+        head = "" if self.lm_head == "fp16" else f", {self.lm_head} LM head"
+        return [f"weights ({self.scheme}{head}, text) {m(self.weights)}",
                 *([f"vision/audio towers     {m(self.towers)}  (vLLM loads them; our runtimes do not)"]
                   if self.towers else []),
                 f"KV cache                {m(self.kv)}  ({self.kv_per_token} B/token; sliding layers at their "
@@ -198,24 +204,33 @@ def kv_bytes_per_token(raw: dict, max_len: int | None = None, elem_bytes: int = 
 
 def plan(raw: dict, scheme: str, max_model_len: int, slots: int, gpu_mib: int = T4G_MIB,
          overhead_mib: int = DEFAULT_OVERHEAD_MIB, tensors: dict | None = None, towers: int = 0,
-         rings: bool = False) -> Plan:
+         rings: bool = False, lm_head: str = "fp16") -> Plan:
     """rings: the runtime keeps sliding layers' KV as rings of their window (JAX); else at full length (PyTorch,
-    vLLM's allocation counted as such)."""
+    vLLM's allocation counted as such). lm_head: one of LM_HEADS."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
+    if lm_head not in LM_HEADS:
+        raise ValueError(f"LM head {lm_head!r} is not one of {', '.join(LM_HEADS)}")
     tensors = tensors if tensors is not None else text_tensors(raw)
     sizes = {n: tensor_bytes(n, s, scheme) for n, s in tensors.items()}
     streamed = sum(b for n, b in sizes.items() if QUANTISED.search(n) or n.endswith("model_projection.weight"))
-    if text_section(raw).get("tie_word_embeddings", raw.get("tie_word_embeddings", True)) or "lm_head.weight" \
-            not in tensors:
-        streamed += sizes["embed_tokens.weight"]
+    tied = text_section(raw).get("tie_word_embeddings", raw.get("tie_word_embeddings", True)) \
+        or "lm_head.weight" not in tensors
+    head = "embed_tokens.weight" if tied else "lm_head.weight"
+    if lm_head == "int8":
+        vocab, width = tensors[head]
+        int8 = vocab * width + SCALE_BYTES * vocab
+        if not tied:            # an untied head is replaced by its int8 copy
+            del sizes[head]
+        sizes["lm_head.int8"] = int8
+        streamed += int8
     else:
-        streamed += sizes["lm_head.weight"]
+        streamed += sizes[head]
     per_tok, per_tok_rings = kv_bytes_per_token(raw), kv_bytes_per_token(raw, max_model_len)
     return Plan(scheme=scheme, weights=sum(sizes.values()), towers=towers, streamed_per_token=streamed,
                 kv_per_token=per_tok, kv_per_token_sliding=per_tok_rings,
                 kv=slots * max_model_len * (per_tok_rings if rings else per_tok), overhead=overhead_mib * MIB,
-                gpu=gpu_mib * MIB)
+                gpu=gpu_mib * MIB, lm_head=lm_head)
 
 
 def plan_checkpoint(model_dir: Path, scheme: str | None, max_model_len: int, slots: int, text_only: bool = False,
@@ -235,13 +250,14 @@ def plan_checkpoint(model_dir: Path, scheme: str | None, max_model_len: int, slo
     return plan(raw, scheme or scheme_of(raw), max_model_len, slots, tensors=tensors, towers=towers, **kw)
 
 
-def refusal(model_dir: Path, max_model_len: int, slots: int, gpu_bytes: int, rings: bool = False) -> str | None:
+def refusal(model_dir: Path, max_model_len: int, slots: int, gpu_bytes: int, rings: bool = False,
+            lm_head: str = "fp16") -> str | None:
     """The one line a server logs before refusing to start when the plan says the model does not fit the GPU it
     runs on (weights + KV + the stated overhead), else None. A checkpoint the plan cannot read is not refused
     here: loading it reports what is wrong."""
     try:
         p = plan_checkpoint(model_dir, None, max_model_len, slots, text_only=True, gpu_mib=gpu_bytes // MIB,
-                            rings=rings)
+                            rings=rings, lm_head=lm_head)
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if p.fits:
