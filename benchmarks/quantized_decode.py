@@ -39,7 +39,7 @@ from serving import memory_plan  # noqa: E402
 RESULT: dict = {}
 SCHEMES = ("fp16", "w8a16", "w4a16")
 TOP_SHAPES = 5
-GEMV_SWEEP = [(8, 64), (8, 256), (16, 128), (16, 512), (32, 256)]     # (BLOCK_N, BLOCK_KB), split: 3 ways
+GEMV_SWEEP = [(bn, kb) for bn in (8, 16, 32) for kb in (128, 256, 512)]     # (BLOCK_N, BLOCK_KB), split: 3 ways
 L2_BYTES = 256 << 20            # weights cycled per timing: well beyond any GPU's L2 (H200: 50 MB) ...
 MAX_COPIES = 64                 # ... up to this many (the smallest weights then partly stay in L2: noted per row)
 
@@ -141,13 +141,12 @@ def kernels_torch(n: int, k: int, rows: int, copy_bw: float) -> dict:
         c = _copies(nbytes)
         packs = [(layer.packed.clone(), layer.scale.clone()) for _ in range(c)]
         group = 0 if layer.scale.shape[1] == 1 else k // layer.scale.shape[1]
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        here = packed_matmul.gemv_config(n, k, args.num_bits, group, sms, rows)
-        t4g = packed_matmul.gemv_config(n, k, args.num_bits, group, 40, rows)
+        here = packed_matmul.gemv_config(n, k, args.num_bits, group, torch.cuda.get_device_properties(0).multi_processor_count)
+        t4g = packed_matmul.gemv_config(n, k, args.num_bits, group, 40)
         cands = {"gemv": ("gemv", here), "gemv_t4g_grid": ("gemv", t4g),
                  "dot": ("dot", packed_matmul.KERNEL_CONFIG[args.num_bits])}
         for bn, kb in GEMV_SWEEP:
-            if group and kb < group * args.num_bits // 8 or rows * bn * kb > 2 * packed_matmul.ACC_ELEMENTS:
+            if group and kb < group * args.num_bits // 8:
                 continue
             for split in {max(1, here[2] // 2), here[2], 2 * here[2]}:
                 cands[f"gemv{(bn, kb, split)}"] = ("gemv", (bn, kb, split, 4))

@@ -10,11 +10,10 @@ Two kernels, both plain Triton that every GPU runs the same way:
 - up to GEMV_MAX_ROWS rows (a decode step of 1-8 sequences): a GEMV on CUDA cores, no tl.dot (Triton lowers
   tl.dot to FMA below sm_80 anyway, and a 16-row dot tile does 16x the work of one row). Each program takes
   BLOCK_N output rows and a slice of K (split-K when the columns alone give too few programs for the GPU's SMs;
-  the slices' fp32 partial sums are added by one torch sum). Bytes become floats by or-ing them into the
-  mantissa of 2**23 (0x4B000000 | b is 2**23 + b) and subtracting that and the offset: no integer-to-float
-  conversion (a quarter-rate instruction on Turing). int4 reads the checkpoint's own layout: the low nibbles
-  multiply the even inputs, the high nibbles the odd ones (no unpack, no repack). Products accumulate
-  elementwise over K and are reduced once at the end (a reduction per step cost more than the bytes).
+  the slices' fp32 partial sums are added by one torch sum). Bytes become fp16 by or-ing them into the exponent
+  of 1024.0 (0x6400 | b is 1024 + b) and subtracting the offset: no integer-to-float conversion. int4 reads the
+  checkpoint's own layout: the low nibbles multiply the even inputs, the high nibbles the odd ones (no unpack,
+  no repack). Group scales multiply each group's partial sum once, not every weight.
 - up to KERNEL_MAX_ROWS rows: the tl.dot kernel (one BLOCK_M 16 tile of rows per program).
 Rows beyond that (a prefill) and any CPU tensor take the plain path: the layer's weight dequantised once, then
 cuBLAS / the CPU's matmul; those are bound by compute, not by the weight bytes.
@@ -132,19 +131,15 @@ def _device_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def gemv_config(n: int, k: int, bits: int, group: int, sms: int, rows: int = 1) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_KB bytes, split, num_warps) of the GEMV for W [n, k] and `rows` inputs: a step of 16
-    output rows x 256 bytes for one input row, narrowed as rows grow (the elementwise accumulator holds
-    rows x BLOCK_N x BLOCK_KB floats: at most ACC_ELEMENTS, 64 registers a thread at 4 warps), and K split in two
-    until there are PROGRAMS_PER_SM programs per SM (or a slice would fall below two steps). A group's bytes
-    must divide a step."""
+def gemv_config(n: int, k: int, bits: int, group: int, sms: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_KB bytes, split, num_warps) of the GEMV for W [n, k]: 16 output rows of 256 bytes per
+    step, and K split in two until there are PROGRAMS_PER_SM programs per SM (or a slice would fall below two
+    steps). A group's bytes must divide a step."""
     row_bytes = k * bits // 8
-    bm = triton_next_pow2(rows)
-    block_n = 16 if bm <= 2 else 8
-    block_kb = max(16, min(ACC_ELEMENTS // (bm * block_n), 256, triton_next_pow2(row_bytes)))
+    block_kb = max(16, min(256, triton_next_pow2(row_bytes)))
     if group:
         block_kb = max(block_kb, group * bits // 8)
-    split = 1
+    block_n, split = 16, 1
     tiles = -(-n // block_n)
     while tiles * split < PROGRAMS_PER_SM * sms and row_bytes // (2 * split) >= 2 * block_kb:
         split *= 2
@@ -152,7 +147,6 @@ def gemv_config(n: int, k: int, bits: int, group: int, sms: int, rows: int = 1) 
 
 
 PROGRAMS_PER_SM = 4
-ACC_ELEMENTS = 8192
 
 
 def triton_next_pow2(v: int) -> int:
@@ -166,7 +160,7 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bits: int,
     n = packed.shape[0]
     groups = scale.shape[1]
     group = 0 if groups == 1 else k // groups
-    block_n, block_kb, split, warps = config or gemv_config(n, k, bits, group, sm_count(x.device), m)
+    block_n, block_kb, split, warps = config or gemv_config(n, k, bits, group, sm_count(x.device))
     row_bytes = k * bits // 8
     slice_bytes = -(-row_bytes // split // block_kb) * block_kb          # whole steps per slice
     split = -(-row_bytes // slice_bytes)
@@ -213,48 +207,45 @@ def _define_gemv():
         # Program (n, s): output rows [n * BLOCK_N, +BLOCK_N) over the packed bytes [s * SLICE, +SLICE) of each row,
         # for every one of the M (<= BLOCK_M) input rows; the result (fp32 partial sums when K is split) goes to
         # y[s]. KB: packed bytes per weight row. GROUP: inputs per scale, 0 for one scale per output row.
-        # Products accumulate elementwise; the one reduction over K runs after the loop.
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
         rb = tl.arange(0, BLOCK_KB)
         n_ok = rn < N
-        m_ok = rm < M
-        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_KB), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         start = tl.program_id(1) * SLICE
         for b0 in range(start, tl.minimum(start + SLICE, KB), BLOCK_KB):
             cb = b0 + rb
             b_ok = cb < KB
             wb = tl.load(w_ptr + rn[:, None] * stride_wn + cb[None, :], mask=n_ok[:, None] & b_ok[None, :],
-                         other=0).to(tl.uint32)
-            # 0x4B000000 | v is the fp32 2**23 + v: one or and one add make a signed weight, no conversion
-            if BITS == 8:
-                w0 = (wb | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+                         other=0).to(tl.uint16)
+            if BITS == 8:       # 0x6400 | b is the fp16 1024 + b: minus 1024 + 128, the signed value
+                w0 = (wb | 0x6400).to(tl.float16, bitcast=True) - 1152.0
             else:               # byte j: input 2j in the low nibble, 2j + 1 in the high one
-                w0 = ((wb & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-                w1 = ((wb >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+                w0 = ((wb & 0xF) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+                w1 = ((wb >> 4) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
             if GROUP:
                 gb: tl.constexpr = GROUP * BITS // 8                # bytes per group
                 rg = b0 // gb + tl.arange(0, BLOCK_KB // gb)
                 s = tl.load(s_ptr + rn[:, None] * stride_sn + rg[None, :],
                             mask=n_ok[:, None] & (rg[None, :] < KB // gb), other=0.0).to(tl.float32)
-                s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_KB // gb, gb)), (BLOCK_N, BLOCK_KB))
-                w0 = w0 * s
-                if BITS == 4:
-                    w1 = w1 * s
-            x_at = x_ptr + rm[:, None] * stride_xm
-            x_ok = m_ok[:, None] & b_ok[None, :]
-            if BITS == 8:
-                x = tl.load(x_at + cb[None, :], mask=x_ok, other=0.0).to(tl.float32)
-                acc += w0[None, :, :] * x[:, None, :]
-            else:
-                xe = tl.load(x_at + 2 * cb[None, :], mask=x_ok, other=0.0).to(tl.float32)
-                xo = tl.load(x_at + 2 * cb[None, :] + 1, mask=x_ok, other=0.0).to(tl.float32)
-                acc += w0[None, :, :] * xe[:, None, :] + w1[None, :, :] * xo[:, None, :]
-        out = tl.sum(acc, axis=2)
+            for m in tl.static_range(BLOCK_M):
+                m_ok = m < M
+                if BITS == 8:
+                    xm = tl.load(x_ptr + m * stride_xm + cb, mask=b_ok & m_ok, other=0.0).to(tl.float32)
+                    p = w0.to(tl.float32) * xm[None, :]
+                else:
+                    xe = tl.load(x_ptr + m * stride_xm + 2 * cb, mask=b_ok & m_ok, other=0.0).to(tl.float32)
+                    xo = tl.load(x_ptr + m * stride_xm + 2 * cb + 1, mask=b_ok & m_ok, other=0.0).to(tl.float32)
+                    p = w0.to(tl.float32) * xe[None, :] + w1.to(tl.float32) * xo[None, :]
+                if GROUP:       # each group's partial sum scaled once
+                    part = tl.sum(tl.sum(tl.reshape(p, (BLOCK_N, BLOCK_KB // gb, gb)), axis=2) * s, axis=1)
+                else:
+                    part = tl.sum(p, axis=1)
+                acc = tl.where(rm[:, None] == m, acc + part[None, :], acc)
         if not GROUP:
-            out *= tl.load(s_ptr + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            acc *= tl.load(s_ptr + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + tl.program_id(1) * stride_ys + rm[:, None] * stride_ym + rn[None, :],
-                 out.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+                 acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & n_ok[None, :])
 
     return gemv_kernel
 
