@@ -10,9 +10,11 @@ the PATH:
    Ampere only: every dot a cuBLAS call), PyTorch's SDPA without the flash and cuDNN backends (sm_80+: the
    memory-efficient and math backends remain), our packed GEMV launched with a T4G's grid (G5G_PACKED_SMS=40).
 2. Wall time per engine.step with 1 and 8 live sequences (greedy, no HTTP), --steps steps after a warm-up.
-3. One decode step with 8 live sequences, then one with 1, profiled (ncu, --cache-control all: every kernel
-   starts from a cold L2, as on a T4G whose 4 MB L2 keeps almost nothing between kernels): per kernel its DRAM
-   bytes read + written, its L2 traffic, its warp instructions and its duration here.
+3. In a second child under ncu (ncu slows every launch, so it never times): one decode step with 8 live
+   sequences, profiled (--cache-control all: every kernel starts from a cold L2, as on a T4G whose 4 MB L2 keeps
+   almost nothing between kernels): per kernel its DRAM bytes read + written, its L2 traffic, its warp
+   instructions and its duration here. The one-stream prediction reuses that step's kernels (exact for PyTorch,
+   which decodes all its slots every step; for JAX's batch-1 executable an upper bound of its bytes).
 The model (MODEL below; every constant stated there): a kernel takes on a T4G
     t = max(DRAM bytes / 277 GB/s, warp instructions / the T4G's issue rate, its duration here)
 (a T4G is slower than any GPU this runs on in each respect), a step the sum of its kernels plus the host time
@@ -58,7 +60,6 @@ MODEL = {
 TURING = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false", "G5G_PACKED_SMS": str(MODEL["t4g_sms"])}
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_bytes.sum", "smsp__inst_executed.sum",
            "gpu__time_duration.sum")
-MARKER = "spin_kernel"              # torch.cuda._sleep's kernel: between the two profiled steps
 SLOTS, CONTEXT = 8, 1024
 RESULT: dict = {}
 
@@ -70,8 +71,9 @@ def note(out: Path, **kw) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- child
-def child(runtime: str, ckpt: Path, steps: int, result: Path) -> None:
-    """In this process: load the engine the sm_75 way, time its steps, then the profiled steps."""
+def child(runtime: str, ckpt: Path, steps: int, result: Path, profile: bool) -> None:
+    """In this process: load the engine the sm_75 way; then either time its steps (1 and 8 live sequences) or,
+    under ncu, run one profiled step with 8 live sequences (ncu slows every launch: the two never share a process)."""
     import torch
 
     from serving.engine import SamplingParams
@@ -90,28 +92,31 @@ def child(runtime: str, ckpt: Path, steps: int, result: Path) -> None:
     res: dict = {"load_s": round(time.perf_counter() - t0, 1)}
     greedy = SamplingParams(temperature=0.0, ignore_eos=True)
     prompt = [2] + list(range(100, 131))
-    for live in (1, SLOTS):
-        toks = {s: engine.start(s, prompt, greedy) for s in range(live)}
-        for _ in range(3):
-            toks = engine.step(toks)
+    for live in ((SLOTS,) if profile else (1, SLOTS)):
+        # a first pass over the positions the timed one reaches: the runtimes compile per length bucket (PyTorch's
+        # attention span, JAX's ladder), and the 2026-12-02 run timed 1 live sequence through those compiles
+        for warm in (True, False):
+            toks = {s: engine.start(s, prompt, greedy) for s in range(live)}
+            for _ in range(3 + (3 * steps if warm and not profile else 0)):
+                toks = engine.step(toks)
         rates = []
-        for _ in range(3):
+        for _ in range(0 if profile else 3):
             t0 = time.perf_counter()
             for _ in range(steps):
                 toks = engine.step(toks)
             rates.append((time.perf_counter() - t0) / steps * 1e3)
-        res[f"step_ms_{live}"] = round(statistics.median(rates), 3)
-    if hasattr(engine, "pipeline"):     # one dispatch per step inside the profiled range
-        engine.pipeline = False
-    toks = engine.step(toks)
-    if gpu:
-        torch.cuda.synchronize()
-        torch.cuda.profiler.start()
-        toks = engine.step(toks)                        # 8 live sequences
-        torch.cuda._sleep(1000)
-        engine.step({0: toks[0]})                       # 1 live sequence
-        torch.cuda.synchronize()
-        torch.cuda.profiler.stop()
+        if rates:
+            res[f"step_ms_{live}"] = round(statistics.median(rates), 3)
+    if profile:
+        if hasattr(engine, "pipeline"):     # one dispatch inside the profiled range
+            engine.pipeline = False
+        toks = engine.step(toks)
+        if gpu:
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
+            engine.step(toks)
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
     result.write_text(json.dumps(res))
 
 
@@ -135,14 +140,6 @@ def parse_ncu(text: str) -> list[dict]:
             k[m] = float(v) if v not in ("", "n/a") else 0.0
         out.append(k)
     return out
-
-
-def split_steps(kernels: list[dict]) -> dict[int, list[dict]]:
-    """{8: kernels of the 8-sequence step, 1: of the 1-sequence step}, split at the marker kernel."""
-    at = next((i for i, k in enumerate(kernels) if MARKER in k["name"]), None)
-    if at is None:
-        return {}
-    return {SLOTS: kernels[:at], 1: kernels[at + 1:]}
 
 
 def predict(kernels: list[dict], wall_ms: float, rows: int) -> dict:
@@ -192,22 +189,32 @@ def checkpoints(work: Path, schemes: list[str], tiny: bool) -> dict[str, Path]:
 
 def run_one(runtime: str, ckpt: Path, env: dict, steps: int, work: Path, ncu: str | None, code: Path,
             name: str, timeout: int) -> tuple[dict, str]:
-    """One child (under ncu when given): its timings and ncu's CSV text."""
-    result, log = work / f"{name}.json", work / f"{name}.csv"
-    result.unlink(missing_ok=True)
-    cmd = [sys.executable, __file__, "--child", runtime, str(ckpt), "--steps", str(steps), "--result", str(result)]
-    if ncu:
-        cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--cache-control", "all",
-               "--metrics", ",".join(METRICS), "--csv", "--page", "raw", "--print-units", "base",
-               "--log-file", str(log), *cmd]
+    """The timing child, then (ncu given) the profiled one: the timings and ncu's CSV text."""
     env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(code), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    try:
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout} s"}, ""
-    if r.returncode or not result.exists():
-        return {"error": (r.stdout + r.stderr)[-2000:]}, log.read_text() if log.exists() else ""
-    return json.loads(result.read_text()), log.read_text() if log.exists() else ""
+    out: dict = {}
+    text = ""
+    for profile in (False, True) if ncu else (False,):
+        result, log = work / f"{name}-{profile}.json", work / f"{name}.csv"
+        result.unlink(missing_ok=True)
+        cmd = [sys.executable, __file__, "--child", runtime, str(ckpt), "--steps", str(steps), "--result",
+               str(result)] + ["--profile"] * profile
+        if profile:
+            cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--cache-control", "all",
+                   "--metrics", ",".join(METRICS), "--csv", "--page", "raw", "--print-units", "base",
+                   "--log-file", str(log), *cmd]
+        try:
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {**out, "error": f"timed out after {timeout} s (profile: {profile})"}, text
+        if r.returncode or not result.exists():
+            return {**out, "error": (r.stdout + r.stderr)[-2000:]}, text
+        got = json.loads(result.read_text())
+        if profile:
+            out["load_s_under_ncu"] = got["load_s"]
+            text = log.read_text() if log.exists() else ""
+        else:
+            out.update(got)
+    return out, text
 
 
 def main() -> int:
@@ -224,9 +231,10 @@ def main() -> int:
     ap.add_argument("--no-ncu", action="store_true")
     ap.add_argument("--child", nargs=2, metavar=("RUNTIME", "CKPT"))
     ap.add_argument("--result", type=Path)
+    ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
     if a.child:
-        child(a.child[0], Path(a.child[1]), a.steps, a.result)
+        child(a.child[0], Path(a.child[1]), a.steps, a.result, a.profile)
         return 0
     a.out.mkdir(parents=True, exist_ok=True)
     a.work.mkdir(parents=True, exist_ok=True)
@@ -248,17 +256,17 @@ def main() -> int:
             for head in (a.heads.split(",") if runtime == "pytorch" else ["fp16"]):
                 key = scheme if head == "fp16" else f"{scheme}+int8head"
                 name = f"{runtime}-{key}"
-                env = {**TURING, "G5G_LM_HEAD": head}
+                env = {**TURING, "G5G_LM_HEAD": head, "TORCHINDUCTOR_CACHE_DIR": str(a.work / "inductor")}
                 t0 = time.perf_counter()
                 timed, text = run_one(runtime, dirs[scheme], env, a.steps, a.work, ncu, a.code, name, a.timeout)
                 csvs[name] = text
                 plan = memory_plan.plan_checkpoint(dirs[scheme], None, CONTEXT, SLOTS, text_only=True, lm_head=head)
                 res = {**timed, "wall_s": round(time.perf_counter() - t0, 1),
                        "plan_streamed_bytes": plan.streamed_per_token}
-                steps = split_steps(parse_ncu(text)) if text else {}
-                if steps and "step_ms_1" in timed:
+                kernels = parse_ncu(text) if text else []
+                if kernels and "step_ms_1" in timed:
                     for rows in (1, SLOTS):
-                        p = predict(steps[rows], timed[f"step_ms_{rows}"], rows)
+                        p = predict(kernels, timed[f"step_ms_{rows}"], rows)
                         res[f"step{rows}"] = p
                         res[f"predicted_tok_s_{rows}"] = p["predicted_tok_s"]
                     res["bytes_per_token"] = res["step1"]["dram_bytes"]
