@@ -8,7 +8,8 @@ checkpoints of benchmarks/quantized_decode.py), one child process, run under Nsi
 the PATH:
 1. The code paths sm_75 takes, forced on this GPU (TURING): XLA without its Triton GEMM (XLA enables it from
    Ampere only: every dot a cuBLAS call), PyTorch's SDPA without the flash and cuDNN backends (sm_80+: the
-   memory-efficient and math backends remain), our packed GEMV launched with a T4G's grid (G5G_PACKED_SMS=40).
+   memory-efficient and math backends remain), our packed kernels as sm_75 chooses them, on a T4G's grid
+   (G5G_PACKED_ARCH=75, G5G_PACKED_SMS=40).
 2. Wall time per engine.step with 1 and 8 live sequences (greedy, no HTTP), --steps steps after a warm-up.
 3. In a second child under ncu (ncu slows every launch, so it never times): one decode step with 8 live
    sequences, profiled (--cache-control all: every kernel starts from a cold L2, as on a T4G whose 4 MB L2 keeps
@@ -57,7 +58,8 @@ MODEL = {
     # not hidden behind kernels: a stated guess, not calibrated (no G5g here)
     "host_factor": 1.6,
 }
-TURING = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false", "G5G_PACKED_SMS": str(MODEL["t4g_sms"])}
+TURING = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false", "G5G_PACKED_SMS": str(MODEL["t4g_sms"]),
+          "G5G_PACKED_ARCH": "75"}
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_bytes.sum", "smsp__inst_executed.sum",
            "gpu__time_duration.sum")
 SLOTS, CONTEXT = 8, 1024

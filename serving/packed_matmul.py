@@ -7,7 +7,7 @@ uint8 [out, in * bits / 8], input 2j in the low nibble of byte j for int4, every
 2**(bits-1); scales [out, groups] (one group: a scale per output channel).
 
 Two kernels, both plain Triton that every GPU runs the same way:
-- up to GEMV_MAX_ROWS rows (a decode step of 1-8 sequences): a GEMV on CUDA cores, no tl.dot (Triton lowers
+- up to GEMV_MAX_ROWS rows (a decode step of 1-8 sequences; `uses_gemv` says which): a GEMV on CUDA cores, no tl.dot (Triton lowers
   tl.dot to FMA below sm_80 anyway, and a 16-row dot tile does 16x the work of one row). Each program takes
   BLOCK_N output rows and a slice of K (split-K when the columns alone give too few programs for the GPU's SMs;
   the slices' fp32 partial sums are added by one torch sum). Bytes become fp16 by or-ing them into the exponent
@@ -102,9 +102,9 @@ def packed_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bits: 
 
     m, k = x.shape
     n = packed.shape[0]
-    group = k // scale.shape[1]
-    if m <= GEMV_MAX_ROWS and config is None and (scale.shape[1] == 1 or group & (group - 1) == 0):
-        return gemv(x, packed, scale, bits)         # (a group of a power of two inputs: whole groups per step)
+    group = 0 if scale.shape[1] == 1 else k // scale.shape[1]
+    if config is None and uses_gemv(m, bits, group, device_arch(x.device)):
+        return gemv(x, packed, scale, bits)
     block_n, block_k, warps = config or KERNEL_CONFIG[bits]
     groups = scale.shape[1]
     if m > KERNEL_MAX_ROWS:
@@ -116,6 +116,31 @@ def packed_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bits: 
         BITS=bits, PER_CHANNEL=groups == 1, BLOCK_M=KERNEL_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps)
     return y
+
+
+def uses_gemv(rows: int, bits: int, group: int, arch: int) -> bool:
+    """Whether `rows` inputs take the GEMV rather than the dot kernel: up to GEMV_MAX_ROWS rows on sm_75 (tl.dot
+    runs on CUDA cores there too) and for int4 everywhere; int8 beyond one row on a GPU whose tl.dot has tensor
+    cores (sm_80+) keeps the dot kernel, which the H200 ran 2.4x faster at 8 rows (benchmarks/RESULTS.md, issue
+    26). Groups must be a power of two inputs (whole groups per step)."""
+    if rows > GEMV_MAX_ROWS or (group and group & (group - 1)):
+        return False
+    return bits == 4 or rows == 1 or arch < 80
+
+
+def device_arch(device) -> int:
+    """Compute capability as 75, 90…: the device's, or G5G_PACKED_ARCH (benchmarks/t4g_model.py sets 75: any GPU
+    then takes a T4G's kernels); 75 off CUDA (Triton's interpreter stands in for the T4G)."""
+    if text := os.environ.get("G5G_PACKED_ARCH"):
+        return int(text)
+    d = torch.device(device)
+    return _device_arch(d.index or 0) if d.type == "cuda" else 75
+
+
+@functools.lru_cache(maxsize=None)
+def _device_arch(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    return 10 * major + minor
 
 
 def sm_count(device) -> int:

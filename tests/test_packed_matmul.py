@@ -112,6 +112,13 @@ def test_gemv_config_splits_k_until_every_sm_has_work():
     assert packed_matmul.gemv_config(64, 64, 4, 128, 40)[1] == 64
 
 
+def test_sm75_takes_the_gemv_for_every_decode_row_and_newer_gpus_keep_the_faster_int8_dot():
+    assert all(packed_matmul.uses_gemv(rows, bits, 0, 75) for rows in range(1, 9) for bits in (4, 8))
+    assert all(packed_matmul.uses_gemv(rows, 4, 32, 90) for rows in range(1, 9))
+    assert packed_matmul.uses_gemv(1, 8, 0, 90) and not packed_matmul.uses_gemv(2, 8, 0, 90)
+    assert not packed_matmul.uses_gemv(9, 4, 32, 75) and not packed_matmul.uses_gemv(1, 4, 96, 75)
+
+
 def test_kernels_compile_for_a_t4g_without_a_gpu():
     """Both kernels compile for ("cuda", 75, 32) with Triton's own compiler (no GPU here): the GEMV at 1 and 8
     rows for every scheme, with no tensor-core instruction in its PTX and no shared memory beyond the
