@@ -6,7 +6,8 @@ shapes with random weights (no download), beside transformers.
 kernels: every distinct packed linear of the shapes, 1 and 8 rows. PyTorch: cuBLAS fp16 (F.linear) against
   serving/packed_matmul.py's GEMV (its own config for this GPU, a T4G's grid, and the GEMV_SWEEP around it) and
   its dot kernel (KERNEL_CONFIG); the device's copy bandwidth first, each kernel's packed GB/s as a share of it;
-  JAX (unless --kernel-runtimes torch): an fp16 dot against model.matmul on Packed int8/int4. Time per matmul over enough distinct weights to overflow L2 (so the bytes come from HBM), PyTorch
+  JAX (unless --kernel-runtimes torch): an fp16 dot against model.matmul on Packed int8/int4. Time per matmul
+  over enough distinct weights to overflow L2 (so the bytes come from HBM), PyTorch
   replayed from a CUDA graph (kernel time, launch excluded); effective GB/s of the bytes a matmul must read; the
   largest error against the dequantised weight.
 models: per shape, a random fp16 checkpoint, quantised to w8a16 and w4a16; per checkpoint, in a child process
@@ -130,7 +131,8 @@ def kernels_torch(n: int, k: int, rows: int, copy_bw: float) -> dict:
     c = _copies(w16.numel() * 2)
     ws = [w16.clone() for _ in range(c)]
     us = timed(lambda i: torch.nn.functional.linear(x, ws[i]), c)
-    res["fp16"] = {"us": round(us, 2), "GB_s": round(w16.numel() * 2 / us / 1e3, 1), "set_MB": c * w16.numel() * 2 >> 20,
+    res["fp16"] = {"us": round(us, 2), "GB_s": round(w16.numel() * 2 / us / 1e3, 1),
+                   "set_MB": c * w16.numel() * 2 >> 20,
                    "of_copy_bw": round(w16.numel() * 2 / us / 1e-6 / copy_bw, 3)}
     for scheme in ("w8a16", "w4a16"):
         args = quantize.scheme_args(scheme, None)
@@ -141,7 +143,8 @@ def kernels_torch(n: int, k: int, rows: int, copy_bw: float) -> dict:
         c = _copies(nbytes)
         packs = [(layer.packed.clone(), layer.scale.clone()) for _ in range(c)]
         group = 0 if layer.scale.shape[1] == 1 else k // layer.scale.shape[1]
-        here = packed_matmul.gemv_config(n, k, args.num_bits, group, torch.cuda.get_device_properties(0).multi_processor_count)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        here = packed_matmul.gemv_config(n, k, args.num_bits, group, sms)
         t4g = packed_matmul.gemv_config(n, k, args.num_bits, group, 40)
         cands = {"gemv": ("gemv", here), "gemv_t4g_grid": ("gemv", t4g),
                  "dot": ("dot", packed_matmul.KERNEL_CONFIG[args.num_bits])}

@@ -36,7 +36,7 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
                    help="override a manifest value, e.g. profile.base_image=… (repeatable)")
     p.add_argument("--rehearse", action="store_true",
                    help="every stage for real, the long compiles cut to CMake configure + a sample of objects "
-                        "(the runtimes' rehearse: sections; README, \"Rehearsing the g5g chain\")")
+                        "(the runtimes' rehearse: sections; docs/g5g-chain.md, \"Rehearsing the g5g chain\")")
 
 
 def _add_builder_option(p: argparse.ArgumentParser) -> None:
@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chart", help="write the serving Helm chart's values (every runtime x profile) from the "
                        "manifests and deploy/fleet.yaml")
     c.add_argument("--out", default=str(REPO_ROOT / "deploy" / "chart"),
-                   help="chart directory; the templates are copied there too (default: deploy/chart)")
+                   help="chart directory; the templates, values.schema.json and files/ are copied there too, a "
+                   "values file no longer generated is removed (default: deploy/chart)")
     c.add_argument("--registry", help="registry/namespace of the images (default: the profiles')")
     c.add_argument("--manifests", default=None, help="manifest directory (default: ./manifests)")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

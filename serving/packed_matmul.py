@@ -7,13 +7,13 @@ uint8 [out, in * bits / 8], input 2j in the low nibble of byte j for int4, every
 2**(bits-1); scales [out, groups] (one group: a scale per output channel).
 
 Two kernels, both plain Triton that every GPU runs the same way:
-- up to GEMV_MAX_ROWS rows (a decode step of 1-8 sequences; `uses_gemv` says which): a GEMV on CUDA cores, no tl.dot (Triton lowers
-  tl.dot to FMA below sm_80 anyway, and a 16-row dot tile does 16x the work of one row). Each program takes
-  BLOCK_N output rows and a slice of K (split-K when the columns alone give too few programs for the GPU's SMs;
-  the slices' fp32 partial sums are added by one torch sum). Bytes become fp16 by or-ing them into the exponent
+- up to GEMV_MAX_ROWS rows (a decode step of 1-8 sequences; `uses_gemv` says which): a GEMV on CUDA cores, no tl.dot
+  (Triton lowers tl.dot to FMA below sm_80 anyway, and a 16-row dot tile does 16x the work of one row). Each program
+  takes BLOCK_N output rows and a slice of K (split-K when the columns alone give too few programs for the GPU's
+  SMs; the slices' fp32 partial sums are added by one torch sum). Bytes become fp16 by or-ing them into the exponent
   of 1024.0 (0x6400 | b is 1024 + b) and subtracting the offset: no integer-to-float conversion. int4 reads the
-  checkpoint's own layout: the low nibbles multiply the even inputs, the high nibbles the odd ones (no unpack,
-  no repack). Group scales multiply each group's partial sum once, not every weight.
+  checkpoint's own layout: the low nibbles multiply the even inputs, the high nibbles the odd ones (no unpack, no
+  repack). Group scales multiply each group's partial sum once, not every weight.
 - up to KERNEL_MAX_ROWS rows: the tl.dot kernel (one BLOCK_M 16 tile of rows per program).
 Rows beyond that (a prefill) and any CPU tensor take the plain path: the layer's weight dequantised once, then
 cuBLAS / the CPU's matmul; those are bound by compute, not by the weight bytes.

@@ -8,7 +8,7 @@ at the time limit or once every request waiting for it left: a compile nobody wa
 memory. The generation loop
 (serving/generation.py) gives each such request a `Matcher`: before every sampling step it writes the tokens the grammar allows next as a bitmask (bit i % 32 of int32 word i // 32 is token
 i, the layout outlines-core and the runtimes share) and after every generated token it advances. The runtime sets
-every other token's logit to MASKED before it samples (serving/engine.py). Why outlines-core: README, Design notes.
+every other token's logit to MASKED before it samples (serving/engine.py). Why outlines-core: docs/serving.md.
 """
 from __future__ import annotations
 

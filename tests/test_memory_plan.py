@@ -119,9 +119,35 @@ def test_int8_lm_head_streams_half_the_head_and_keeps_the_embedding():
 
 
 def test_cli_fits_counts_the_int8_head(capsys, tiny_gemma4):
-    assert cli.main(["fits", "--shape", "e2b", "--scheme", "w4a16", "--lm-head", "int8", "--max-model-len", "4096"]) == 0
+    assert cli.main(["fits", "--shape", "e2b", "--scheme", "w4a16", "--lm-head", "int8",
+                     "--max-model-len", "4096"]) == 0
     out = capsys.readouterr().out
     assert "w4a16, int8 LM head" in out and "1.479 GB" in out
     need = mp.plan_checkpoint(tiny_gemma4, None, 64, 1, text_only=True, lm_head="int8").total
     assert need > mp.plan_checkpoint(tiny_gemma4, None, 64, 1, text_only=True).total
     assert mp.refusal(tiny_gemma4, 64, 1, need - mp.MIB, lm_head="int8") is not None
+
+
+def test_the_pytorch_plan_counts_what_its_cache_attention_and_sampler_hold(tiny_gemma4):
+    """The PyTorch server's refusal plans sliding layers as rings (SlotKV holds only their window) and counts its
+    attention and sampler: the cache and the sampler's state are exactly what a loaded engine allocates (float32 on
+    a CPU, twice the plan's fp16), and a prompt chunk's scores are counted at the chunk the attention uses."""
+    torch = pytest.importorskip("torch")
+    from serving import torch_attention
+    from serving.pytorch_runtime import load
+
+    slots, context = 4, 128
+    engine = load(tiny_gemma4, max_context=context, slots=slots)
+    plan = mp.plan_checkpoint(tiny_gemma4, None, context, slots, text_only=True, rings=True, attention=True)
+    assert engine._kv.nbytes() == 2 * plan.kv < 2 * mp.plan_checkpoint(tiny_gemma4, None, context, slots).kv
+    s = engine.sampler
+    state = sum(t.numel() * t.element_size() for t in (s.bias, s.counts, s.held, s.seen))
+    assert state == slots * engine.vocab_size * mp.SAMPLER_STATE_BYTES
+    raw = json.loads((tiny_gemma4 / "config.json").read_text())
+    heads = raw["text_config"]["num_attention_heads"]
+    assert torch_attention.QUERY_CHUNK == mp.ATTENTION_QUERY_CHUNK
+    assert plan.attention == (heads * min(mp.ATTENTION_QUERY_CHUNK, context) * context * mp.PREFILL_BYTES_PER_SCORE
+                              + slots * engine.vocab_size * (mp.SAMPLER_STATE_BYTES + mp.SAMPLER_STEP_BYTES))
+    assert plan.total == plan.weights + plan.kv + plan.attention + plan.overhead
+    assert any(line.startswith("attention + sampling") for line in plan.lines())
+    assert torch.float32 == engine.model.dtype

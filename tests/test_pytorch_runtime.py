@@ -99,3 +99,15 @@ def test_int8_lm_head_keeps_the_embedding_and_tracks_the_fp16_logits(engines, ti
     assert np.abs(got[0] - want[0]).max() < 0.02 * np.abs(want[0]).max()
     with pytest.raises(ValueError, match="G5G_LM_HEAD: 'int4' is not one of fp16, int8"):
         lm_head_from_env({"G5G_LM_HEAD": "int4"})
+
+
+def test_compile_cache_survives_a_restart_where_asked(tmp_path):
+    """G5G_TORCH_CACHE_DIR names inductor's cache (default under ~/.cache: the image mounts a volume there); empty
+    leaves torch's temporary one; an explicit TORCHINDUCTOR_CACHE_DIR wins."""
+    from pathlib import Path
+
+    from serving.pytorch_runtime import inductor_env
+    assert inductor_env({}) == {"TORCHINDUCTOR_CACHE_DIR": str(Path("~/.cache/g5g-torch").expanduser())}
+    assert inductor_env({"G5G_TORCH_CACHE_DIR": str(tmp_path)}) == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    assert inductor_env({"G5G_TORCH_CACHE_DIR": ""}) == {}
+    assert inductor_env({"G5G_TORCH_CACHE_DIR": "/x", "TORCHINDUCTOR_CACHE_DIR": "/y"}) == {}
