@@ -296,8 +296,12 @@ def measure_engine(runtime: str, ckpt: Path, steps: int) -> dict:
         engine = load(ckpt, Settings(buckets=(64, context), cache_dir=None, slots=slots, batches=(1, slots)))
         stats = jax.devices()[0].memory_stats() or {}
         held, peak = stats.get("bytes_in_use"), stats.get("peak_bytes_in_use")
+    # the plan the runtime refuses on (JAX: rings, and the LM head's copy that XLA's GEMM autotuning holds at boot)
+    own = memory_plan.plan_checkpoint(ckpt, None, context, slots, text_only=True, rings=True,
+                                      **({"attention": True} if runtime == "pytorch" else {"autotuned": True}))
     res = {"load_s": round(time.perf_counter() - t0, 1), "held_bytes": held, "peak_bytes": peak,
-           "plan_weights_bytes": plan.weights, "plan_kv_bytes": plan.kv, "plan_weights_plus_kv": plan.weights + plan.kv}
+           "plan_weights_bytes": plan.weights, "plan_kv_bytes": plan.kv, "plan_weights_plus_kv": plan.weights + plan.kv,
+           "runtime_plan_total_bytes": own.total, "runtime_plan_tuning_bytes": own.tuning}
     greedy = SamplingParams(temperature=0.0, ignore_eos=True)
     prompt = [2] + list(range(100, 131))
     for live in (1, slots):

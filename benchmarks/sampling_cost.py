@@ -7,6 +7,11 @@ min_tokens, 20 logprobs). Run it on a checkout without the extras too (same comm
 adjustments' skipped branches cost when no row asks for them.
 
     python -m benchmarks.sampling_cost [--steps 40]
+
+Then the sampler alone (sampling.sample, jitted) on [8, 262 144] float32 logits with top-p / top-k cuts: its
+candidates path (the default) beside the whole-row bisection (candidates=0, the sampler before the candidates),
+on peaked rows (Zipf 2: a nucleus of a few tokens, the candidates hold it) and flat ones (Zipf 1.1: the nucleus
+is wider than the candidates, so those rows fall back to the bisection; the price of the check).
 """
 from __future__ import annotations
 
@@ -63,8 +68,38 @@ def main() -> int:
                     [engine.logprobs(s) for s in tokens]
                 times.append(time.perf_counter() - t0)
             result[f"{name}_step_ms"] = round(1000 * statistics.median(times[3:]), 2)
+    result["sampler_alone"] = sampler_alone(args.steps)
     print(json.dumps(result))
     return 0
+
+
+def sampler_alone(steps: int, rows: int = 8, vocab: int = 262144) -> dict:
+    """Milliseconds per call of the jitted sampler, candidates path and whole-row bisection, per logits and cut."""
+    import jax
+    import jax.numpy as jnp
+    from serving.jax_runtime import sampling
+
+    rng = np.random.default_rng(0)
+    out = {}
+    for shape, zipf in (("peaked", 2.0), ("flat", 1.1)):
+        logits = np.stack([rng.permutation(-zipf * np.log(np.arange(1, vocab + 1))) for _ in range(rows)])
+        logits = jnp.asarray(logits, jnp.float32)
+        cuts = {"top_p0.9": (0, 0.9), "top_k50": (50, 1.0), "top_k50+top_p0.95": (50, 0.95)}
+        for cut, (top_k, top_p) in cuts.items():
+            args = (logits, jnp.ones(rows, jnp.float32), jnp.full(rows, top_k, jnp.int32),
+                    jnp.full(rows, top_p, jnp.float32), jnp.zeros((rows, 2), jnp.uint32), jnp.arange(rows))
+            ms = {}
+            for name, n in (("candidates", sampling.CANDIDATES), ("whole_row", 0)):
+                fn = jax.jit(lambda *a, n=n: sampling.sample(*a, candidates=n))
+                fn(*args).block_until_ready()
+                times = []
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    fn(*args).block_until_ready()
+                    times.append(time.perf_counter() - t0)
+                ms[name] = round(1000 * statistics.median(times), 3)
+            out[f"{shape}/{cut}"] = {**ms, "whole_row_over_candidates": round(ms["whole_row"] / ms["candidates"], 2)}
+    return out
 
 
 if __name__ == "__main__":

@@ -171,10 +171,11 @@ class Plan:
     gpu: int
     lm_head: str = "fp16"
     attention: int = 0          # the PyTorch runtime's attention and sampler buffers (attention_bytes)
+    tuning: int = 0             # a runtime whose compiler autotunes its dots: what tuning the largest one holds
 
     @property
     def total(self) -> int:
-        return self.weights + self.towers + self.kv + self.attention + self.overhead
+        return self.weights + self.towers + self.kv + self.attention + self.overhead + self.tuning
 
     @property
     def fits(self) -> bool:
@@ -191,6 +192,8 @@ class Plan:
                 *([f"attention + sampling   {m(self.attention)}  (prompt chunks' scores, per-slot sampler state)"]
                   if self.attention else []),
                 f"overhead (stated)       {m(self.overhead)}",
+                *([f"GEMM autotuning at boot {m(self.tuning)}  (a copy of the LM head and its logits)"]
+                  if self.tuning else []),
                 f"total                   {m(self.total)} of {m(self.gpu)}: "
                 + ("fits" if self.fits else f"does NOT fit (over by {(self.total - self.gpu) / MIB:.1f} MiB)"),
                 f"streamed per token      {self.streamed_per_token / 1e9:.3f} GB (decode bound on bandwidth)"]
@@ -224,10 +227,12 @@ def attention_bytes(raw: dict, max_model_len: int, slots: int) -> int:
 
 def plan(raw: dict, scheme: str, max_model_len: int, slots: int, gpu_mib: int = T4G_MIB,
          overhead_mib: int = DEFAULT_OVERHEAD_MIB, tensors: dict | None = None, towers: int = 0,
-         rings: bool = False, attention: bool = False, lm_head: str = "fp16") -> Plan:
+         rings: bool = False, attention: bool = False, autotuned: bool = False, lm_head: str = "fp16") -> Plan:
     """rings: the runtime keeps sliding layers' KV as rings of their window (JAX, PyTorch); else at full length
-    (vLLM's allocation counted as such). attention: count attention_bytes (the PyTorch runtime's). lm_head: one of
-    LM_HEADS."""
+    (vLLM's allocation counted as such). attention: count attention_bytes (the PyTorch runtime's). autotuned: the
+    runtime's compiler autotunes each dot at boot (XLA on a GPU), running it on fresh copies of its operands and
+    output: the LM head's is the largest (16-bit, [slots, vocab] float32 logits out), held once if the runtime
+    compiles one executable per shape of it before the rest. lm_head: one of LM_HEADS."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
     if lm_head not in LM_HEADS:
@@ -238,8 +243,8 @@ def plan(raw: dict, scheme: str, max_model_len: int, slots: int, gpu_mib: int = 
     tied = text_section(raw).get("tie_word_embeddings", raw.get("tie_word_embeddings", True)) \
         or "lm_head.weight" not in tensors
     head = "embed_tokens.weight" if tied else "lm_head.weight"
+    vocab, width = tensors[head]
     if lm_head == "int8":
-        vocab, width = tensors[head]
         int8 = vocab * width + SCALE_BYTES * vocab
         if not tied:            # an untied head is replaced by its int8 copy
             del sizes[head]
@@ -248,7 +253,8 @@ def plan(raw: dict, scheme: str, max_model_len: int, slots: int, gpu_mib: int = 
     else:
         streamed += sizes[head]
     per_tok, per_tok_rings = kv_bytes_per_token(raw), kv_bytes_per_token(raw, max_model_len)
-    return Plan(scheme=scheme, weights=sum(sizes.values()), towers=towers, streamed_per_token=streamed,
+    tuning = 2 * vocab * width + 4 * slots * vocab if autotuned else 0
+    return Plan(tuning=tuning, scheme=scheme, weights=sum(sizes.values()), towers=towers, streamed_per_token=streamed,
                 kv_per_token=per_tok, kv_per_token_sliding=per_tok_rings,
                 kv=slots * max_model_len * (per_tok_rings if rings else per_tok), overhead=overhead_mib * MIB,
                 gpu=gpu_mib * MIB, attention=attention_bytes(raw, max_model_len, slots) if attention else 0,
@@ -273,13 +279,13 @@ def plan_checkpoint(model_dir: Path, scheme: str | None, max_model_len: int, slo
 
 
 def refusal(model_dir: Path, max_model_len: int, slots: int, gpu_bytes: int, rings: bool = False,
-            attention: bool = False, lm_head: str = "fp16") -> str | None:
+            attention: bool = False, autotuned: bool = False, lm_head: str = "fp16") -> str | None:
     """The one line a server logs before refusing to start when the plan says the model does not fit the GPU it
     runs on (weights + KV + the stated overhead), else None. A checkpoint the plan cannot read is not refused
     here: loading it reports what is wrong."""
     try:
         p = plan_checkpoint(model_dir, None, max_model_len, slots, text_only=True, gpu_mib=gpu_bytes // MIB,
-                            rings=rings, attention=attention, lm_head=lm_head)
+                            rings=rings, attention=attention, autotuned=autotuned, lm_head=lm_head)
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if p.fits:

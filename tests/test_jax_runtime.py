@@ -272,12 +272,77 @@ def test_weights_convert_in_row_blocks_across_threads(monkeypatch):
         flat = checkpoint._converted(pool, pending, src, np.dtype(np.float16), transpose=False)
         turned = checkpoint._converted(pool, pending, src, np.dtype(np.float16), transpose=True)
         same = checkpoint._converted(pool, pending, src, src.dtype, transpose=False)
+        other = np.random.default_rng(1).standard_normal((45, 77)).astype(ml_dtypes.bfloat16)
+        side = checkpoint._converted(pool, pending, [src, other], np.dtype(np.float16), transpose=True)
         for task in pending:
             task.result()
     assert len(pending) > 20 and same is src
+    np.testing.assert_array_equal(side, np.concatenate([src.T, other.T], axis=1).astype(np.float16))
     np.testing.assert_array_equal(flat, src.astype(np.float16))
     np.testing.assert_array_equal(turned, np.ascontiguousarray(src.T).astype(np.float16))
     assert turned.flags.c_contiguous
+
+
+def test_weights_that_share_an_input_are_one_dot_per_step(e2b_ckpt):
+    """q|k|v and gate|up are fused at load: in the lowered decode and prefill no two dots read the same
+    activation, so XLA's DotMerger (which, with dots on cuBLAS as on sm_75, concatenates the weights of such dots
+    on every call) finds nothing to join. Today's separate weights give 3 dots per KV-owning layer on one input."""
+    import functools
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    from serving.jax_runtime import checkpoint, config, model
+
+    _, ckpt = e2b_ckpt
+    cfg = config.load(ckpt)
+    params = checkpoint.load_params(ckpt, cfg, np.float32)
+    assert all("qkv" in lp and "gate_up" in lp and "q" not in lp for lp in params["layers"])
+    cache = model.empty_cache(cfg, 2, 16, jnp.float32)
+    i32 = jax.ShapeDtypeStruct
+    programs = {
+        "decode": jax.jit(functools.partial(model.decode, cfg, 16)).lower(
+            params, cache, i32((2,), jnp.int32), i32((2,), jnp.int32)),
+        "prefill": jax.jit(functools.partial(model.prefill, cfg)).lower(
+            params, cache, i32((), jnp.int32), i32((16,), jnp.int32), i32((), jnp.int32))}
+    for name, lowered in programs.items():
+        dots = re.findall(r"stablehlo\.dot_general (%[\w#]+), (%[\w#]+)", lowered.as_text())
+        # the activation each weight (an argument of the program) is multiplied with
+        inputs = [a if w.startswith("%arg") else w for a, w in dots if "%arg" in a + w]
+        assert len(inputs) >= 4 * cfg.num_layers, name            # qkv, o, gate_up, down, PLE gate/proj, head
+        shared = {v for v in inputs if inputs.count(v) > 1}
+        assert not shared, f"{name}: weights multiplied with the same input {sorted(shared)}"
+
+
+def test_a_dtype_the_gpu_cannot_run_is_refused_in_one_line(e2b_ckpt, monkeypatch):
+    """bfloat16 on a Turing GPU (no bf16 datapath): refused at load, before any weight is read (the device query
+    is the seam: no GPU here); float16 and auto pass, and bfloat16 passes from compute capability 8.0."""
+    import jax.numpy as jnp
+    from serving.jax_runtime import checkpoint, engine
+
+    _, ckpt = e2b_ckpt
+    monkeypatch.setattr(engine, "_gpu_capability", lambda: (7, 5))
+    monkeypatch.setattr(checkpoint, "load_params", lambda *a: pytest.fail("weights read before the refusal"))
+    with pytest.raises(ValueError) as refused:
+        load(ckpt, Settings(buckets=(16,), dtype="bfloat16", cache_dir=None, slots=1))
+    line = str(refused.value)
+    assert "G5G_JAX_DTYPE: bfloat16 needs a GPU of compute capability 8.0" in line and "7.5" in line
+    assert "\n" not in line
+    assert Settings(dtype="float16").resolve_dtype((7, 5)) == jnp.float16
+    assert Settings(dtype="bfloat16").resolve_dtype((8, 0)) == jnp.bfloat16
+    assert Settings(dtype="bfloat16").resolve_dtype(None) == jnp.bfloat16       # CPU: XLA runs it
+
+
+def test_one_executable_per_lm_head_shape_compiles_alone_before_the_rest():
+    """compile_waves: the first wave holds one executable per shape of the head's dot (decode: per batch size;
+    prefill: per prompt-logprobs chunk, 16 -> 16, 48 -> 24, 64 and 128 -> 32), so the ones compiled side by side
+    after it find XLA's autotuning results for their head (memory_plan counts one copy of it)."""
+    from serving.jax_runtime.engine import compile_waves
+
+    ladder = [("prefill", c) for c in (16, 48, 64, 128)] + [("decode", b, c) for c in (16, 48, 64, 128) for b in (1, 4)]
+    first, rest = compile_waves(ladder)
+    assert first == [("prefill", 16), ("prefill", 48), ("prefill", 64), ("decode", 1, 16), ("decode", 4, 16)]
+    assert sorted(first + rest) == sorted(ladder) and ("prefill", 128) in rest
 
 
 def test_pipeline_and_xla_default_switches_read_0_or_1_and_refuse_anything_else():

@@ -128,6 +128,29 @@ def test_cli_fits_counts_the_int8_head(capsys, tiny_gemma4):
     assert mp.refusal(tiny_gemma4, 64, 1, need - mp.MIB, lm_head="int8") is not None
 
 
+def test_the_jax_plan_counts_what_autotuning_holds_at_boot(tiny_gemma4, monkeypatch):
+    """XLA autotunes each dot at boot on fresh copies of its operands: the JAX plan holds the largest one, the 16-bit
+    LM head (tied: the embedding) and its [slots, vocab] float32 logits, once (the ladder compiles one executable
+    per head shape alone first). A pool that fits weights + KV + overhead but not that is refused, in one line."""
+    from serving.jax_runtime import Settings, checkpoint, engine
+
+    raw = json.loads((tiny_gemma4 / "config.json").read_text())
+    text = mp.text_section(raw)
+    slots = 600                          # the tiny model's head is small: enough logits rows to weigh over a MiB
+    tuned = mp.plan_checkpoint(tiny_gemma4, None, 64, slots, text_only=True, rings=True, autotuned=True)
+    untuned = mp.plan_checkpoint(tiny_gemma4, None, 64, slots, text_only=True, rings=True)
+    assert tuned.tuning == 2 * text["vocab_size"] * text["hidden_size"] + 4 * slots * text["vocab_size"] > mp.MIB
+    assert tuned.total == untuned.total + tuned.tuning and untuned.tuning == 0
+    assert mp.plan(mp.SHAPES["e4b"], "fp16", 1024, 8, rings=True, autotuned=True).tuning > 1024 * mp.MIB
+
+    pool = -(-untuned.total // mp.MIB) * mp.MIB                   # fits weights + KV + overhead, not boot's tuning
+    monkeypatch.setattr(engine, "_gpu_memory", lambda: pool)
+    monkeypatch.setattr(checkpoint, "load_params", lambda *a: pytest.fail("weights read before the refusal"))
+    with pytest.raises(ValueError) as refused:
+        engine.load(tiny_gemma4, Settings(buckets=(64,), cache_dir=None, slots=slots))
+    assert "GEMM autotuning at boot" in str(refused.value) and "\n" not in str(refused.value)
+
+
 def test_the_pytorch_plan_counts_what_its_cache_attention_and_sampler_hold(tiny_gemma4):
     """The PyTorch server's refusal plans sliding layers as rings (SlotKV holds only their window) and counts its
     attention and sampler: the cache and the sampler's state are exactly what a loaded engine allocates (float32 on

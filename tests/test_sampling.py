@@ -7,16 +7,17 @@ import pytest
 from serving.engine import DeviceRow, SamplingParams
 
 
-def _jax_draws(logits, params: SamplingParams, n: int) -> list[int]:
+def _jax_draws(logits, params: SamplingParams, n: int, **kw) -> list[int]:
     """n draws for one request: the token at positions 0..n-1 (one key per position), as a batch of n rows."""
+    import jax
     import jax.numpy as jnp
-    from serving.jax_runtime.sampling import sample
+    from serving.jax_runtime import sampling
 
     rows = np.broadcast_to(np.asarray(logits, np.float32), (n, len(logits)))
     row = DeviceRow.of(params, len(logits))
-    out = sample(jnp.asarray(rows), jnp.full(n, row.temperature, jnp.float32), jnp.full(n, row.top_k, jnp.int32),
+    out = jax.jit(sampling.sample, static_argnames="candidates")(jnp.asarray(rows), jnp.full(n, row.temperature, jnp.float32), jnp.full(n, row.top_k, jnp.int32),
                  jnp.full(n, row.top_p, jnp.float32), jnp.asarray(np.tile(params.seed_words(), (n, 1)), jnp.uint32),
-                 jnp.arange(n, dtype=jnp.int32))
+                 jnp.arange(n, dtype=jnp.int32), **kw)
     return np.asarray(out).tolist()
 
 
@@ -168,3 +169,106 @@ def test_both_runtimes_adjust_logits_alike():
         np.testing.assert_allclose(got[i][np.isfinite(want)], want[np.isfinite(want)], rtol=1e-6, atol=1e-5)
         assert not np.array_equal(want, logits[i])           # every row changed something
     assert np.isneginf(got[2][[1, 2, 9]]).all() and got[1].argmax() == 3
+
+
+# ------------------------------------------------------------------ the cuts over the candidates (JAX's fast path)
+def _rows_to_cut(v: int, seed: int = 11):
+    """Tempered, max-shifted, floored rows (as sample() makes them) of every kind: peaked, flat, with ties, with
+    masked tokens; and per row a top_k / top_p, some of them wider than the candidates."""
+    from serving.jax_runtime.sampling import FLOOR
+
+    rng = np.random.default_rng(seed)
+    rows, ks, ps = [], [], []
+    for i in range(48):
+        x = rng.standard_normal(v) * [0.3, 1.0, 3.0, 6.0][i % 4]
+        if i % 5 == 0:
+            x = np.round(x, 1)                                  # many exact ties
+        if i % 7 == 0:
+            x[rng.random(v) < 0.98] = -1e30                     # a grammar mask: few tokens allowed
+        x = np.maximum(x - x.max(), FLOOR)
+        rows.append(x)
+        ks.append([0, 1, 5, 20, 63, 64, 200, 0][i % 8])
+        ps.append([1.0, 0.9, 0.5, 0.99, 0.3, 1.0][i % 6])
+    return (np.array(rows, np.float32), np.array(ks, np.int32), np.array(ps, np.float32))
+
+
+@pytest.mark.parametrize("v,n", [(5000, 64), (300, 512)])
+def test_candidate_cuts_keep_exactly_what_the_whole_row_cuts_keep(v, n):
+    """Per row, the top-k/top-p cut over its n candidates keeps the tokens the whole-vocabulary bisection keeps,
+    and calls itself exact only then; rows whose cut is wider than the candidates say so (the whole-row path)."""
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+    from serving.jax_runtime.sampling import FLOOR, _candidate_cut, _cut
+
+    x, ks, ps = _rows_to_cut(v)
+    c, ids, kept, exact = map(np.asarray, _candidate_cut(jnp.asarray(x), jnp.asarray(ks), jnp.asarray(ps), n))
+    whole = np.asarray(_cut(jnp.asarray(x), jnp.asarray(ks), jnp.asarray(ps)))
+    assert (np.diff(c, axis=1) <= 0).all()
+    np.testing.assert_array_equal(c, -np.sort(-x, axis=1)[:, :n])       # the n largest values, descending
+    for r in range(len(x)):
+        np.testing.assert_array_equal(x[r, ids[r]], c[r])
+        want = set(np.flatnonzero(whole[r] & (x[r] > FLOOR)).tolist())
+        if exact[r]:
+            assert set(ids[r][kept[r]].tolist()) == want, r
+        else:
+            assert len(want) > n or n < ks[r] < v or ps[r] >= 0.99 or (ks[r] == 0 and ps[r] == 1.0), r
+    wide = (ks > n) & (ks < v)
+    assert not exact[wide].any()
+    if n < v:
+        assert 0.3 < exact.mean() < 1.0                         # both paths are exercised
+    else:
+        assert exact[(ks > 0) | (ps < 1.0)].all()
+
+
+def _chi2_p(observed, expected) -> float:
+    """p-value of Pearson's chi-square (bins expecting fewer than 5 draws pooled)."""
+    from jax.scipy.special import gammaincc
+
+    observed, expected = np.asarray(observed, float), np.asarray(expected, float)
+    small = expected < 5
+    o = np.append(observed[~small], observed[small].sum())
+    e = np.append(expected[~small], expected[small].sum())
+    o, e = o[e > 0], e[e > 0]
+    stat = float(((o - e) ** 2 / e).sum())
+    return float(gammaincc((len(e) - 1) / 2, stat / 2))
+
+
+CUTS = [SamplingParams(temperature=2.0, top_k=30, seed=1), SamplingParams(temperature=0.6, top_p=0.8, seed=2),
+        SamplingParams(temperature=0.8, top_k=25, top_p=0.9, seed=3), SamplingParams(temperature=1.5, top_k=5, seed=4)]
+
+
+@pytest.mark.parametrize("params", CUTS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
+def test_candidate_sampling_draws_from_the_distribution_of_the_whole_row_sampler(params):
+    """Statistics: draws through the candidates (group path, 32 of 3000; and the default) follow the exact
+    softmax over the cut, and cannot be told apart from today's whole-vocabulary sampler's (chi-square, p > 1e-4;
+    fixed seeds, so the test is deterministic)."""
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+    from serving.jax_runtime.sampling import _candidate_cut
+
+    v, n = 3000, 3000
+    logits = (np.random.default_rng(21).standard_normal(v) * 2.5).astype(np.float32)
+    x = (logits - logits.max()) / params.temperature
+    order = np.argsort(-x, kind="stable")
+    kept = order[:params.top_k] if params.top_k else order
+    p = np.exp(x[kept] - x[kept].max())
+    p /= p.sum()
+    if params.top_p < 1:
+        kept = kept[:int(np.searchsorted(np.cumsum(p), params.top_p)) + 1]
+    exact = np.zeros(v)
+    exact[kept] = np.exp(x[kept] - x[kept].max())
+    exact /= exact.sum()
+    row = DeviceRow.of(params, v)
+    assert np.asarray(_candidate_cut(jnp.asarray(np.maximum(x, -80.0))[None], jnp.asarray([row.top_k]),
+                                     jnp.asarray([row.top_p], jnp.float32), 32)[3]).all()   # the fast path is taken
+
+    drawn = {name: np.bincount(_jax_draws(logits, params, n, **kw), minlength=v)
+             for name, kw in [("group", {"candidates": 32}), ("default", {}), ("whole", {"candidates": 0})]}
+    for name, counts in drawn.items():
+        assert set(np.flatnonzero(counts)) <= set(kept.tolist()), name
+        assert _chi2_p(counts, exact * n) > 1e-4, name
+    for name in ("group", "default"):       # two samples, one distribution: the pooled frequencies as expected
+        pooled = (drawn[name] + drawn["whole"]) / (2 * n)
+        both = np.concatenate([drawn[name], drawn["whole"]])
+        assert _chi2_p(both, np.concatenate([pooled * n, pooled * n])) > 1e-4, name
+    assert drawn["group"].tolist() != drawn["whole"].tolist()

@@ -107,20 +107,29 @@ def _prefix(names: set[str], where: Path) -> str:
 CHUNK_BYTES = 64 << 20    # one task of a conversion: a row block of the output this large
 
 
-def _converted(pool: ThreadPoolExecutor, pending: list[Future], src: np.ndarray, dtype, transpose: bool):
+def _converted(pool: ThreadPoolExecutor, pending: list[Future], src, dtype, transpose: bool):
     """src (a memory-mapped tensor) as a C-contiguous array of dtype, transposed if asked: the tensor itself when
     nothing changes; else a new array that tasks appended to `pending` fill in row blocks. Transposing and casting
-    gigabytes is most of a load, and numpy releases the GIL while it copies: every core takes a share."""
-    if not transpose and src.dtype == dtype:
-        return src
-    view = src.T if transpose else src
-    out = np.empty(view.shape, dtype)
+    gigabytes is most of a load, and numpy releases the GIL while it copies: every core takes a share.
+
+    src may be a list of tensors of as many rows (columns, transposed): they come out side by side, one array."""
+    parts = src if isinstance(src, list) else [src]
+    if len(parts) == 1 and not transpose and parts[0].dtype == dtype:
+        return parts[0]
+    views = [p.T if transpose else p for p in parts]
+    if len(views) == 1:
+        out = np.empty(views[0].shape, dtype)
+        targets = [out]
+    else:
+        out = np.empty((views[0].shape[0], sum(v.shape[1] for v in views)), dtype)
+        edges = np.cumsum([0] + [v.shape[1] for v in views])
+        targets = [out[:, a:b] for a, b in zip(edges, edges[1:])]
     step = max(1, CHUNK_BYTES // max(1, out[:1].nbytes))
+    for target, view in zip(targets, views):
+        def block(r0: int, target=target, view=view) -> None:
+            target[r0:r0 + step] = view[r0:r0 + step]
 
-    def block(r0: int) -> None:
-        out[r0:r0 + step] = view[r0:r0 + step]
-
-    pending += [pool.submit(block, r0) for r0 in range(0, len(out), step)]
+        pending += [pool.submit(block, r0) for r0 in range(0, len(out), step)]
     return out
 
 
@@ -160,8 +169,8 @@ def _read_params(model_dir: Path, cfg: TextConfig, convert) -> dict:
             return convert(np.asarray(optional_default, np.float32))
         return convert(raw(key, shape))
 
-    def linear(key: str, n_in: int, n_out: int | None = None):
-        """[in, out] of a linear weight: an array, or model.Packed for a compressed-tensors packed one."""
+    def source(key: str, n_in: int, n_out: int | None):
+        """(weight [out, in] as stored, or unpacked to integers; its scales [out, groups], None if not packed)."""
         full = prefix + key
         packed = qargs and full not in names and full + "_packed" in names
         w = quantized.unpack(st.get(full + "_packed"), st.get(full + "_shape"), qargs["num_bits"]) if packed \
@@ -170,11 +179,29 @@ def _read_params(model_dir: Path, cfg: TextConfig, convert) -> dict:
             raise CheckpointError(f"{model_dir}: tensor {full!r} has shape {w.shape}, expected "
                                   f"[{n_out if n_out is not None else 'N'}, {n_in}]")
         if not packed:
-            return convert(w, transpose=True)
+            return w, None
         scale = st.get(full + "_scale")
         quantized.group_size(scale, n_in)          # refuses scales that do not divide the inputs
+        return w, scale
+
+    def linear(n_in: int, *parts: tuple[str, int | None]):
+        """[in, out] of a linear weight, or of several that read the same input side by side ([in, out1 + out2 …]:
+        one dot per step where XLA would otherwise concatenate them on every call); an array, or model.Packed for
+        compressed-tensors packed ones. parts: (key, out width or None: the file's for the first, the first's after)."""
+        srcs: list = []
+        for key, n_out in parts:
+            srcs.append(source(key, n_in, n_out if n_out is not None or not srcs else srcs[0][0].shape[0]))
+        scales = [scale for _, scale in srcs]
+        if any(sc is None for sc in scales):
+            if any(sc is not None for sc in scales):
+                raise CheckpointError(f"{model_dir}: {', '.join(prefix + k for k, _ in parts)} read the same input "
+                                      "but only some are packed: quantise all of them or none")
+            return convert([w for w, _ in srcs], transpose=True)
+        if len({sc.shape[1] for sc in scales}) > 1:
+            raise CheckpointError(f"{model_dir}: {', '.join(prefix + k for k, _ in parts)} read the same input "
+                                  "but are quantised with different group sizes")
         q_type = ml_dtypes.int4 if qargs["num_bits"] == 4 else np.int8
-        return Packed(convert(w, transpose=True, to=q_type), convert(scale, transpose=True))
+        return Packed(convert([w for w, _ in srcs], transpose=True, to=q_type), convert(scales, transpose=True))
 
     d, h, v = cfg.hidden_size, cfg.num_heads, cfg.vocab_size
     embed = get("embed_tokens.weight", (v, d))
@@ -189,35 +216,37 @@ def _read_params(model_dir: Path, cfg: TextConfig, convert) -> dict:
     if cfg.ple_dim:
         n, p = cfg.num_layers, cfg.ple_dim
         params["ple_embed"] = get("embed_tokens_per_layer.weight", (cfg.ple_vocab_size, n * p))
-        params["ple_proj"] = linear("per_layer_model_projection.weight", d, n * p)
+        params["ple_proj"] = linear(d, ("per_layer_model_projection.weight", n * p))
         params["ple_norm"] = get("per_layer_projection_norm.weight", (p,))
 
     layers = []
     for i, spec in enumerate(cfg.layers):
         pre = f"layers.{i}."
         hd, kvh = spec.head_dim, spec.num_kv_heads
+        # q, k and v read the same normed input, as do gate and up: each group is one weight (model.py splits)
+        qkv = [(pre + "self_attn.q_proj.weight", h * hd)]
+        if spec.kv_source == i:  # shared layers have no k/v weights of their own (any in the file are unused)
+            qkv.append((pre + "self_attn.k_proj.weight", kvh * hd))
+            if not spec.k_eq_v:
+                qkv.append((pre + "self_attn.v_proj.weight", kvh * hd))
         lp = {
             "input_ln": get(pre + "input_layernorm.weight", (d,)),
             "post_attn_ln": get(pre + "post_attention_layernorm.weight", (d,)),
             "pre_ff_ln": get(pre + "pre_feedforward_layernorm.weight", (d,)),
             "post_ff_ln": get(pre + "post_feedforward_layernorm.weight", (d,)),
-            "q": linear(pre + "self_attn.q_proj.weight", d, h * hd),
+            "qkv": linear(d, *qkv),
             "q_norm": get(pre + "self_attn.q_norm.weight", (hd,)),
-            "o": linear(pre + "self_attn.o_proj.weight", h * hd, d),
-            "gate": linear(pre + "mlp.gate_proj.weight", d),
+            "o": linear(h * hd, (pre + "self_attn.o_proj.weight", d)),
             "layer_scalar": get(pre + "layer_scalar", (1,), optional_default=[1.0]),
         }
-        ff = (lp["gate"].q if isinstance(lp["gate"], Packed) else lp["gate"]).shape[1]
-        lp["up"] = linear(pre + "mlp.up_proj.weight", d, ff)
-        lp["down"] = linear(pre + "mlp.down_proj.weight", ff, d)
-        if spec.kv_source == i:  # shared layers have no k/v weights of their own (any in the file are unused)
-            lp["k"] = linear(pre + "self_attn.k_proj.weight", d, kvh * hd)
+        lp["gate_up"] = linear(d, (pre + "mlp.gate_proj.weight", None), (pre + "mlp.up_proj.weight", None))
+        ff = (lp["gate_up"].q if isinstance(lp["gate_up"], Packed) else lp["gate_up"]).shape[1] // 2
+        lp["down"] = linear(ff, (pre + "mlp.down_proj.weight", d))
+        if spec.kv_source == i:
             lp["k_norm"] = get(pre + "self_attn.k_norm.weight", (hd,))
-            if not spec.k_eq_v:
-                lp["v"] = linear(pre + "self_attn.v_proj.weight", d, kvh * hd)
         if cfg.ple_dim:
-            lp["ple_gate"] = linear(pre + "per_layer_input_gate.weight", d, cfg.ple_dim)
-            lp["ple_proj"] = linear(pre + "per_layer_projection.weight", cfg.ple_dim, d)
+            lp["ple_gate"] = linear(d, (pre + "per_layer_input_gate.weight", cfg.ple_dim))
+            lp["ple_proj"] = linear(cfg.ple_dim, (pre + "per_layer_projection.weight", d))
             lp["ple_ln"] = get(pre + "post_per_layer_input_norm.weight", (d,))
         layers.append(lp)
     params["layers"] = layers

@@ -128,6 +128,10 @@ def apply_default_xla_flags(env=os.environ) -> str:
     return wanted
 
 
+# Precision dtypes a GPU runs only from a compute capability on: Turing (sm_75) has no bfloat16 datapath.
+MIN_CAPABILITY = {"bfloat16": (8, 0)}
+
+
 def parse_buckets(text: str, where: str = "G5G_JAX_BUCKETS") -> tuple[int, ...]:
     try:
         vals = sorted({int(x) for x in text.replace(" ", "").split(",") if x})
@@ -175,13 +179,33 @@ class Settings:
         one (benchmarks/RESULTS.md), so smaller batches would only add executables to compile at boot."""
         return tuple(sorted({b for b in self.batches if b < self.slots} | {self.slots}))
 
-    def resolve_dtype(self):
+    def resolve_dtype(self, capability: tuple[int, int] | None = None):
+        """The parameter dtype; capability: the GPU's compute capability (None off a GPU), which refuses a dtype
+        the GPU has no datapath for (MIN_CAPABILITY) rather than letting XLA emulate it."""
         name = self.dtype
         if name == "auto":
             name = "float32" if jax.default_backend() == "cpu" else "float16"
         if name not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"G5G_JAX_DTYPE: {self.dtype!r} is not auto, float32, float16 or bfloat16")
+        need = MIN_CAPABILITY.get(name)
+        if capability is not None and need and tuple(capability) < need:
+            raise ValueError(f"G5G_JAX_DTYPE: {name} needs a GPU of compute capability {need[0]}.{need[1]} or newer;"
+                             f" this one is {capability[0]}.{capability[1]} (use float16)")
         return jnp.dtype(name)
+
+
+def compile_waves(keys: Sequence[tuple]) -> tuple[list[tuple], list[tuple]]:
+    """The ladder's executables ("prefill", length) and ("decode", batch, length) in two waves: first, one after
+    another, one executable per shape the LM head's dot takes in it (decode: [batch, hidden]; prefill: the last
+    position's row and the prompt logprobs' chunk); then the rest side by side. XLA's GPU compiler autotunes a dot
+    on fresh copies of its operands and keeps the result for the process: compiled side by side from the start,
+    every executable would hold its own copy of the 16-bit LM head at once (memory_plan.plan's `tuning`: one)."""
+    first, rest, seen = [], [], set()
+    for key in keys:
+        shape = ("prefill", sampling.prompt_chunk(key[1])) if key[0] == "prefill" else key[:2]
+        (rest if shape in seen else first).append(key)
+        seen.add(shape)
+    return first, rest
 
 
 # -- the engine ---------------------------------------------------------------------------------------------------
@@ -305,9 +329,12 @@ class JaxEngine:
             for b in self.batches:
                 lowered["decode", b, c] = jax.jit(functools.partial(decode_fn, c), donate_argnums=(1, 2)).lower(
                     params_spec, cache_spec, state_spec, vec(b), vec(b), vec(b), *sampling_spec(b))
-        # Tracing holds the GIL; XLA's compile (or persistent-cache load) does not: compile the ladder side by side.
-        with ThreadPoolExecutor(max(1, min(len(lowered), os.cpu_count() or 1))) as pool:
-            compiled = dict(zip(lowered, pool.map(lambda lo: lo.compile(), lowered.values())))
+        # Tracing holds the GIL; XLA's compile (or persistent-cache load) does not: compile the ladder side by side,
+        # after one executable per shape of the LM head's dot has compiled alone (compile_waves).
+        first, rest = compile_waves(list(lowered))
+        compiled = {k: lowered[k].compile() for k in first}
+        with ThreadPoolExecutor(max(1, min(len(rest), os.cpu_count() or 1))) as pool:
+            compiled |= dict(zip(rest, pool.map(lambda k: lowered[k].compile(), rest)))
         return ({k[1]: v for k, v in compiled.items() if k[0] == "prefill"},
                 {k[1:]: v for k, v in compiled.items() if k[0] == "decode"})
 
@@ -426,6 +453,14 @@ class JaxEngine:
         return [TokenLogprobs(chosen[i], tuple(zip(ids[i][:k], top[i][:k])), rank[i]) for i in range(n - 1)]
 
 
+def _gpu_capability() -> tuple[int, int] | None:
+    """The GPU's compute capability, e.g. (7, 5) for a T4, None off a GPU."""
+    if jax.default_backend() != "gpu":
+        return None
+    major, minor = str(jax.devices()[0].compute_capability).split(".")[:2]
+    return int(major), int(minor)
+
+
 def _gpu_memory() -> int | None:
     """Bytes JAX may allocate on its GPU (its pool: 75% of the device unless XLA_PYTHON_CLIENT_MEM_FRACTION says
     otherwise), None off a GPU."""
@@ -449,10 +484,11 @@ def load(model_dir: str | Path, settings: Settings | None = None, max_context: i
     _listen()
     configure_persistent_cache(settings.cache_dir)
     cfg = config.load(Path(model_dir))
+    dtype = settings.resolve_dtype(_gpu_capability())     # a dtype the GPU cannot run: refused before anything
     gpu = _gpu_memory()
-    if gpu and (no := memory_plan.refusal(Path(model_dir), settings.buckets[-1], settings.slots, gpu, rings=True)):
-        raise ValueError(no)      # before any weight is read: the plan says weights + KV do not fit JAX's pool
-    dtype = settings.resolve_dtype()
+    if gpu and (no := memory_plan.refusal(Path(model_dir), settings.buckets[-1], settings.slots, gpu, rings=True,
+                                          autotuned=True)):
+        raise ValueError(no)      # before any weight is read: weights + KV + boot's autotuning do not fit JAX's pool
     params = checkpoint.load_params(Path(model_dir), cfg, dtype)
     t_load = time.perf_counter() - t0
     engine = JaxEngine(cfg, params, settings)

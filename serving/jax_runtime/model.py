@@ -6,6 +6,10 @@ q/k norms with weights and a weightless v norm, attention scale 1, RoPE per laye
 full layers), sqrt(hidden) embedding scale, per-layer embeddings (PLE) mixed into every layer, a learned
 per-layer scalar, tied embeddings and tanh soft-capping of the final logits.
 
+Linear weights that read the same input are one weight, fused at load (checkpoint.py): a layer's q|k|v ("qkv")
+and gate|up ("gate_up"). One dot per group and step, so XLA has nothing to join per call (its DotMerger
+concatenates weights sharing an operand on every step when dots go to cuBLAS, as all do below Ampere).
+
 The KV cache holds one (k, v) pair per layer that computes its own KV (KV-shared layers read their source's),
 each with one row per sequence slot (continuous batching: rows are independent sequences at their own positions):
 - sliding layers: a ring of `sliding_window` entries per row; position p lives in entry p % window.
@@ -101,11 +105,13 @@ def _embed(cfg: TextConfig, params, tokens):
 def _qkv(cfg: TextConfig, spec, lp, x, cos, sin, own_kv: bool):
     """Projections of normed hidden states x [T, D]: q [T, H, hd] and, for KV-owning layers, k, v [T, kvh, hd]."""
     t, hd, kvh = x.shape[0], spec.head_dim, spec.num_kv_heads
-    q = _rope(rms_norm(matmul(x, lp["q"]).reshape(t, cfg.num_heads, hd), lp["q_norm"], cfg.rms_norm_eps), cos, sin)
+    qkv = matmul(x, lp["qkv"])            # one dot: q | k | v side by side (k, v only for KV-owning layers)
+    nq, nk = cfg.num_heads * hd, kvh * hd
+    q = _rope(rms_norm(qkv[:, :nq].reshape(t, cfg.num_heads, hd), lp["q_norm"], cfg.rms_norm_eps), cos, sin)
     if not own_kv:
         return q, None, None
-    k_raw = matmul(x, lp["k"]).reshape(t, kvh, hd)
-    v_raw = k_raw if spec.k_eq_v else matmul(x, lp["v"]).reshape(t, kvh, hd)
+    k_raw = qkv[:, nq:nq + nk].reshape(t, kvh, hd)
+    v_raw = k_raw if spec.k_eq_v else qkv[:, nq + nk:].reshape(t, kvh, hd)
     k = _rope(rms_norm(k_raw, lp["k_norm"], cfg.rms_norm_eps), cos, sin)
     v = rms_norm(v_raw, None, cfg.rms_norm_eps)
     return q, k, v
@@ -128,7 +134,9 @@ def _finish_layer(cfg: TextConfig, lp, h, attn, ple):
     eps = cfg.rms_norm_eps
     h = h + rms_norm(matmul(attn, lp["o"]), lp["post_attn_ln"], eps)
     x = rms_norm(h, lp["pre_ff_ln"], eps)
-    x = matmul(_act(cfg, matmul(x, lp["gate"])) * matmul(x, lp["up"]), lp["down"])
+    gate_up = matmul(x, lp["gate_up"])    # one dot: gate | up side by side
+    ff = gate_up.shape[-1] // 2
+    x = matmul(_act(cfg, gate_up[:, :ff]) * gate_up[:, ff:], lp["down"])
     h = h + rms_norm(x, lp["post_ff_ln"], eps)
     if ple is not None:
         g = _act(cfg, matmul(h, lp["ple_gate"])) * ple

@@ -1,10 +1,15 @@
-"""Next-token choice on the device, one row per sequence (the contract in serving/engine.py), sort-free.
+"""Next-token choice on the device, one row per sequence (the contract in serving/engine.py), sort-free over the
+vocabulary.
 
-Sorting 262 144 logits per row per token is the expensive way to find a top-k or top-p cut. Both cuts are a
-threshold on the (tempered) logit instead, found by bisection: a few dozen fused compare-and-reduce passes over
-the row. Tokens at the threshold are kept together (ties at the k-th value all stay). The draw is Gumbel-max over
-what is kept (argmax of logit/T + Gumbel noise is a draw from softmax(logit/T)). Branches no row needs are
-skipped with lax.cond: an all-greedy batch costs one argmax.
+Sorting 262 144 logits per row per token is the expensive way to find a top-k or top-p cut, and so is bisecting
+for it over the whole row (dozens of passes over [rows, vocabulary] float32: 8.4 MB a pass at 8 rows, twice a
+T4's 4 MB L2). The cuts look at each row's CANDIDATES most likely tokens first: found with one pass (the maxima of
+GROUP-wide blocks; the top n tokens lie in the n blocks with the largest maxima) and a sort of those blocks alone,
+then top-k and top-p are exact cuts over the sorted candidates. Two more passes over the row check that the
+cut's tokens are all among the candidates (they are unless the nucleus is wider than CANDIDATES); a row where they
+are not takes the whole-vocabulary path, its cuts found by bisection. Tokens at a threshold are kept together (ties
+at the k-th value all stay). The draw is Gumbel-max over what is kept (argmax of logit/T + Gumbel noise is a draw
+from softmax(logit/T)). Branches no row needs are skipped with lax.cond: an all-greedy batch costs one argmax.
 """
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ from serving.structured import MASKED
 
 FLOOR = -80.0     # tempered, max-shifted logits are clamped here: exp(-80) ≈ 2e-35, never drawn in practice
 ITERS = 30        # bisection steps: the cut lands within 80 / 2**30 ≈ 7e-8 of the exact threshold
+CANDIDATES = 512  # tokens per row the cuts look at first (a row whose cut keeps more takes the whole-row path)
+GROUP = 64        # candidates come from the rows' GROUP-wide blocks with the largest maxima
 
 
 def _bisect(x, ok):
@@ -46,24 +53,84 @@ def _cut(x, top_k, top_p):
     return x >= jnp.maximum(t_k, t_p)[:, None]
 
 
-def sample(logits, temperature, top_k, top_p, keys, positions):
+def _candidates(x, n: int):
+    """The n largest values of each row of x [B, V], descending, and their token ids: (values, ids) [B, n].
+
+    Reads x once: every one of the n largest lies in one of the n GROUP-wide blocks with the largest maxima (ties
+    included: the values come out right, the ids among equal values may differ), so only those blocks are sorted."""
+    b, v = x.shape
+    if v <= n * GROUP:
+        return jax.lax.top_k(x, n)
+    blocks = -(-v // GROUP)
+    if blocks * GROUP != v:
+        x = jnp.pad(x, ((0, 0), (0, blocks * GROUP - v)), constant_values=-jnp.inf)
+    x = x.reshape(b, blocks, GROUP)
+    _, best = jax.lax.top_k(x.max(-1), n)                                     # [B, n] block numbers
+    vals = x[jnp.arange(b)[:, None], best].reshape(b, n * GROUP)
+    ids = (best[:, :, None] * GROUP + jnp.arange(GROUP, dtype=best.dtype)).reshape(b, n * GROUP)
+    top, at = jax.lax.top_k(vals, n)
+    return top, jnp.take_along_axis(ids, at, axis=1)
+
+
+def _candidate_cut(x, top_k, top_p, n: int):
+    """top-k then top-p over each row's n candidates (x: tempered logits, max 0, floor FLOOR) ->
+    (values [B, n], token ids [B, n], kept [B, n] bool, exact [B] bool).
+
+    exact: the row has a cut and every token it keeps (those above FLOOR) is a candidate, so `kept` is the set _cut
+    keeps; a row that is not exact needs the whole-vocabulary path."""
+    v = x.shape[1]
+    n = min(n, v)
+    c, ids = _candidates(x, n)
+    k = jnp.where((top_k > 0) & (top_k < v), top_k, v)
+    t_k = jnp.where(k <= n, jnp.take_along_axis(c, jnp.clip(k - 1, 0, n - 1)[:, None], axis=1)[:, 0], FLOOR)
+    z = jnp.where(x >= t_k[:, None], jnp.exp(x), 0.0).sum(-1)               # the top-k set's mass, whole row
+    # per candidate, the mass of the candidates at or above its value (ties counted together): [B, n, n], in L2
+    mass = jnp.where(c[:, None, :] >= c[:, :, None], jnp.exp(c)[:, None, :], 0.0).sum(-1)
+    reach = (mass >= (top_p * z)[:, None]) & (c >= t_k[:, None])
+    t_p = jnp.where(top_p >= 1.0, FLOOR, jnp.where(reach, c, -jnp.inf).max(-1))
+    cut = jnp.maximum(t_k, t_p)[:, None]
+    kept = (c >= cut) & (c > FLOOR)
+    everywhere = ((x >= cut) & (x > FLOOR)).sum(-1)
+    exact = (((k <= n) | (k >= v)) & ((top_p >= 1.0) | reach.any(-1)) & (everywhere == kept.sum(-1))
+             & ((k < v) | (top_p < 1.0)))        # a row without a cut draws over the whole row, in any batch
+    return c, ids, kept, exact
+
+
+def sample(logits, temperature, top_k, top_p, keys, positions, candidates: int = CANDIDATES):
     """logits [B, V] float32; per row: temperature, top_k (0 = off), top_p (1 = off), keys [B, 2] uint32
-    (the request's threefry key), positions [B] (the position of the token being chosen). -> int32 [B]."""
+    (the request's threefry key), positions [B] (the position of the token being chosen). -> int32 [B].
+    candidates: tokens per row the cuts look at first (0: every cut over the whole vocabulary)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    v = logits.shape[1]
 
     def stochastic(_):
         hot = temperature > 0
         t = jnp.where(hot, temperature, 1.0)[:, None]
         x = jnp.maximum((logits - logits.max(-1, keepdims=True)) / t, FLOOR)
-        filtered = jnp.any(hot & ((top_k > 0) | (top_p < 1.0)))
-        keep = jax.lax.cond(filtered, lambda: _cut(x, top_k, top_p), lambda: jnp.ones(x.shape, bool))
+        cuts = hot & ((top_k > 0) | (top_p < 1.0))
+        filtered = jnp.any(cuts)
 
-        def noise(key, pos):
-            key = jax.random.fold_in(jax.random.wrap_key_data(key, impl="threefry2x32"), pos)
-            return jax.random.gumbel(key, (x.shape[1],), jnp.float32)
+        def noise(n):
+            def row(key, pos):
+                key = jax.random.fold_in(jax.random.wrap_key_data(key, impl="threefry2x32"), pos)
+                return jax.random.gumbel(key, (n,), jnp.float32)
+            return jax.vmap(row)(keys, positions)
 
-        g = jax.vmap(noise)(keys, positions)
-        drawn = jnp.argmax(jnp.where(keep, x + g, -jnp.inf), axis=-1).astype(jnp.int32)
+        def whole(bisect):
+            keep = jax.lax.cond(bisect, lambda: _cut(x, top_k, top_p), lambda: jnp.ones(x.shape, bool))
+            return jnp.argmax(jnp.where(keep, x + noise(v), -jnp.inf), axis=-1).astype(jnp.int32)
+
+        def via_candidates(_):
+            c, ids, kept, exact = _candidate_cut(x, top_k, top_p, candidates)
+            at = jnp.argmax(jnp.where(kept, c + noise(c.shape[1]), -jnp.inf), axis=-1)
+            pick = jnp.take_along_axis(ids, at[:, None], axis=1)[:, 0].astype(jnp.int32)
+            return jax.lax.cond(jnp.all(exact | ~hot), lambda _: pick,
+                                lambda _: jnp.where(exact, pick, whole(jnp.any(cuts & ~exact))), None)
+
+        if not candidates:
+            drawn = whole(filtered)
+        else:
+            drawn = jax.lax.cond(filtered, via_candidates, lambda _: whole(False), None)
         return jnp.where(hot, drawn, greedy)
 
     return jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda _: greedy, None)
@@ -173,12 +240,17 @@ def logprobs(logits, chosen, wanted, k: int):
         return jnp.zeros((b,), jnp.float32), jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), jnp.float32)
 
     return jax.lax.cond(jnp.any(wanted), compute, none, None)
+def prompt_chunk(p: int, chunk: int = 32) -> int:
+    """Positions prompt_logprobs runs the head over at a time for a prompt bucket of p: the largest divisor <= chunk."""
+    return max(d for d in range(1, min(p, chunk) + 1) if p % d == 0)
+
+
 def prompt_logprobs(head, h, tokens, wanted, k: int, chunk: int = 32):
     """Raw logprobs of a prompt: per position i of hidden states h [P, D], of tokens[i + 1] (the next prompt token;
     the last row's is junk) -> (its logprob [P], its rank [P], the top k ids [P, k] and logprobs [P, k]); zeros
     unless `wanted`. `head` maps hidden states [c, D] to float32 logits [c, V]: a chunk of positions at a time."""
     p = h.shape[0]
-    c = max(d for d in range(1, min(p, chunk) + 1) if p % d == 0)
+    c = prompt_chunk(p, chunk)
     following = jnp.roll(tokens, -1)
 
     def block(args):
