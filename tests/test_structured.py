@@ -418,3 +418,68 @@ def test_a_mask_after_an_unmasked_step_is_never_served_by_the_speculative_step(e
     spec = dict(engine.speculation)
     assert engine.step({0: free}, {0: only(engine.vocab_size, [forced])})[0] == forced
     assert engine.speculation["replaced"] == spec["replaced"] + 1
+
+
+@pytest.mark.parametrize("schema,message", [
+    ({"type": "string", "maxLength": 10**400}, r"too large: maxLength 100… \(401 digits\)"),
+    ({"type": "object", "properties": {"a": {"type": "string", "minLength": -10**400, "maxLength": 10**30}}},
+     r"too large: maxLength 100… \(31 digits\)"),
+    ({"type": "integer", "minimum": 10**400}, r"integer bound of 100… \(401 digits\) is past"),
+    ({"type": "integer", "exclusiveMaximum": -10**19}, "integer bound of -10000000000000000001 is past"),
+    ({"type": "integer", "maximum": 1e300}, r"integer bound of 100… \(301 digits\) is past"),
+])
+def test_bounds_past_float_range_are_the_clients_400(grammars, schema, message):
+    """math.isfinite(10**400) raises OverflowError: a 500 for a client's schema (response_format or a forced tool's
+    parameters). Integer bounds past ±2**63 are refused: their range regex would grow with their digits."""
+    with pytest.raises(InvalidGrammar, match=message):
+        grammars.json_schema(schema)
+
+
+def test_a_number_bound_past_float_range_is_outlines_cores_400(grammars):
+    with pytest.raises(InvalidGrammar):
+        grammars.json_schema({"type": "number", "minimum": 10**400})
+
+
+def nested(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def test_a_deep_schema_is_refused_by_its_depth(grammars):
+    """250 objects deep ran past Python's recursion limit in the server (a 500); the depth is measured first,
+    without recursion, and the tool-call wrapper (tool_choice "required") counts too."""
+    for schema in (nested(250), nested(5000), required_schema({"f": nested(31)})):
+        with pytest.raises(InvalidGrammar, match="nested more than 64 levels deep"):
+            grammars.json_schema(schema)
+    assert grammars.json_schema(nested(20)) is not None
+
+
+def test_a_huge_schema_compiles_without_holding_the_server(info):
+    """3 000 optional properties: outlines-core builds a 137-million-character regex (quadratic in the properties)
+    before the size limit can refuse it. That build ran in the server's process holding the GIL (10 000 properties
+    stalled /health for 12-22 s and kept 1.5 GB); now it runs in the compile's process. A thread that wakes every
+    10 ms meanwhile is never held up for a quarter of the compile's time."""
+    import threading
+    grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=120)
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(3000)}}
+    gaps, done = [], threading.Event()
+
+    def tick():
+        last = time.monotonic()
+        while not done.is_set():
+            time.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    t0 = time.monotonic()
+    with pytest.raises(InvalidGrammar, match="too large: its regex has 13671200. characters"):
+        grammars.json_schema(schema)
+    took = time.monotonic() - t0
+    done.set()
+    ticker.join(5)
+    assert max(gaps) < took / 4, (max(gaps), took)
