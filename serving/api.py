@@ -345,7 +345,7 @@ def version() -> str:
 def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_model_name: str | None = None,
                max_waiting: int = 64, on_load_error: Callable[[BaseException], None] | None = None,
                shutdown_grace: float = 5.0, max_body_bytes: int = 16 * 2**20, api_key: str | None = None,
-               cors: dict | None = None) -> FastAPI:
+               cors: dict | None = None, body_timeout_s: float = 10.0) -> FastAPI:
     """`load_engine` runs in the engine thread after the server starts listening; /health is 503 until it
     returns and a warm-up has produced a token. `app.state.begin_shutdown()` (thread-safe; `Server` calls it on
     SIGTERM) starts the drain: new requests get 503, running ones `shutdown_grace` seconds to finish, then
@@ -360,7 +360,7 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
                   lifespan=_lifespan(ctx, load_engine, on_load_error, shutdown_grace))
     app.state.ctx = ctx
     app.state.begin_shutdown = lambda: None          # replaced once the server runs
-    app.add_middleware(Guard, max_body_bytes=max_body_bytes, api_key=api_key)
+    app.add_middleware(Guard, max_body_bytes=max_body_bytes, api_key=api_key, body_timeout_s=body_timeout_s)
     cors = {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers": ["*"], "allow_credentials": False,
             **(cors or {})}
     app.add_middleware(CORSMiddleware, **cors)       # outermost: preflights never need the API key
