@@ -15,7 +15,7 @@ import re
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 INT64 = (-2**63, 2**63 - 1)     # vLLM's seed range (torch.long)
@@ -223,6 +223,22 @@ UNSUPPORTED = {
 }
 
 
+def _null_means_default(model: type[BaseModel]) -> frozenset[str]:
+    """The fields with a default that null is not a value of: OpenAI's API takes null for them ("stream": null,
+    "n": null) and means the default, so the request is read as if they were not sent."""
+    out = set()
+    for name, f in model.model_fields.items():
+        try:
+            if not f.is_required():
+                TypeAdapter(f.annotation).validate_python(None, strict=True)
+        except ValidationError:
+            out.add(f.alias or name)
+    return frozenset(out)
+
+
+NULL_MEANS_DEFAULT = {m: _null_means_default(m) for m in (ChatRequest, CompletionRequest, TokenizeRequest)}
+
+
 def _param(loc: tuple) -> str:
     """The request path of a validation error: pydantic puts union members ('str', 'list[str]') in `loc`,
     which are not part of the request, so the path ends where they begin."""
@@ -310,6 +326,8 @@ def parse(model: type[_Strict], body: bytes) -> Any:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")
+    unset = NULL_MEANS_DEFAULT.get(model, frozenset())
+    data = {k: v for k, v in data.items() if v is not None or k not in unset}
     for name, defaults in UNSUPPORTED.get(model, {}).items():
         if name in data and not _is_default(data[name], defaults):
             raise APIError(400, f"{name} is not supported by this server (unset it, or send "

@@ -398,3 +398,25 @@ def test_text_parts_of_a_message_are_joined_with_newlines_as_vllm_does():
 
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
     assert messages(parse(ChatRequest, json.dumps(body).encode()).messages)[0]["content"] == "a\nb"
+
+
+NULLABLE = {"stream": None, "n": None, "ignore_eos": None, "min_tokens": None, "skip_special_tokens": None,
+            "include_stop_str_in_output": None}
+
+
+def test_openais_nullable_fields_take_null_as_the_default(server):
+    """OpenAI's API lets `stream`, `n` (and vLLM's extensions) be null; a 400 refused what its own client may send.
+    Null for a field where it means something else stays that (completions' max_tokens null: no limit)."""
+    chat = requests.post(f"{server}/v1/chat/completions", timeout=60, json={
+        "model": "tiny-gemma4", "messages": ASK, "add_generation_prompt": None, "continue_final_message": None,
+        **NULLABLE})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["message"]["content"] == ANSWER and len(chat.json()["choices"]) == 1
+    done = requests.post(f"{server}/v1/completions", timeout=60, json={
+        "model": "tiny-gemma4", "prompt": "hi", "echo": None, "max_tokens": 2, **NULLABLE})
+    assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] <= 2, done.text
+    tok = requests.post(f"{server}/tokenize", timeout=60, json={"messages": ASK, "return_token_strs": None,
+                                                                 "add_generation_prompt": None})
+    assert tok.status_code == 200 and tok.json()["token_strs"] is None, tok.text
+    from serving.protocol import CompletionRequest, parse
+    assert parse(CompletionRequest, b'{"prompt": "a", "max_tokens": null}').max_tokens is None
