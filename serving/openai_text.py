@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from serving.api import Job, QueueFull
-from serving.generation import Delta, Finish, Logprob, PromptLogprob, PromptTooLong, SamplingParams
+from serving.generation import Delta, Finish, Logprob, PromptLogprob, PromptTooLong, SamplingParams, StopAutomaton
 from serving.protocol import (APIError, ChatRequest, CompletionRequest, ResponseFormat, messages, read,
                               template_options, unavailable)
 from serving.structured import InvalidGrammar
@@ -175,17 +175,18 @@ async def while_connected(request: Request, fn: Callable[[threading.Event], Any]
 GOLDEN = 0x9E3779B97F4A7C15     # 2**64 / golden ratio: choice i's seed is the request's plus i times this
 
 
-def submit(request: Request, prompts: list[tuple[list[int], SamplingParams]], n: int, grammar: Any = None,
-           reveal: frozenset[int] = frozenset()) -> list[Job]:
+async def submit(request: Request, prompts: list[tuple[list[int], SamplingParams]], n: int, grammar: Any = None,
+                 reveal: frozenset[int] = frozenset()) -> list[Job]:
     """Queue n choices of each (prompt ids, params) (all or none); choice j of prompt p has index p * n + j (as
     vLLM). Choice j of a seeded request samples with a seed derived from the request's seed and j (choice 0 with
     the seed itself), so the same request gives the same choices. Each choice follows `grammar` with a matcher of
-    its own."""
+    its own. The stop strings' automaton (the same for every prompt) is built here, in a worker thread."""
+    stops = await asyncio.to_thread(StopAutomaton, prompts[0][1].stop)
     ctx = request.app.state.ctx
     ctx.check_serving()                    # again: the server may have begun shutting down while we tokenised
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     jobs = [Job(ids, params if params.seed is None or j == 0 else replace(params, seed=params.seed + j * GOLDEN),
-                loop, events=events, index=p * n + j, grammar=grammar, reveal=reveal)
+                loop, events=events, index=p * n + j, grammar=grammar, reveal=reveal, stops=stops)
             for p, (ids, params) in enumerate(prompts) for j in range(n)]
     try:
         ctx.scheduler.submit(*jobs)
@@ -286,7 +287,7 @@ async def chat(request: Request):
         reveal |= ctx.info.tool_markup         # into a tool's answer it would have to make up
         if ctx.info.tool_response is not None:
             params = replace(params, stop_token_ids=params.stop_token_ids + (ctx.info.tool_response,))
-    jobs = submit(request, [(ids, params)], req.n, grammar, reveal)
+    jobs = await submit(request, [(ids, params)], req.n, grammar, reveal)
     rid, created, model = f"chatcmpl-{request.state.request_id}", int(time.time()), ctx.name
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -357,8 +358,8 @@ async def completions(request: Request):
     # echo with logprobs: the prompt's tokens lead the logprobs, as vLLM (its prompt logprobs, the first one null)
     with_prompt = req.echo and req.logprobs is not None
     prompt_lps = req.logprobs if with_prompt and req.prompt_logprobs is None else req.prompt_logprobs
-    jobs = submit(request, [(i, sampling(ctx, req, len(i), req.max_tokens, req.logprobs, prompt_lps)) for i in ids],
-                  req.n, grammar, revealed(ctx, req))
+    jobs = await submit(request, [(i, sampling(ctx, req, len(i), req.max_tokens, req.logprobs, prompt_lps))
+                                  for i in ids], req.n, grammar, revealed(ctx, req))
     rid, created, model = f"cmpl-{request.state.request_id}", int(time.time()), ctx.name
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

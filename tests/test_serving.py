@@ -151,6 +151,9 @@ BAD = [
     (json.dumps({"messages": ASK, "stream": "yes"}), 400, "stream"),
     (json.dumps({"messages": ASK, "stop": 3}), 400, None),
     (json.dumps({"messages": ASK, "stop": [3]}), 400, "stop"),                       # not "stop.list[str].0"
+    (json.dumps({"messages": ASK, "stop": ["a"] * 65}), 400, "stop"),               # each char cost every stop
+    (json.dumps({"messages": ASK, "stop": ["x" * 8193] * 2}), 400, "stop"),         # the matcher's size
+    (json.dumps({"messages": ASK, "stop": "x" * 16385}), 400, "stop"),
     (json.dumps({"messages": [{"role": "user", "content": 5}]}), 400, "messages.0.content"),
     (json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}), 400, "messages.0.role"),
     (json.dumps({"messages": [{"role": "tool", "content": "hi"}]}), 400, "messages.0.tool_call_id"),
