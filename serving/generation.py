@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from serving.engine import Engine, SamplingParams, TokenLogprobs
-from serving.structured import Matcher, mask_words
+from serving.structured import Matcher, mask_words, tokenizer_family
 from serving.tool_calls import MARKUP, RESPONSE_START
 
 # Gemma 4's control tokens that shape the output (see the checkpoint's tokenizer.json).
@@ -52,6 +52,7 @@ class TokenizerInfo:
     token_texts: dict = field(default_factory=dict)     # id -> its text alone (logprobs), filled as needed
     tool_markup: frozenset[int] = frozenset()   # Gemma 4's tool-call tags: shown when tool calls are read
     tool_response: int | None = None            # RESPONSE_START's id: ends a reply that may call tools
+    family: str = "sentencepiece"               # how its tokens spell bytes (serving/structured.py's tokenizer_family)
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "TokenizerInfo":
@@ -59,6 +60,10 @@ class TokenizerInfo:
 
         model_dir = Path(model_dir)
         tok = AutoTokenizer.from_pretrained(model_dir)
+        try:
+            family = tokenizer_family(tok)
+        except ValueError as e:       # refused at start, not answered with output the grammar did not mean
+            raise ValueError(f"{model_dir / 'tokenizer.json'}: {e}") from None
         hidden = {i for i, t in tok.added_tokens_decoder.items() if t.special} | set(tok.all_special_ids)
         vocab = tok.get_vocab()
         stop = set()
@@ -84,7 +89,7 @@ class TokenizerInfo:
                    defaults, prompt_tokenizer=AutoTokenizer.from_pretrained(model_dir),
                    max_token_chars=max(map(len, vocab), default=1),
                    tool_markup=frozenset(vocab[t] for t in MARKUP if t in vocab),
-                   tool_response=vocab.get(RESPONSE_START))
+                   tool_response=vocab.get(RESPONSE_START), family=family)
 
     @property
     def vocab_size(self) -> int:

@@ -69,15 +69,46 @@ class InvalidGrammar(ValueError):
     """The request's schema cannot be compiled: a 400 for the client."""
 
 
-def token_bytes(tokenizer, skip: frozenset[int]) -> dict[bytes, list[int]]:
-    """What each token of a SentencePiece-style tokenizer (Gemma's) writes: '▁' is a space, <0xNN> is the byte NN,
-    other tokens are their UTF-8 text. Tokens in `skip` (special tokens, stop tokens) write nothing here."""
+def tokenizer_family(tokenizer) -> str:
+    """How a fast tokenizer's tokens spell their bytes, read from its decoder: "byte_level" (GPT-2's alphabet: Llama
+    3, Qwen, ...) or "sentencepiece" ('▁' a space, <0xNN> a byte: Gemma's). ValueError for any other: a grammar
+    over bytes could not know what its tokens write."""
+    decoder = tokenizer.backend_tokenizer.decoder
+    spec = json.loads(decoder.__getstate__()) if decoder is not None else {}
+    parts = spec.get("decoders") or [spec]
+    kinds = {d.get("type") for d in parts}
+    if "ByteLevel" in kinds:
+        return "byte_level"
+    if "Metaspace" in kinds or any(d.get("type") == "Replace" and d.get("pattern", {}).get("String") == "▁"
+                                   for d in parts):
+        return "sentencepiece"
+    raise ValueError(f"its decoder ({', '.join(sorted(filter(None, kinds))) or 'none'}) is neither byte-level BPE "
+                     f"nor SentencePiece's, so structured output could not be constrained over it")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: the printable Latin-1 bytes stand for themselves, every
+    other byte for the character 256 + its rank among them."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+def token_bytes(tokenizer, skip: frozenset[int], family: str = "sentencepiece") -> dict[bytes, list[int]]:
+    """What each token writes, by the tokenizer's family (tokenizer_family). SentencePiece (Gemma's): '▁' is a
+    space, <0xNN> is the byte NN, other tokens are their UTF-8 text. Byte-level BPE: each character of the token is
+    one byte of GPT-2's alphabet (an added token that is not spelled in it writes its own text). Tokens in `skip`
+    (special tokens, stop tokens) write nothing here."""
+    alphabet = _byte_level_alphabet() if family == "byte_level" else {}
     out: dict[bytes, list[int]] = {}
     for text, i in tokenizer.get_vocab().items():
         if i in skip:
             continue
-        byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", text)
-        data = bytes([int(byte[1], 16)]) if byte else text.replace("▁", " ").encode()
+        if family == "byte_level":
+            data = bytes(alphabet[c] for c in text) if all(c in alphabet for c in text) else text.encode()
+        else:
+            byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", text)
+            data = bytes([int(byte[1], 16)]) if byte else text.replace("▁", " ").encode()
         if data:
             out.setdefault(data, []).append(i)
     return out
@@ -284,7 +315,8 @@ class Grammars:
         with self._vocab_lock:
             if self._vocabulary is None:
                 with self.info.prompt_lock:
-                    tokens = token_bytes(self.info.prompt_tokenizer, self.info.hidden_ids | self.info.stop_ids)
+                    tokens = token_bytes(self.info.prompt_tokenizer, self.info.hidden_ids | self.info.stop_ids,
+                                         self.info.family)
                 # outlines-core knows one end token; Matcher lets any of the checkpoint's stop tokens end.
                 self._vocabulary = Vocabulary(min(self.info.stop_ids), tokens)
             return self._vocabulary

@@ -483,3 +483,74 @@ def test_a_huge_schema_compiles_without_holding_the_server(info):
     done.set()
     ticker.join(5)
     assert max(gaps) < took / 4, (max(gaps), took)
+
+
+# ------------------------------------------------------------------------------------------ tokenizer families
+@pytest.fixture(scope="module")
+def byte_level_dir(tmp_path_factory):
+    """A byte-level BPE tokenizer (GPT-2's alphabet, as Llama 3's and Qwen's), trained here on a little JSON-ish
+    text to a 420-token vocabulary, saved as a checkpoint's tokenizer."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+    bpe = ByteLevelBPETokenizer()
+    corpus = [json.dumps({"name": f"Ada {i}", "age": i, "ok": i % 2 == 0, "note": "ünï 🤖 \t\n"}) for i in range(300)]
+    bpe.train_from_iterator(corpus, vocab_size=420, min_frequency=1, special_tokens=["<eos>"])
+    out = tmp_path_factory.mktemp("byte_level")
+    PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<eos>").save_pretrained(out)
+    return out
+
+
+def test_a_byte_level_tokenizers_tokens_write_their_bytes(byte_level_dir):
+    """Each token's bytes are what the tokenizer decodes it to (before: read as SentencePiece, 'Ġ{' wrote 'Ġ{'
+    instead of ' {', and the bytes 0x00-0x1F as characters past U+0100)."""
+    info = TokenizerInfo.load(byte_level_dir)
+    tok = info.prompt_tokenizer
+    assert info.family == "byte_level"
+    got = {i: b for b, ids in token_bytes(tok, info.hidden_ids | info.stop_ids, info.family).items() for i in ids}
+    assert len(got) == len(tok) - 1
+    whole = [i for i, b in got.items() if not b.decode(errors="replace").count("\ufffd")]
+    assert len(whole) > 250
+    for i in whole:
+        assert tok.decode([i]).encode() == got[i], i
+    joined = b"".join(got[i] for i in tok.encode('{"name": "ünï 🤖"}'))     # split bytes join into characters
+    assert joined.decode() == '{"name": "ünï 🤖"}'
+
+
+def test_forced_json_is_json_with_a_byte_level_tokenizer(byte_level_dir):
+    """Random walks through the grammar (every step any token the mask allows, until the stop token) decode to
+    JSON valid for the schema, without control characters: the mask speaks the tokenizer's bytes (read as
+    SentencePiece, most walks wrote raw control characters or U+FFFD)."""
+    from serving.structured import Matcher
+    info = TokenizerInfo.load(byte_level_dir)
+    grammar = Grammars(info, len(info.prompt_tokenizer)).json_schema(
+        {"type": "object", "properties": {"a": {"type": "string", "maxLength": 5},
+                                          "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+         "required": ["a", "b"]})
+    rng, bad = np.random.default_rng(0), []
+    for _ in range(40):
+        m, ids = Matcher(grammar), []
+        while not m.done and len(ids) < 200:
+            token = int(rng.choice(np.flatnonzero(np.unpackbits(m.allowed().view(np.uint8), bitorder="little"))))
+            m.accept(token)
+            ids.append(token)
+        text = info.prompt_tokenizer.decode(ids[:-1])
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not (isinstance(value, dict) and set(value) == {"a", "b"} and len(value["a"]) <= 5
+                and 0 <= value["b"] <= 99) or any(c < " " or c == "\ufffd" for c in text):
+            bad.append(text)
+    assert not bad, bad
+
+
+def test_a_tokenizer_no_grammar_can_speak_for_is_refused_at_start(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    t = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1, "##b": 2}, unk_token="[UNK]"))
+    t.pre_tokenizer, t.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece()
+    PreTrainedTokenizerFast(tokenizer_object=t, unk_token="[UNK]").save_pretrained(tmp_path)
+    with pytest.raises(ValueError) as e:
+        TokenizerInfo.load(tmp_path)
+    assert str(e.value) == (f"{tmp_path / 'tokenizer.json'}: its decoder (WordPiece) is neither byte-level BPE nor "
+                            f"SentencePiece's, so structured output could not be constrained over it")
