@@ -312,8 +312,8 @@ async def chat(request: Request):
         def end(fins: list[Finish]) -> list[str]:
             return [sse({**base, "choices": [], "usage": usage(fins)})] if include_usage else []
 
-        return stream(jobs, [chunk(i, {"role": "assistant", "content": ""}) for i in range(req.n)],
-                      on_text, on_finish, end)
+        return await stream(request, jobs, [chunk(i, {"role": "assistant", "content": ""}) for i in range(req.n)],
+                            on_text, on_finish, end)
 
     results = await collect(request, jobs)
     return JSONResponse({
@@ -383,8 +383,9 @@ async def completions(request: Request):
             first = [chunk(i, echoes[i // req.n], echoed(ev.prompt, req.logprobs))] if with_prompt and ev.prompt else []
             return first + ([chunk(i, ev.text, lps)] if ev.text or lps else [])
 
-        return stream(jobs, [chunk(i, echoes[i // req.n]) for i in range(len(jobs))] if req.echo and not with_prompt
-                      else [], on_text, lambda i, fin: [chunk(i, "", None, fin.reason)], end)
+        return await stream(request, jobs, [chunk(i, echoes[i // req.n]) for i in range(len(jobs))]
+                            if req.echo and not with_prompt else [], on_text,
+                            lambda i, fin: [chunk(i, "", None, fin.reason)], end)
 
     results = await collect(request, jobs)
     return JSONResponse({
@@ -397,15 +398,35 @@ async def completions(request: Request):
 
 
 # -------------------------------------------------------------------------------------------- answering
-async def collect(request: Request, jobs: list[Job]) -> list[tuple[str, list[Logprob], Finish, list | None]]:
-    """Each choice's whole text, logprobs, end and prompt logprobs; stops the generations if the client hangs up."""
-    async def watch_disconnect():
-        while not await request.is_disconnected():
-            await asyncio.sleep(0.25)
+async def _stop_when_gone(request: Request, jobs: list[Job]) -> None:
+    """Stops the jobs' generations once the client hangs up (a task, cancelled when the answer is done)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
+    for job in jobs:
+        job.cancelled.set()
+
+
+async def first_event(request: Request, jobs: list[Job]) -> tuple[int, Any]:
+    """The jobs' first (index, event), awaited before a stream's headers go out, so that a request the queue
+    refuses (429: no slot within --max-queue-wait) or the engine fails gets its status, not a 200 and an error
+    event. Stops the jobs if the client hangs up meanwhile."""
+    watcher = asyncio.create_task(_stop_when_gone(request, jobs))
+    try:
+        head = await jobs[0].events.get()
+        if isinstance(head[1], APIError):
+            raise head[1]
+        return head
+    except BaseException:
         for job in jobs:
             job.cancelled.set()
+        raise
+    finally:
+        watcher.cancel()
 
-    watcher = asyncio.create_task(watch_disconnect())
+
+async def collect(request: Request, jobs: list[Job]) -> list[tuple[str, list[Logprob], Finish, list | None]]:
+    """Each choice's whole text, logprobs, end and prompt logprobs; stops the generations if the client hangs up."""
+    watcher = asyncio.create_task(_stop_when_gone(request, jobs))
     parts: list[list[str]] = [[] for _ in jobs]
     lps: list[list[Logprob]] = [[] for _ in jobs]
     prompts: list[list[PromptLogprob] | None] = [None] * len(jobs)
@@ -432,17 +453,21 @@ async def collect(request: Request, jobs: list[Job]) -> list[tuple[str, list[Log
             job.cancelled.set()
 
 
-def stream(jobs: list[Job], first: list[str], on_text: Callable[[int, Delta], list[str]],
-           on_finish: Callable[[int, Finish], list[str]], end: Callable[[list[Finish]], list[str]]):
+async def stream(request: Request, jobs: list[Job], first: list[str], on_text: Callable[[int, Delta], list[str]],
+                 on_finish: Callable[[int, Finish], list[str]], end: Callable[[list[Finish]], list[str]]):
     """SSE over the choices' events as they come (each chunk names its choice's index): what `on_text` makes of
-    each token's Delta, what `on_finish` makes of each choice's end, then `end` and [DONE]."""
+    each token's Delta, what `on_finish` makes of each choice's end, then `end` and [DONE]. The headers go out with
+    the first event (first_event)."""
+    head = await first_event(request, jobs)
+
     async def events():
         try:
             for line in first:
                 yield line
             fins: dict[int, Finish] = {}
+            pending = [head]
             while len(fins) < len(jobs):
-                i, ev = await jobs[0].events.get()
+                i, ev = pending.pop() if pending else await jobs[0].events.get()
                 if isinstance(ev, Delta):
                     for line in on_text(i, ev):
                         yield line

@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from serving.api import create_app
-from tests.fixtures.observe import metrics, wait_until
+from tests.fixtures.observe import hangs_up_waiting, metrics, wait_until
 from g5g.devtools.tiny_gemma4 import ANSWER, QUESTION
 from g5g.devtools.server import in_thread, wait_ready
 from tests.fixtures.serving import tiny_server
@@ -334,10 +334,7 @@ def test_disconnect_while_queued_is_skipped(paced_server):
     t = threading.Thread(target=lambda: c.chat.completions.create(model="tiny-gemma4", messages=ASK, max_tokens=30))
     t.start()
     wait_until(lambda: _in_flight(paced_server) >= 1, what="first request running")
-    with requests.post(f"{paced_server}/v1/chat/completions", stream=True, timeout=60,
-                       json={"messages": ASK, "stream": True, "max_tokens": 50}) as r:
-        next(r.iter_lines())                          # the role chunk arrives at once, the request is queued
-        assert metrics(paced_server)["vllm:num_requests_waiting"] == 1
+    assert hangs_up_waiting(paced_server, {"messages": ASK, "stream": True, "max_tokens": 50})    # queued, gone
     t.join(timeout=60)
     wait_until(lambda: _in_flight(paced_server) == 0, what="queue to drain")
     # Only the first request generated anything; the second is counted as aborted.
@@ -353,18 +350,10 @@ def test_clients_that_left_the_queue_hold_no_slot(paced_server):
     long.start()
     wait_until(lambda: _in_flight(paced_server) >= 1, what="first request running")
     for _ in range(3):                                # fill the bound (max_waiting=3), each client hangs up
-        with requests.post(f"{paced_server}/v1/chat/completions", stream=True, timeout=60,
-                           json={"messages": ASK, "stream": True, "max_tokens": 5}) as r:
-            assert r.status_code == 200
-            next(r.iter_lines())
-
-    def admitted() -> bool:
-        with requests.post(f"{paced_server}/v1/chat/completions", stream=True, timeout=60,
-                           json={"messages": ASK, "stream": True, "max_tokens": 2}) as r:
-            return r.status_code == 200
-
-    wait_until(admitted, timeout=5, what="a new request to be admitted")
-    assert long.is_alive()                            # admitted while the 200-token request still runs (~6 s)
+        assert hangs_up_waiting(paced_server, {"messages": ASK, "stream": True, "max_tokens": 5}, 0.3)
+    # admitted (not a 429 at once) while the 200-token request still runs (~6 s)
+    assert hangs_up_waiting(paced_server, {"messages": ASK, "stream": True, "max_tokens": 2}, 0.5)
+    assert long.is_alive()
     long.join(timeout=60)
 
 # ------------------------------------------------------------------------------------------------- health
