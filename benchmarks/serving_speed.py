@@ -110,7 +110,9 @@ def measure_server(runtime: str, ckpt: Path, work: Path, runs: int, p: dict, tor
     env = serving_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"), G5G_JAX_CACHE_DIR=str(work / "jaxcache"),
                       G5G_JAX_BUCKETS=BUCKETS, G5G_JAX_SLOTS=str(SLOTS), XLA_PYTHON_CLIENT_MEM_FRACTION="0.5",
                       G5G_TORCH_SLOTS=str(torch_slots))
-    flags = ("--max-model-len", "1024", "--served-model-name", "e2b", "--max-waiting", "64", "--log-level", "warning")
+    # --max-queue-wait 0: the concurrent runs queue on a one-slot runtime by design (throughput, not latency)
+    flags = ("--max-model-len", "1024", "--served-model-name", "e2b", "--max-waiting", "64", "--max-queue-wait", "0",
+             "--log-level", "warning")
     res: dict = {"log_tail": {}}
     if runtime == "jax":          # the first boot compiles into an empty cache: time it, then boot from that cache
         with serving(runtime, ckpt, *flags, env=env, timeout=900) as srv:

@@ -42,6 +42,9 @@ MAX_REGEX_CHARS = int(os.environ.get("G5G_GRAMMAR_MAX_REGEX", "100000"))
 MAX_STRING_BOUND = int(os.environ.get("G5G_GRAMMAR_MAX_STRING_BOUND", "16"))
 # How deeply a schema's JSON may nest (objects and arrays): checked before anything recurses into it.
 MAX_SCHEMA_DEPTH = int(os.environ.get("G5G_GRAMMAR_MAX_DEPTH", "64"))
+# An object's optional properties make a regex that grows with their square (outlines-core writes every order in
+# which they may come): past this many in one object it is over MAX_REGEX_CHARS whatever they are, refused before.
+MAX_OPTIONAL_PROPERTIES = 160
 # An integer minimum/maximum past this magnitude is refused (its range regex would grow with its digits).
 MAX_INTEGER_BOUND = 2**63
 # The compile's process may map at most this much memory (bytes; 0: no limit): a schema whose regex explodes
@@ -180,7 +183,8 @@ def _depth(schema: Any, limit: int) -> None:
 def _bounded_integers(schema: Any, ranges: dict[str, str], max_string: int = MAX_STRING_BOUND) -> Any:
     """`schema` with each integer subschema that has bounds (outlines-core ignores them) swapped for a string with
     a marker pattern; `ranges` gets each marker's regex, put in place of the marker's string after the compile.
-    A string length bound past `max_string` is refused here, before any automaton is built."""
+    A string length bound past `max_string`, and an object with more than MAX_OPTIONAL_PROPERTIES optional properties,
+    are refused here, before any regex or automaton is built."""
     if isinstance(schema, list):
         return [_bounded_integers(s, ranges, max_string) for s in schema]
     if not isinstance(schema, dict):
@@ -190,6 +194,13 @@ def _bounded_integers(schema: Any, ranges: dict[str, str], max_string: int = MAX
         if n is not None and n > max_string and "pattern" not in schema and "format" not in schema:
             raise InvalidGrammar(f"too large: {key} {_shown(n)} (the automaton for a string of bounded length grows "
                                  f"exponentially with the bound; at most {max_string} here)")
+    properties, required = schema.get("properties"), schema.get("required")
+    if isinstance(properties, dict) and len(properties) > MAX_OPTIONAL_PROPERTIES:
+        optional = len(set(properties) - (set(required) if isinstance(required, list) and
+                                          all(isinstance(r, str) for r in required) else set()))
+        if optional > MAX_OPTIONAL_PROPERTIES:
+            raise InvalidGrammar(f"too large: {optional} optional properties in one object (its regex grows with "
+                                 f"their square; at most {MAX_OPTIONAL_PROPERTIES})")
     low, xlow, high, xhigh = (_number(schema.get(k))
                               for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"))
     lows = ([math.ceil(low)] if low is not None else []) + ([math.floor(xlow) + 1] if xlow is not None else [])
