@@ -13,6 +13,8 @@ rehearsal's own lines), the wheels pip took for the platform, and the error the 
 --input: files the run used (wheels, sdists), recorded by sha256. Nothing here needs Docker but --base-image.
 --previous: an earlier report of this tool (its logs may be gone): its attempts come first, each still with the
 commit it ran at, and what this run does not give anew (resolution, vLLM report, inputs, bases) is kept.
+--discovery NAME=LOG: the torch-discovery stage's CMake output (PyTorch's CUDA discovery, torch's own modules), one
+per platform or environment; with --discovery-note NAME=TEXT saying how it ran.
 """
 from __future__ import annotations
 
@@ -32,6 +34,16 @@ PROOF = re.compile(r"(Cuda compilation tools|sass: |no device code|CUDA (support
                    r"built for|vllm [0-9.]+ torch|Segmentation fault|MIDR_EL1|uncaught target signal|^loaded lib|^QEMU_CPU=|"
                    r"^== qemu|^import ok|every DT_NEEDED|not found)")
 WHEEL = re.compile(r"Downloading (\S+\.whl) \(([\d.]+ [kMG]B)\)")
+# What PyPI's torch CMake modules (and the NCCL lookup) say they found or not, in the torch-discovery stage's output.
+DISCOVERY = re.compile(r"(g5g discovery:|torch discovery:|Found CUDA|Found CUDNN|Could NOT find|Cannot find|Turning the "
+                       r"option off|NCCL_VERSION_CODE|PyTorch: CUDA|Added CUDA NVCC flags|compiler identification)")
+
+
+def discovery(log: str) -> dict:
+    """The torch-discovery lines that prove something, and whether the stage passed (its own last line)."""
+    lines = [re.sub(r"^#\d+ [\d.]+ ", "", ln).strip() for ln in log.splitlines()]
+    proof = [ln[:300] for ln in lines if DISCOVERY.search(ln)]
+    return {"lines": proof, "passed": any(ln.startswith("torch discovery: every library") for ln in lines)}
 
 
 def steps(log: str) -> list[dict]:
@@ -78,7 +90,7 @@ def resolution(path: Path) -> dict:
 
 def markdown(r: dict) -> str:
     out = [f"# {r['title']}", "", f"Project commit `{r['provenance']['project_commit']}`"
-           f"{' (dirty)' if r['provenance']['project_dirty'] else ''}; images built FROM: "
+           f"{' (dirty)' if r['provenance'].get('project_dirty') else ''}; images built FROM: "
            + ", ".join(f"`{b['ref']}` `{b['id']}`" for b in r["base_images"]) + "; inputs (sha256): "
            + ", ".join(f"`{k}` `{v}`" for k, v in r["inputs"].items()) + ".", ""]
     for i, a in enumerate(r["attempts"], 1):
@@ -102,6 +114,11 @@ def markdown(r: dict) -> str:
         out += [f"## The rehearsal's vLLM stages, run to the end: {r.get('report_note') or ''}", "", vbr.markdown(v)]
     for e in r.get("earlier_vllm_reports", []):
         out += [f"## An earlier run of the rehearsal's vLLM stages: {e['note'] or ''}", "", vbr.markdown(e["report"])]
+    if d := r.get("discovery"):
+        out += ["## PyTorch's CUDA discovery (torch-discovery: torch 2.14.0's own CMake modules from its wheel)", ""]
+        for name, e in d.items():
+            out += [f"### {name}: {'passed' if e['passed'] else 'FAILED'}", "", e.get("note") or "", "", "```",
+                    *e["lines"], "```", ""]
     out += ["## Not run here, and what remains", "", *[f"- {x}" for x in r.get("remaining", [])], ""]
     return "\n".join(out) + "\n"
 
@@ -109,7 +126,7 @@ def markdown(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--title", default="g5g rehearsal (build.py --runtime vllm --rehearse), linux/arm64")
-    ap.add_argument("--bake-log", type=Path, action="append", default=[], required=True)
+    ap.add_argument("--bake-log", type=Path, action="append", default=[])
     ap.add_argument("--resolve", type=Path)
     ap.add_argument("--report", type=Path, help="a rehearsal's exported vllm-report stage")
     ap.add_argument("--report-log", type=Path, help="the bake log of --report")
@@ -120,15 +137,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--previous", type=Path, help="an earlier report (JSON) whose attempts come first")
     ap.add_argument("--note", action="append", default=[],
                     help="one line per --bake-log, in order: how that attempt ran (e.g. its QEMU)")
+    ap.add_argument("--discovery", action="append", default=[], metavar="NAME=LOG",
+                    help="a torch-discovery stage's output, named by platform (repeatable)")
+    ap.add_argument("--discovery-note", action="append", default=[], metavar="NAME=TEXT")
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--md", type=Path)
     a = ap.parse_args(argv)
     prev = json.loads(a.previous.read_text()) if a.previous else {}
-    r: dict = {"title": a.title, "provenance": vbr.provenance(a.report or Path("/nonexistent"), None)}
+    fresh = vbr.provenance(a.report or Path("/nonexistent"), None)  # this run's commit
+    # The report's provenance is its vLLM report's: kept from --previous unless a new --report replaces it.
+    r: dict = {"title": a.title, "provenance": fresh if a.report or not prev else prev["provenance"]}
     r["inputs"] = {**prev.get("inputs", {}), **{p.name: sha256(p) for p in a.input}}
     new = [attempt(p) for p in a.bake_log]
     for i, at in enumerate(new):
-        at["project_commit"] = r["provenance"]["project_commit"]
+        at["project_commit"] = fresh["project_commit"]
         if i < len(a.note):
             at["note"] = a.note[i]
     # Kept attempts ran at the earlier report's commit.
@@ -166,7 +188,15 @@ def main(argv: list[str] | None = None) -> int:
         earlier = [{"note": prev.get("report_note"), "report": prev["vllm_report"]}, *earlier]
     if earlier:
         r["earlier_vllm_reports"] = earlier
-    r["remaining"] = a.remaining
+    notes = dict(n.split("=", 1) for n in a.discovery_note)
+    found = dict(prev.get("discovery", {}))
+    for spec in a.discovery:
+        name, _, log = spec.rpartition("=")
+        found[name] = {**discovery(Path(log).read_text(errors="replace")), "log": Path(log).name,
+                       "project_commit": fresh["project_commit"], "note": notes.get(name, "")}
+    if found:
+        r["discovery"] = found
+    r["remaining"] = a.remaining or prev.get("remaining", [])
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(r, indent=2) + "\n")
     text = markdown(r)

@@ -200,7 +200,7 @@ def check_builder(name: str, platforms: Iterable[str], builders: list[Builder],
     if found is None:
         known = ", ".join(b.name for b in builders) or "none"
         return [Check(f"builder {name}", False, f"no such builder (known: {known})",
-                      f"docker buildx create --name {name} … (README: \"Building on native arm64 nodes\"), or "
+                      f"docker buildx create --name {name} … (docs/building.md: \"Building on native arm64 nodes\"), or "
                       "pick one of `docker buildx ls`")]
     if found.error:
         return [Check(f"builder {name}", False, found.error, f"docker buildx inspect --bootstrap {name}")]
@@ -208,7 +208,7 @@ def check_builder(name: str, platforms: Iterable[str], builders: list[Builder],
         return [Check(f"builder {name}", False, f"a docker-driver builder (context {name}'s engine); buildx uses it "
                       f"only from its own context, and the current builder is {current}",
                       f"docker context use {name} (or DOCKER_CONTEXT={name}), or a docker-container/kubernetes "
-                      "builder (README: \"Building on native arm64 nodes\")")]
+                      "builder (docs/building.md: \"Building on native arm64 nodes\")")]
     out = [Check(f"builder {name}", True, f"{found.driver}, {len(found.nodes)} node(s)")]
     for p in platforms:
         nodes = found.covers(p)

@@ -36,7 +36,7 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
                    help="override a manifest value, e.g. profile.base_image=… (repeatable)")
     p.add_argument("--rehearse", action="store_true",
                    help="every stage for real, the long compiles cut to CMake configure + a sample of objects "
-                        "(the runtimes' rehearse: sections; README, \"Rehearsing the g5g chain\")")
+                        "(the runtimes' rehearse: sections; docs/g5g-chain.md, \"Rehearsing the g5g chain\")")
 
 
 def _add_builder_option(p: argparse.ArgumentParser) -> None:

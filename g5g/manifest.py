@@ -227,14 +227,22 @@ class ProfileSection(_Model):
     source: StrictStr | None = None
 
 
+class ArgsFrom(_Model):
+    source: StrictStr  # one of the runtime's `sources`
+    if_: Expr = Field("true", alias="if")
+
+
 class Rehearse(_Model):
-    """`build.py --rehearse` (README, "Rehearsing the g5g chain"): every stage for real, the long compile cut to its
+    """`build.py --rehearse` (docs/g5g-chain.md, "Rehearsing the g5g chain"): every stage for real, the long compile cut to its
     configure and a sample of objects. What a runtime's rehearsal changes is data: manifest overrides (as --set,
     applied before the user's), the sampled objects, build args only a rehearsal has."""
     why: StrictStr  # what the rehearsal cuts or stands in, and why: in the plan and the io.g5g.rehearsal label
     set: dict[StrictStr, Any] = {}  # DOC.KEY: value, as `--set DOC.KEY=VALUE` (DOC: profile or a runtime)
     objects: tuple[StrictStr, ...] = ()  # build-system targets compiled instead of everything (ninja's names)
     args: dict[StrictStr, Value] = {}  # build args only a rehearsal has (the template declares them under `rehearse`)
+    args_from: ArgsFrom | None = None  # and those of another source (e.g. `build`'s, for a stage the rehearsal keeps)
+
+
 
 
 class Runtime(Source):
@@ -301,6 +309,13 @@ class Runtime(Source):
         ns["base"] = from_image
         args = {k: v for k, e in src.args.items() if (v := value(f"{prefix}args.{k}", e)) is not None}
         if rehearse and self.rehearse:
+            if (af := self.rehearse.args_from) and self._eval("rehearse.args_from.if", af.if_, ns, profile.name,
+                                                              test=True):
+                if af.source not in self.sources:
+                    raise UserError(f"{self.file}: rehearse.args_from.source: {af.source} is not one of sources "
+                                    f"({', '.join(sorted(self.sources))})")
+                args |= {k: v for k, e in self.sources[af.source].args.items()
+                         if (v := value(f"sources.{af.source}.args.{k}", e)) is not None}
             args |= {k: v for k, e in self.rehearse.args.items() if (v := value(f"rehearse.args.{k}", e)) is not None}
         # A pin that only unused args read (rust with the Rust frontend off; torch-base's CUDA wheels for a source
         # other than `build`) is not in the image: no label claims it. Pins no arg reads (e.g. transformers) stay.

@@ -153,7 +153,8 @@ def test_rehearsal_report_keeps_an_earlier_reports_attempts(tmp_path, monkeypatc
     r = json.loads(out.read_text())
     assert [a["log"] for a in r["attempts"]] == ["old.log", "bake-new.log"]
     assert r["attempts"][0]["project_commit"] == "a" * 40
-    assert r["attempts"][1]["project_commit"] == r["provenance"]["project_commit"] != "a" * 40
+    # the new attempt ran at this commit; the report's provenance (its vLLM report's) is kept without a new --report
+    assert r["attempts"][1]["project_commit"] != "a" * 40 and r["provenance"]["project_commit"] == "a" * 40
     assert r["attempts"][1]["note"] == "QEMU 10.0.2" and "note" not in r["attempts"][0]
     # one result per probe section, repeated lines within one dropped
     assert r["attempts"][1]["proof"] == ["== qemu cpu=default", "import ok 2.14.0", "== qemu cpu=neoverse-n1",
@@ -187,6 +188,37 @@ def test_rehearsal_report_keeps_the_earlier_vllm_report_next_to_a_new_one(tmp_pa
     assert r["report_note"] == "linux/arm64 under QEMU 10"
     assert r["vllm_report"]["arch_lines"] == ["-- CUDA supported target architectures: 7.5"]
     assert r["earlier_vllm_reports"] == [{"note": "linux/amd64 natively", "report": {"stages": {"old": 1}}}]
+
+
+def test_rehearsal_report_records_torchs_cuda_discovery_per_platform(tmp_path, monkeypatch):
+    """--discovery NAME=LOG: what torch's own CMake modules found or not, and whether the stage passed; kept from
+    --previous, replaced per name."""
+    import json
+
+    import rehearsal_report as rr
+    ok, bad = tmp_path / "ok.log", tmp_path / "bad.log"
+    ok.write_text("#12 3.0 -- Found CUDNN: /usr/local/cuda/lib64/libcudnn.so\n#12 3.1 -- Detecting C compile features\n"
+                  "#12 3.2 -- Looking for NCCL_VERSION_CODE - found\n"
+                  "#12 3.3 torch discovery: every library torch 2.14.0's build needs was found for USE_CUDA=1\n")
+    bad.write_text("-- Could NOT find CUDNN (missing: CUDNN_LIBRARY_PATH)\n  Cannot find cuDNN library.  Turning the "
+                   "option off\n-- Looking for NCCL_VERSION_CODE - not found\n")
+    prev = {"provenance": {"project_commit": "a" * 40}, "attempts": [],
+            "discovery": {"linux/arm64": {"lines": ["old"], "passed": True, "note": "earlier"}}}
+    (tmp_path / "prev.json").write_text(json.dumps(prev))
+    out = tmp_path / "r.json"
+    assert rr.main(["--previous", str(tmp_path / "prev.json"), "--discovery", f"linux/amd64={ok}",
+                    "--discovery", f"linux/amd64, old env={bad}", "--discovery-note", "linux/amd64=host venv",
+                    "--json", str(out), "--md", str(tmp_path / "r.md")]) == 0
+    d = json.loads(out.read_text())["discovery"]
+    assert d["linux/arm64"]["lines"] == ["old"]  # kept
+    assert d["linux/amd64"]["passed"] and d["linux/amd64"]["note"] == "host venv"
+    assert d["linux/amd64"]["lines"] == ["-- Found CUDNN: /usr/local/cuda/lib64/libcudnn.so",
+                                         "-- Looking for NCCL_VERSION_CODE - found",
+                                         "torch discovery: every library torch 2.14.0's build needs was found for "
+                                         "USE_CUDA=1"]
+    assert not d["linux/amd64, old env"]["passed"] and len(d["linux/amd64, old env"]["lines"]) == 3
+    md = (tmp_path / "r.md").read_text()
+    assert "### linux/amd64: passed" in md and "### linux/amd64, old env: FAILED" in md
 
 
 CCACHE = """\

@@ -82,7 +82,7 @@ def test_torch_from_source_skips_flash_attention_and_runs_on_the_wheels_pypis_to
     s = stages("g5g", "torch-base")
     build, final = s["torch-build"], s["torch-base"]
     text = runs(build)
-    assert "USE_FLASH_ATTENTION=0" in text
+    assert "USE_FLASH_ATTENTION=0" in arg(build, "TORCH_BUILD_FLAGS").strip('"').split() and "$TORCH_BUILD_FLAGS" in text
     assert re.search(r"apt-get install[^&]*\bg\+\+", text)
     compile_step = next(c for c in build if c.cmd == "RUN" and "MAX_JOBS" in c.value[0])
     mount = re.search(r"--mount=type=cache,target=(\S+)", " ".join(compile_step.flags))
@@ -432,3 +432,89 @@ def test_build_py_generate_for_g5g_writes_what_the_issue_asks(tmp_path):
     for ctx in ("torch-base", "vllm"):
         for script in ("check-sass.sh", "check-needed.sh"):
             assert (out / ctx / script).read_text() == (REPO / "dockerfiles" / script).read_text()
+
+
+# --- round 3: torch-base reads back what it built (dockerfiles/check-torch.py) ----------------------------------------
+
+CHECK_TORCH = REPO / "dockerfiles" / "check-torch.py"
+
+
+def check_torch(*args: str, python: str = sys.executable) -> subprocess.CompletedProcess:
+    return subprocess.run([python, str(CHECK_TORCH), *args], capture_output=True, text=True, timeout=300)
+
+
+def test_check_torch_reads_the_cmake_cache(tmp_path):
+    """The configure's cache, in CMake's own format: a flag that did not reach CMake, or one torch turned off, fails."""
+    cache = tmp_path / "CMakeCache.txt"
+    cache.write_text("//Use cuDNN\nUSE_CUDNN:BOOL=ON\nUSE_NCCL:BOOL=ON\nUSE_FLASH_ATTENTION:BOOL=OFF\n"
+                     "BUILD_TEST:BOOL=OFF\nUSE_KINETO:BOOL=1\n")
+    ok = check_torch("cmake-cache", str(cache), "USE_CUDNN=1", "USE_NCCL=1", "USE_FLASH_ATTENTION=0", "BUILD_TEST=0",
+                     "USE_KINETO=1")
+    assert ok.returncode == 0 and "every flag agrees" in ok.stdout, ok.stderr
+    cache.write_text(cache.read_text().replace("USE_CUDNN:BOOL=ON", "USE_CUDNN:BOOL=OFF"))
+    bad = check_torch("cmake-cache", str(cache), "USE_CUDNN=1", "USE_CUDSS=0")
+    assert bad.returncode == 1
+    assert "USE_CUDNN: OFF in" in bad.stderr and "asks for ON" in bad.stderr
+    assert "USE_CUDSS: not in" in bad.stderr and "did not pass it to CMake" in bad.stderr
+    missing = check_torch("cmake-cache", str(tmp_path / "nope.txt"), "USE_CUDNN=1")
+    assert missing.returncode == 1 and "cannot read the configure's cache" in missing.stderr
+    assert check_torch("cmake-cache", str(cache), "use_cudnn").returncode != 0  # not NAME=VALUE
+
+
+def test_check_torch_fails_a_torch_without_cudnn_nccl_or_cupti():
+    """The installed torch of this environment (the CPU wheel): every promise of a CUDA build fails, by name; what it
+    is (no CUDA, no cuDNN, no NCCL) passes."""
+    pytest.importorskip("torch")
+    bad = check_torch("installed", "USE_CUDA=1", "USE_CUDNN=1", "USE_NCCL=1", "USE_KINETO=1")
+    assert bad.returncode == 1, bad.stdout
+    for what in ("torch.version.cuda", "torch.backends.cudnn.is_available()", "is_nccl_available()", "HAS_CUPTI"):
+        assert what in bad.stderr, bad.stderr
+    ok = check_torch("installed", "USE_CUDA=0", "USE_CUDNN=0", "USE_NCCL=0")
+    assert ok.returncode == 0, ok.stderr
+
+
+@pytest.mark.parametrize("profile", ["g5g", "g4dn"])
+def test_torch_base_reads_back_what_it_built(profile):
+    """The compile step reads the flags back from the configure's cache; the image checks the installed torch against
+    the manifest's flags (all of TORCH_BUILD_FLAGS for a source build, cuDNN/NCCL/CUPTI for any CUDA torch)."""
+    s = stages(profile, "torch-base")
+    final = runs(s["torch-base"])
+    if profile == "g5g":
+        build = runs(s["torch-build"])
+        assert build.index("pip wheel") < build.index('check-torch.py cmake-cache "$SKBUILD_BUILD_DIR/CMakeCache.txt"')
+        assert "python3 /tmp/check/check-torch.py installed $TORCH_BUILD_FLAGS" in final
+    else:
+        assert arg(s["torch-base"], "TORCH_FLAGS").strip('"').split() == ["USE_CUDA=1", "USE_CUDNN=1", "USE_NCCL=1",
+                                                                          "USE_KINETO=1"]
+        assert "python3 /tmp/check/check-torch.py installed $TORCH_FLAGS" in final
+
+
+def test_the_compile_finds_cudnn_and_nccl_in_one_cuda_tree_and_passes_its_flags_to_both_build_backends():
+    """Review round 3, items 1-3: FindCUDNN searches CUDNN_LIBRARY as a directory (the old file path found nothing and
+    torch turned cuDNN off); nccl.h needs cuda_runtime.h beside it; scikit-build-core gets the flags as CMAKE_ARGS and
+    `cmake --build` its parallelism."""
+    build = stages("g5g", "torch-base")["torch-build"]
+    text = runs(build)
+    assert "libcudnn.so\"" not in text and 'CUDNN_LIBRARY="$CUDA_HOME/lib64"' in text
+    assert 'NCCL_INCLUDE_DIR="$CUDA_HOME/include"' in text and 'CUDNN_INCLUDE_DIR="$CUDA_HOME/include"' in text
+    link = next(c.value[0] for c in build if c.cmd == "RUN" and "nvidia.cudnn" in c.value[0] and "ln -sf" in c.value[0])
+    assert '*.h) to="$CUDA_HOME/include"' in link and 'to="$CUDA_HOME/lib64"' in link
+    assert 'CMAKE_BUILD_PARALLEL_LEVEL="$MAX_JOBS"' in text and 'CMAKE_ARGS="$cmake_args"' in text
+    assert "cmake_args=$(printf -- '-D%s ' $TORCH_BUILD_FLAGS)" in text and "SKBUILD_BUILD_DIR=" in text
+
+
+@pytest.mark.parametrize("profile", ["g5g", "g4dn"])
+def test_jax_runs_on_the_cuda_set_of_the_other_images(profile):
+    """Review round 3, item 7: jax[cuda13]'s open-ended bounds took CUDA 13.5's runtime and cuDNN 9.28 into an image
+    tagged cu130. The install names cuda-toolkit at the profile's pip_toolkit and torch-base's cuDNN/NCCL/NVSHMEM."""
+    m = manifest.load(REPO / "manifests", profile=profile)
+    tb, jax = m.runtimes["torch-base"].pins, m.runtimes["jax"].pins
+    assert {k: jax[k] for k in ("cudnn", "nccl", "nvshmem")} == {k: tb[k] for k in ("cudnn", "nccl", "nvshmem")}
+    s = stages(profile, "jax")["jax"]
+    wheels = arg(s, "JAX_CUDA_WHEELS").strip('"').split()
+    toolkit = m.profiles[profile].cuda.pip_toolkit
+    assert any(w.startswith("cuda-toolkit[") and "cudart" in w and "cupti" in w and w.endswith(f"=={toolkit}")
+               for w in wheels)
+    assert {f"nvidia-cudnn-cu13=={tb['cudnn']}", f"nvidia-nccl-cu13=={tb['nccl']}"} <= set(wheels)
+    assert '"jax[${JAX_EXTRA}]==${JAX_VERSION}" ${JAX_CUDA_WHEELS}' in runs(s)
+    assert "JAX_CUDA_WHEELS" not in rendered_files("cpu")["jax"]

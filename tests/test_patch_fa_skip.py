@@ -9,7 +9,7 @@ in order:
   G5G_FA_SRC=<a vllm-project/flash-attention checkout> adds a run with FA's real tree.
 - Python: tools/vllm_fa_probe.py imports vllm.vllm_flash_attn, its layers.rotary as the CMake install left it, and
   fa_utils (what mm_encoder_attention imports on Gemma 4's path) from the tree, with a CUDA torch stand-in.
-What cannot run here is the CUDA build itself (README "Building" says how to check it on a real one).
+What cannot run here is the CUDA build itself (docs/building.md, "Building", says how to check it on a real one).
 """
 from __future__ import annotations
 

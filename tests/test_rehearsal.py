@@ -167,3 +167,62 @@ def test_inspect_claims_no_coverage_for_a_rehearsal_image():
     assert "linux/arm64: a rehearsal (" in table(r).caption and "proves no kernel coverage" in table(r).caption
     real = {"config": {"Env": ["TORCH_CUDA_ARCH_LIST=7.5"], "Labels": {}}}
     assert inspect.result("x", None, "http", "7.5", {"linux/arm64": real})["platforms"]["linux/arm64"]["covered"]
+
+
+# --- PyTorch's CUDA discovery, rehearsed (torch-discovery) ------------------------------------------------------------
+
+def _stage_runs(text: str, stage: str) -> list[str]:
+    out, current = [], None
+    for c in dockerfile.parse_string(text):
+        if c.cmd == "FROM":
+            current = c.value[-1]
+        elif c.cmd == "RUN" and current == stage:
+            out.append(c.value[0])
+    return out
+
+
+@pytest.mark.parametrize("profile", ["g5g", "g4dn"])
+def test_the_rehearsal_runs_torchs_cuda_discovery_in_the_compiles_environment(profile):
+    """The torch-discovery stage starts as torch-build does (the same RUN lines up to PyTorch's source, the same
+    compile environment, word for word), runs torch's own CMake modules from the pinned wheel, fails on what they do
+    not find, and torch-base's image depends on it (BuildKit builds only what the target needs)."""
+    plan, files = rehearsal(profile)
+    tb = next(i for i in plan.all_images if i.runtime == "torch-base")
+    text = files[tb.dockerfile]
+    disc = _stage_runs(text, "torch-discovery")
+    real = make_plan(manifest.load(REPO / "manifests", profile="g5g"), profile="g5g")
+    real_tb = next(i for i in real.all_images if i.runtime == "torch-base")
+    build = _stage_runs(render.render(real)[real_tb.dockerfile], "torch-build")
+    shared = [r for r in build if "git clone" not in r and "requirements.txt" not in r and "pip wheel" not in r]
+    assert shared and all(r in disc for r in shared), "torch-discovery must start as torch-build does"
+    compile_step = next(r for r in build if "pip wheel" in r)
+    env = compile_step[compile_step.index('if [ "$MAX_JOBS" = auto ]'):compile_step.index('echo "building torch')]
+    assert any(env in r for r in disc), "the discovery runs with the compile step's environment"
+    cmake = next(r for r in disc if "cmake -S /tmp/torch-discovery" in r)
+    assert "-DTORCH_CMAKE=/opt/torch-cmake/torch/share/cmake" in cmake
+    for pattern in ("Could NOT find", "Cannot find", "[Tt]urning the option off", "NCCL_VERSION_CODE - not found"):
+        assert pattern in cmake
+    assert any('pip download --no-deps --only-binary=:all: --dest /tmp/torch-wheel "torch==${TORCH_VERSION}"' in r
+               for r in disc)
+    assert "COPY --from=torch-discovery /report/torch-discovery.log /opt/g5g/torch-discovery.log" in text
+    assert "torch-discovery" not in render.render(real)[real_tb.dockerfile]  # the real build compiles instead
+    assert "dockerfiles/torch-discovery" in tb.copy and "dockerfiles/check-torch.py" in tb.copy
+
+
+@pytest.mark.skipif(not shutil.which("cmake"), reason="cmake not installed")
+def test_the_discovery_project_needs_torchs_own_modules(tmp_path):
+    """Without torch/share/cmake of the wheel the project stops at once, naming what is missing (no fallback)."""
+    r = subprocess.run(["cmake", "-S", str(REPO / "dockerfiles/torch-discovery"), "-B", str(tmp_path / "b"),
+                        f"-DTORCH_CMAKE={tmp_path / 'none'}"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "no Caffe2/public/cuda.cmake" in r.stderr, r.stderr
+
+
+def test_args_from_names_a_source_of_the_runtime(tmp_path):
+    src = REPO / "manifests"
+    dst = tmp_path / "manifests"
+    shutil.copytree(src, dst)
+    tb = dst / "runtimes" / "torch-base.yaml"
+    tb.write_text(tb.read_text().replace("args_from: {source: build,", "args_from: {source: nope,"))
+    from g5g.errors import UserError
+    with pytest.raises(UserError, match=r"torch-base.yaml: rehearse.args_from.source: nope is not one of sources"):
+        manifest.load(dst, profile="g5g", rehearse=True)

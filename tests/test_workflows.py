@@ -1,4 +1,4 @@
-"""The GitHub workflows users run: valid against GitHub's schema, clean under zizmor, and doing what README says."""
+"""The GitHub workflows users run: valid against GitHub's schema, clean under zizmor, and doing what docs/building.md says."""
 from __future__ import annotations
 
 import json
@@ -31,6 +31,12 @@ def _load(path: Path) -> dict:
     if True in doc:
         doc["on"] = doc.pop(True)
     return doc
+
+
+def base_image() -> str:
+    """The workflow's BASE_IMAGE with no repository variable set: its default."""
+    expr = _load(IMAGES)["env"]["BASE_IMAGE"]
+    return re.fullmatch(r"\$\{\{ vars\.G5G_BASE_IMAGE \|\| '([^']+)' \}\}", expr).group(1)
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess:
@@ -77,14 +83,16 @@ def test_images_workflow_shape():
     jobs = doc["jobs"]
     assert set(doc["on"]["push"]["tags"]) == {"v*"} and doc["on"]["push"]["branches"] == ["main"]
 
-    base, build = jobs["torch-base"], jobs["build"]
+    base, build, jax = jobs["torch-base"], jobs["build"], jobs["jax"]
     assert "torch-base" in build["needs"], "vllm and pytorch build on torch-base's cache: build it first"
-    runtimes = set(build["strategy"]["matrix"]["runtime"])
+    runtimes = set(build["strategy"]["matrix"]["runtime"]) | {jax["env"]["RUNTIME"]}
     assert runtimes == {"vllm", "jax", "pytorch"} and base["env"]["RUNTIME"] == "torch-base"
-    # torch-base can never land on the 14 GB standard runner: it runs on the builder the repository names, and the
-    # plan job (which every build needs) fails at once, saying what to set, when none is named.
-    assert base["runs-on"] == "${{ vars.G5G_BUILD_RUNNER }}" and "ubuntu-24.04-arm" not in str(base["runs-on"])
-    assert build["runs-on"] == "${{ matrix.runtime == 'jax' && 'ubuntu-24.04-arm' || vars.G5G_BUILD_RUNNER }}"
+    # torch-base can never land on the 14 GB standard runner: it runs on the builder the repository names (a label or
+    # a JSON list of labels), and the plan job (which every build needs) fails at once, saying what to set.
+    runner = "${{ startsWith(vars.G5G_BUILD_RUNNER, '[') && fromJSON(vars.G5G_BUILD_RUNNER) || vars.G5G_BUILD_RUNNER }}"
+    assert base["runs-on"] == runner and build["runs-on"] == runner
+    # jax installs wheels: GitHub's arm64 runner, and nothing from torch-base to wait for
+    assert jax["runs-on"] == "ubuntu-24.04-arm" and jax["needs"] == "plan"
     assert base["needs"] == "plan" and "plan" in build["needs"]
     check = next(s for s in jobs["plan"]["steps"] if "G5G_BUILD_RUNNER" in str(s.get("env", {})))
     assert jobs["plan"]["steps"].index(check) <= 2 and "exit 1" in check["run"]
@@ -95,7 +103,11 @@ def test_images_workflow_shape():
     ok = subprocess.run(["bash", "-eo", "pipefail", "-c", check["run"]], env={**env, "BUILD_RUNNER": "graviton-xl"},
                         capture_output=True, text=True, timeout=30)
     assert ok.returncode == 0 and "graviton-xl" in ok.stdout
-    for job in (base, build):
+    for value, rc in (('["self-hosted", "graviton"]', 0), ('["self-hosted", ', 1), ("[]", 1)):
+        r = subprocess.run(["bash", "-eo", "pipefail", "-c", check["run"]], env={**env, "BUILD_RUNNER": value},
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == rc, (value, r.stdout)
+    for job in (base, build, jax):
         # On a hosted runner the disk is freed first.
         free = next(s for s in job["steps"] if "Free" in s.get("name", ""))
         assert free["if"] == "runner.environment == 'github-hosted'" and "rm -rf" in free["run"]
@@ -129,8 +141,8 @@ def test_shell_steps_fail_on_pipe_errors():
 def test_manifest_runtimes_are_all_built():
     runtime_dir = ROOT / "manifests" / "runtimes"
     servable = {p.stem for p in runtime_dir.glob("*.yaml")} - {"torch-base"}  # torch-base is built inside vllm's bake
-    matrix = set(_load(IMAGES)["jobs"]["build"]["strategy"]["matrix"]["runtime"])
-    assert servable == matrix
+    jobs = _load(IMAGES)["jobs"]
+    assert servable == set(jobs["build"]["strategy"]["matrix"]["runtime"]) | {jobs["jax"]["env"]["RUNTIME"]}
 
 
 def test_no_expression_injection_in_run_steps():
@@ -157,7 +169,7 @@ def test_build_step_gives_every_bake_target_its_registry_cache(tmp_path, buildx)
     assert gen.returncode == 0, gen.stdout + gen.stderr
     for push in ("true", "false"):
         env = {"PATH": f"{shim}:/usr/bin:/bin", "HOME": str(Path.home()), "RUNTIME": "vllm",
-               "REGISTRY": "ghcr.io/acme", "PUSH": push}
+               "REGISTRY": "ghcr.io/acme", "PUSH": push, "BASE_IMAGE": base_image(), "BUILDER": ""}
         r = subprocess.run(["bash", "-eo", "pipefail", "-c", script], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr[-3000:]
@@ -178,3 +190,149 @@ def test_build_step_gives_every_bake_target_its_registry_cache(tmp_path, buildx)
             mode = "min" if name == "torch-base" else "max"
             assert t.get("cache-to") == ([f"{ref},mode={mode}"] if push == "true" else None), t
             assert t["platforms"] == ["linux/arm64"]
+
+
+# --- the workflow rehearsed: each job's own build command, with its variables --------------------------------------
+
+# The values a run on main of a repository `acme` with no repository variables set gives the expressions jobs use
+# in env: (an expression not listed here fails the rehearsal: teach it the new one).
+EXPRESSIONS = {
+    "github.repository_owner": "acme",
+    "vars.G5G_BUILDER": "",
+    "github.event_name != 'pull_request' && (github.ref == 'refs/heads/main' || startsWith(github.ref, 'refs/tags/v'))":
+        "true",
+}
+
+
+def _expand(value: str, runtime: str | None) -> str:
+    def one(m: re.Match) -> str:
+        expr = m.group(1).strip()
+        if expr == "matrix.runtime" and runtime:
+            return runtime
+        if d := re.fullmatch(r"vars\.\w+ \|\| '([^']*)'", expr):
+            return d.group(1)
+        assert expr in EXPRESSIONS, f"the workflow rehearsal does not know ${{{{ {expr} }}}}"
+        return EXPRESSIONS[expr]
+    return re.sub(r"\$\{\{(.*?)\}\}", one, str(value))
+
+
+def image_jobs() -> list[tuple[str, str | None, dict, str]]:
+    """(job, matrix runtime, env, the Build step's script) for every job and matrix value that runs build.py to bake."""
+    doc = _load(IMAGES)
+    out = []
+    for name, job in doc["jobs"].items():
+        step = next((s for s in job["steps"] if s.get("name", "").startswith("Build") and "build.py" in s.get("run", "")),
+                    None)
+        if step is None:
+            continue
+        for rt in job.get("strategy", {}).get("matrix", {}).get("runtime", [None]):
+            env = {k: _expand(v, rt) for k, v in {**doc.get("env", {}), **job.get("env", {})}.items()}
+            out.append((name, rt, env, step["run"]))
+    return out
+
+
+def _froms(text: str, args: dict[str, str]) -> list[tuple[str, str]]:
+    """(stage, image reference) of every FROM, ARGs expanded as BuildKit does (build args over defaults)."""
+    import dockerfile
+    defaults: dict[str, str] = {}
+    out = []
+    for c in dockerfile.parse_string(text):
+        if c.cmd == "ARG" and not out:  # global ARGs: before the first FROM
+            k, _, v = c.value[0].partition("=")
+            defaults[k] = v.strip('"')
+        elif c.cmd == "FROM":
+            ref = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), defaults.get(m.group(1), "")), c.value[0])
+            out.append((c.value[2] if len(c.value) == 3 else "", ref))
+    return out
+
+
+def test_every_from_of_every_image_job_resolves(tmp_path):
+    """Each job's own Build script runs with its variables and `python` recording the command; that command's plan is
+    rendered as build.py would, and every FROM of every Dockerfile the bake builds must resolve on a runner that has
+    nothing local: a stage of the same file, a target of the same bake (named context), or an image pinned by
+    digest. The profile's local `g5g-local/trixie` base resolves nowhere in GitHub Actions."""
+    from g5g.cli import build_parser
+    from g5g.commands.build import plan_from_args
+    from g5g import render
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "python").write_text('#!/bin/sh\nprintf \'%s\\n\' "$@" > "$ARGV_FILE"\n')
+    (shim / "python").chmod(0o755)
+    jobs = image_jobs()
+    assert {r or j for j, r, _, _ in jobs} == {"torch-base", "vllm", "pytorch", "jax"}  # every image, by some job
+    for job, runtime, env, script in jobs:
+        argv_file = tmp_path / f"{job}-{runtime}.argv"
+        r = subprocess.run(["bash", "-eo", "pipefail", "-c", script], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60, env={**env, "PATH": f"{shim}:/usr/bin:/bin", "ARGV_FILE": str(argv_file)})
+        assert r.returncode == 0, r.stderr
+        argv = argv_file.read_text().splitlines()
+        assert argv[0] == "build.py", argv
+        plan = plan_from_args(build_parser().parse_args(["build", *argv[1:]]), with_secrets=False)
+        files = render.render(plan)
+        targets = {i.target for i in plan.all_images}
+        for img in plan.all_images:
+            stages: set[str] = set()
+            for stage, ref in _froms(files[img.dockerfile], img.build_args):
+                named = img.contexts.get(ref, "")
+                ok = (ref in stages or ref == "scratch" or (named.startswith("target:") and named[7:] in targets)
+                      or re.search(r"@sha256:[0-9a-f]{64}$", ref))
+                assert ok, (f"job {job}{f' ({runtime})' if runtime else ''}: {img.runtime}'s stage {stage} is FROM "
+                            f"{ref!r}, which nothing in the workflow builds and no digest pins")
+                stages.add(stage)
+
+
+def test_builder_jobs_never_run_a_pull_request_from_a_fork():
+    """A job whose runner is not one of GitHub's (a repository variable, or self-hosted) runs only this repository's
+    code: its `if` rules out pull requests from forks (or pull requests altogether)."""
+    hosted = re.compile(r"^(ubuntu|windows|macos)-[\w.-]+$")
+    guarded = {"github.event_name != 'pull_request'",
+               "github.event_name != 'pull_request' || github.event.pull_request.head.repo.full_name == github.repository"}
+    checked = []
+    for name, job in _load(IMAGES)["jobs"].items():
+        labels = job["runs-on"] if isinstance(job["runs-on"], list) else [job["runs-on"]]
+        if all(hosted.match(str(label)) for label in labels):
+            continue
+        assert job.get("if") in guarded, f"job {name} runs on {job['runs-on']} without a guard against fork PRs"
+        checked.append(name)
+    assert set(checked) >= {"torch-base", "build", "smoke"}
+
+
+def test_python_comes_from_a_venv_on_runners_not_githubs():
+    """actions/setup-python only where the runner is GitHub's; every job that runs build.py first makes a venv from
+    the runner's python3 and puts it on PATH (an Amazon Linux Graviton builder has no setup-python toolcache)."""
+    for name, job in _load(IMAGES)["jobs"].items():
+        runs = [s.get("run", "") for s in job["steps"]]
+        if not any("build.py" in r for r in runs) or name in ("plan", "smoke"):
+            continue
+        setup = next(s for s in job["steps"] if "setup-python" in s.get("uses", ""))
+        assert setup.get("if") == "runner.environment == 'github-hosted'", name
+        venv = next(s for s in job["steps"] if "python3 -m venv" in s.get("run", ""))
+        first_build = next(i for i, r in enumerate(runs) if "python build.py" in r)
+        assert job["steps"].index(venv) < first_build, name
+        assert '"$RUNNER_TEMP/venv/bin/pip" install -e .' in venv["run"] and "GITHUB_PATH" in venv["run"], name
+        check = venv["run"].splitlines()[0]
+        assert subprocess.run(["bash", "-c", check.replace("python3", sys.executable)]).returncode == 0
+        old = subprocess.run(["bash", "-c", check.replace("(3, 11)", "(9, 0)").replace("python3", sys.executable)],
+                             capture_output=True, text=True)
+        assert old.returncode == 1 and "needs Python >= 3.11" in old.stderr
+
+
+def test_a_persistent_builder_is_used_when_the_repository_names_one(tmp_path):
+    """G5G_BUILDER: no docker-container builder is made for the job, and build.py bakes on the named one (which keeps
+    BuildKit's cache mounts between jobs)."""
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "python").write_text('#!/bin/sh\nprintf \'%s\\n\' "$@" > "$ARGV_FILE"\n')
+    (shim / "python").chmod(0o755)
+    for job, runtime, env, script in image_jobs():
+        if job == "jax":
+            assert env["BUILDER"] == ""  # GitHub's runner: a fresh builder
+            continue
+        setup = next(s for s in _load(IMAGES)["jobs"][job]["steps"] if "setup-buildx-action" in s.get("uses", ""))
+        assert setup["if"] == "env.BUILDER == ''"
+        for builder, want in (("g5g-persistent", ["--builder", "g5g-persistent"]), ("", [])):
+            out = tmp_path / "argv"
+            subprocess.run(["bash", "-eo", "pipefail", "-c", script], cwd=ROOT, check=True, timeout=60,
+                           env={**env, "BUILDER": builder, "PATH": f"{shim}:/usr/bin:/bin", "ARGV_FILE": str(out)})
+            argv = out.read_text().splitlines()
+            assert ("--builder" in argv) == bool(want) and (not want or argv[argv.index("--builder") + 1] == builder)

@@ -6,6 +6,7 @@ FROM ${BASE_IMAGE} AS torch-base
 ARG TORCH_VERSION=2.14.0
 ARG TORCH_CUDA_ARCH_LIST="7.5"
 ARG CUOBJDUMP_VERSION=13.4.92
+ARG TORCH_FLAGS="USE_CUDA=1 USE_CUDNN=1 USE_NCCL=1 USE_KINETO=1"
 # Install steps run as root; every image ends with USER 1000 (DL3002 also flags root in build stages).
 # hadolint ignore=DL3002
 USER 0:0
@@ -42,6 +43,11 @@ RUN --mount=type=bind,source=check-needed.sh,target=/tmp/check/check-needed.sh \
  && bash /tmp/check/check-needed.sh "$torch/lib" \
  && CUOBJDUMP=/tmp/cuobjdump/nvidia/cu13/bin/cuobjdump bash /tmp/check/check-sass.sh "${TORCH_CUDA_ARCH_LIST}" "$torch/lib/libtorch_cuda.so" \
  && rm -rf /tmp/cuobjdump
+# What torch was built with, read back without a GPU: cuDNN compiled in, the NCCL process group, CUPTI linked for
+# kineto, and every flag torch.__config__.show() lists, as TORCH_FLAGS (the manifest) asks.
+# hadolint ignore=SC2086
+RUN --mount=type=bind,source=check-torch.py,target=/tmp/check/check-torch.py \
+    python3 /tmp/check/check-torch.py installed $TORCH_FLAGS
 # torch is fixed from here on: every later pip install (vllm, pytorch and their users) runs under a constraint that
 # pins it, and images built FROM this one compare torch with /opt/g5g/torch.txt after installing.
 RUN mkdir -p /opt/g5g \

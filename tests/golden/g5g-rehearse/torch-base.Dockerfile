@@ -2,10 +2,108 @@
 # runtime=torch-base profile=g5g cuda-archs="7.5"
 ARG BASE_IMAGE=g5g-local/trixie:arm64
 
+# REHEARSAL (build.py --rehearse): PyTorch's CUDA discovery without PyTorch's source. The torch-build stage up to the
+# source, then torch 2.14.0's own CMake modules (torch/share/cmake of its wheel for this platform: FindCUDNN,
+# FindCUDAToolkit with CUPTI, cuda.cmake) configured with the compile step's environment; NCCL's lookup as torch's
+# FindNCCL does it. Any library not found, or an option torch turns off, fails the stage.
+FROM ${BASE_IMAGE} AS torch-discovery
+ARG TORCH_VERSION=2.14.0
+ARG TORCH_CUDA_ARCH_LIST="7.5"
+ARG CUDA_TOOLKIT_VERSION=13.0.3
+ARG CUOBJDUMP_VERSION=13.4.92
+ARG TORCH_CUDA_WHEELS="cuda-toolkit[cublas,cudart,cufft,cufile,cupti,curand,cusolver,cusparse,nvjitlink,nvrtc,nvtx]==13.0.3 nvidia-cudnn-cu13==9.24.0.43 nvidia-cusparselt-cu13==0.8.1 nvidia-nccl-cu13==2.30.7 nvidia-nvshmem-cu13==3.4.5"
+ARG TORCH_BUILD_FLAGS="USE_CUDA=1 USE_CUDNN=1 USE_NCCL=1 USE_SYSTEM_NCCL=1 USE_KINETO=1 USE_DISTRIBUTED=1 USE_FLASH_ATTENTION=0 USE_MEM_EFF_ATTENTION=1 USE_CUSPARSELT=0 USE_CUDSS=0 USE_CUFILE=0 USE_NVSHMEM=0 BUILD_TEST=0"
+ARG MAX_JOBS=auto
+ARG NVCC_THREADS=1
+ARG CPU_BASELINE=neoverse-n1
+ARG CMAKE_VERSION=3.31.10
+# Install steps run as root; every image ends with USER 1000 (DL3002 also flags root in build stages).
+# hadolint ignore=DL3002
+USER 0:0
+# root's own HOME, so pip finds its cache mount (/root/.cache/pip) and nothing lands in the user's home.
+ENV HOME=/root
+SHELL ["/bin/bash", "-e", "-o", "pipefail", "-c"]
+ENV DEBIAN_FRONTEND=noninteractive
+# g++/gcc named: the base's compiler is not a promise.
+RUN --mount=type=secret,id=ca-cert,required=false \
+    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
+    apt-get update \
+ && apt-get install -y --no-install-recommends ca-certificates ccache g++ gcc git libc6-dev libopenblas-dev \
+      python3-dev python3-venv \
+ && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH VIRTUAL_ENV=/opt/venv
+
+# NVIDIA's CUDA wheels as a toolkit: cuda-toolkit's nvcc, crt, cccl, nvvm and cudart at torch's CUDA release, and
+# cuobjdump. They land in site-packages/nvidia/cu13 with lib/ where nvcc looks in lib64/, no unversioned .so links
+# and no link stub for libcuda: /usr/local/cuda points there (CUDA_HOME, CMake's FindCUDAToolkit), lib64 -> lib and
+# the links are made, and a stub libcuda.so is generated from cuda.h (every driver entry point returns 34,
+# CUDA_ERROR_STUB_LIBRARY, as NVIDIA's stub does), for linking only: at run time the driver's libcuda.so.1 is used.
+# ${TORCH_CUDA_WHEELS}: the wheels' include/ and lib/ (unversioned .so links made) for the build to find; a list of
+# exact pins (manifests), split into words on purpose.
+# hadolint ignore=SC2086,DL3013
+RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
+    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
+    pip install "cuda-toolkit[nvcc,cccl,crt,nvvm,cudart]==${CUDA_TOOLKIT_VERSION}" "nvidia-cuda-cuobjdump==${CUOBJDUMP_VERSION}" ${TORCH_CUDA_WHEELS} \
+ && nv="$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/nvidia" \
+ && for f in "$nv"/*/lib/lib*.so.*; do [ -e "$f" ] || continue; l="${f%%.so.*}.so"; [ -e "$l" ] || ln -s "$(basename "$f")" "$l"; done \
+ && cu="$nv/cu13" \
+ && ln -sfn "$cu" /usr/local/cuda \
+ && ln -sfn lib "$cu/lib64" \
+ && mkdir -p "$cu/lib/stubs" \
+ && printf '#include <cuda.h>\n' | gcc -E -P -I "$cu/include" - \
+    | grep -oE '\bCUresult +cu[A-Za-z0-9_]+ *\(' | grep -oE 'cu[A-Za-z0-9_]+' | sort -u \
+    | sed 's/.*/int &(void) { return 34; }/' > /tmp/libcuda-stub.c \
+ && gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$cu/lib/stubs/libcuda.so" /tmp/libcuda-stub.c && rm /tmp/libcuda-stub.c \
+ && ldconfig
+ENV CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
+# One CUDA tree, as PyTorch's own CI lays it out: cuDNN's and NCCL's headers and libraries linked into the toolkit's
+# include/ and lib64/. FindCUDNN takes CUDNN_LIBRARY as a directory to search (a file path finds nothing, and torch
+# turns cuDNN off with a warning), and NCCL's version check compiles nccl.h, which includes cuda_runtime.h, with
+# NCCL_INCLUDE_DIR alone on the include path.
+RUN cudnn=$(python3 -c "import nvidia.cudnn; print(nvidia.cudnn.__path__[0])"); \
+    nccl=$(python3 -c "import nvidia.nccl; print(nvidia.nccl.__path__[0])"); \
+    for d in "$cudnn" "$nccl"; do \
+      for f in "$d"/include/*.h "$d"/lib/lib*.so*; do \
+        case "$f" in *.h) to="$CUDA_HOME/include" ;; *) to="$CUDA_HOME/lib64" ;; esac; \
+        ln -sf "$f" "$to/"; \
+      done; \
+    done \
+ && ls -l "$CUDA_HOME"/include/cudnn.h "$CUDA_HOME"/include/nccl.h "$CUDA_HOME"/lib64/libcudnn.so "$CUDA_HOME"/lib64/libnccl.so
+RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
+    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
+    pip install "cmake==${CMAKE_VERSION}" \
+ && pip download --no-deps --only-binary=:all: --dest /tmp/torch-wheel "torch==${TORCH_VERSION}" \
+ && python3 -c "import glob, zipfile; z = zipfile.ZipFile(glob.glob('/tmp/torch-wheel/torch-*.whl')[0]); \
+z.extractall('/opt/torch-cmake', [n for n in z.namelist() if n.startswith('torch/share/cmake/')])" \
+ && rm -rf /tmp/torch-wheel
+# hadolint ignore=SC2086,SC2163
+RUN --mount=type=bind,source=torch-discovery,target=/tmp/torch-discovery \
+    if [ "$MAX_JOBS" = auto ]; then \
+      MAX_JOBS=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 4194304 )); \
+      MAX_JOBS=$(( MAX_JOBS < 1 ? 1 : MAX_JOBS > $(nproc) ? $(nproc) : MAX_JOBS )); \
+    fi; \
+    requires=$(echo "$TORCH_CUDA_WHEELS" | tr ' ' '|'); \
+    cmake_args=$(printf -- '-D%s ' $TORCH_BUILD_FLAGS); \
+    export MAX_JOBS CMAKE_BUILD_PARALLEL_LEVEL="$MAX_JOBS" TORCH_CUDA_ARCH_LIST $TORCH_BUILD_FLAGS \
+      CMAKE_ARGS="$cmake_args" SKBUILD_BUILD_DIR=/src/pytorch/build \
+      CUDNN_INCLUDE_DIR="$CUDA_HOME/include" CUDNN_LIBRARY="$CUDA_HOME/lib64" \
+      NCCL_INCLUDE_DIR="$CUDA_HOME/include" NCCL_LIB_DIR="$CUDA_HOME/lib64" \
+      CCACHE_DIR=/root/.cache/ccache PYTORCH_BUILD_VERSION="${TORCH_VERSION}" PYTORCH_BUILD_NUMBER=1 \
+      PYTORCH_EXTRA_INSTALL_REQUIREMENTS="$requires" \
+      CFLAGS="-mcpu=${CPU_BASELINE}" CXXFLAGS="-mcpu=${CPU_BASELINE}" TORCH_NVCC_FLAGS="--threads=${NVCC_THREADS}"; \
+    mkdir -p /report \
+ && cmake -S /tmp/torch-discovery -B /tmp/discovery-build -DTORCH_CMAKE=/opt/torch-cmake/torch/share/cmake 2>&1 \
+    | tee /report/torch-discovery.log \
+ && if grep -nE "Could NOT find|Cannot find|[Tt]urning the option off|CUDA cannot be found|NCCL_VERSION_CODE - not found" \
+      /report/torch-discovery.log; then echo "torch discovery: the lines above" >&2; exit 1; fi \
+ && echo "torch discovery: every library torch ${TORCH_VERSION}'s build needs was found for ${TORCH_BUILD_FLAGS}"
+
 FROM ${BASE_IMAGE} AS torch-base
 ARG TORCH_VERSION=2.14.0
 ARG TORCH_CUDA_ARCH_LIST="7.5"
 ARG CUOBJDUMP_VERSION=13.4.92
+ARG TORCH_FLAGS="USE_CUDA=1 USE_CUDNN=1 USE_NCCL=1 USE_KINETO=1"
 # Install steps run as root; every image ends with USER 1000 (DL3002 also flags root in build stages).
 # hadolint ignore=DL3002
 USER 0:0
@@ -45,6 +143,13 @@ RUN --mount=type=bind,source=check-needed.sh,target=/tmp/check/check-needed.sh \
  && bash /tmp/check/check-needed.sh "$torch/lib" \
  && CUOBJDUMP=/tmp/cuobjdump/nvidia/cu13/bin/cuobjdump bash /tmp/check/check-sass.sh "${TORCH_STANDIN_ARCHS}" "$torch/lib/libtorch_cuda.so" \
  && rm -rf /tmp/cuobjdump
+# What torch was built with, read back without a GPU: cuDNN compiled in, the NCCL process group, CUPTI linked for
+# kineto, and every flag torch.__config__.show() lists, as TORCH_FLAGS (the manifest) asks.
+# hadolint ignore=SC2086
+RUN --mount=type=bind,source=check-torch.py,target=/tmp/check/check-torch.py \
+    python3 /tmp/check/check-torch.py installed $TORCH_FLAGS
+# REHEARSAL: the discovery stage is part of this image's build; its log is kept.
+COPY --from=torch-discovery /report/torch-discovery.log /opt/g5g/torch-discovery.log
 # torch is fixed from here on: every later pip install (vllm, pytorch and their users) runs under a constraint that
 # pins it, and images built FROM this one compare torch with /opt/g5g/torch.txt after installing.
 RUN mkdir -p /opt/g5g \

@@ -5,6 +5,8 @@ ARG BASE_IMAGE=g5g-local/trixie:arm64
 FROM ${BASE_IMAGE} AS jax
 ARG JAX_VERSION=0.12.0.1
 ARG JAX_EXTRA=cuda13
+# The CUDA wheels held to the set the other images run on (the plugin's own bounds are open-ended).
+ARG JAX_CUDA_WHEELS="cuda-toolkit[cccl,crt,cublas,cudart,cufft,cupti,cusolver,cusparse,nvcc,nvjitlink,nvrtc,nvvm]==13.0.3 nvidia-cudnn-cu13==9.24.0.43 nvidia-nccl-cu13==2.30.7 nvidia-nvshmem-cu13==3.4.5"
 # Install steps run as root; every image ends with USER 1000 (DL3002 also flags root in build stages).
 # hadolint ignore=DL3002
 USER 0:0
@@ -17,9 +19,11 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH VIRTUAL_ENV=/opt/venv
+# JAX_CUDA_WHEELS: exact pins (manifests), split into words on purpose.
+# hadolint ignore=SC2086,DL3013
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
-    pip install "jax[${JAX_EXTRA}]==${JAX_VERSION}"
+    pip install "jax[${JAX_EXTRA}]==${JAX_VERSION}" ${JAX_CUDA_WHEELS}
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
     pip install "fastapi==0.165.0" "uvicorn==0.54.0" "prometheus-client==0.26.0" "transformers==5.20.2" "safetensors==0.8.0" "numpy>=2.1,<3" "jinja2==3.1.6" "outlines-core==0.2.14"

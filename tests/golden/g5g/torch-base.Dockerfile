@@ -11,6 +11,7 @@ ARG TORCH_CUDA_ARCH_LIST="7.5"
 ARG CUDA_TOOLKIT_VERSION=13.0.3
 ARG CUOBJDUMP_VERSION=13.4.92
 ARG TORCH_CUDA_WHEELS="cuda-toolkit[cublas,cudart,cufft,cufile,cupti,curand,cusolver,cusparse,nvjitlink,nvrtc,nvtx]==13.0.3 nvidia-cudnn-cu13==9.24.0.43 nvidia-cusparselt-cu13==0.8.1 nvidia-nccl-cu13==2.30.7 nvidia-nvshmem-cu13==3.4.5"
+ARG TORCH_BUILD_FLAGS="USE_CUDA=1 USE_CUDNN=1 USE_NCCL=1 USE_SYSTEM_NCCL=1 USE_KINETO=1 USE_DISTRIBUTED=1 USE_FLASH_ATTENTION=0 USE_MEM_EFF_ATTENTION=1 USE_CUSPARSELT=0 USE_CUDSS=0 USE_CUFILE=0 USE_NVSHMEM=0 BUILD_TEST=0"
 ARG MAX_JOBS=auto
 ARG NVCC_THREADS=1
 ARG CPU_BASELINE=neoverse-n1
@@ -30,8 +31,6 @@ RUN --mount=type=secret,id=ca-cert,required=false \
  && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH VIRTUAL_ENV=/opt/venv
-# The toolkit, and the CUDA wheels torch is built against (cuDNN, NCCL, CUPTI for the profiler, cuBLAS…): the very
-# ones its runtime stage installs, because the wheel declares them (PYTORCH_EXTRA_INSTALL_REQUIREMENTS below).
 
 # NVIDIA's CUDA wheels as a toolkit: cuda-toolkit's nvcc, crt, cccl, nvvm and cudart at torch's CUDA release, and
 # cuobjdump. They land in site-packages/nvidia/cu13 with lib/ where nvcc looks in lib64/, no unversioned .so links
@@ -56,6 +55,19 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,re
  && gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$cu/lib/stubs/libcuda.so" /tmp/libcuda-stub.c && rm /tmp/libcuda-stub.c \
  && ldconfig
 ENV CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
+# One CUDA tree, as PyTorch's own CI lays it out: cuDNN's and NCCL's headers and libraries linked into the toolkit's
+# include/ and lib64/. FindCUDNN takes CUDNN_LIBRARY as a directory to search (a file path finds nothing, and torch
+# turns cuDNN off with a warning), and NCCL's version check compiles nccl.h, which includes cuda_runtime.h, with
+# NCCL_INCLUDE_DIR alone on the include path.
+RUN cudnn=$(python3 -c "import nvidia.cudnn; print(nvidia.cudnn.__path__[0])"); \
+    nccl=$(python3 -c "import nvidia.nccl; print(nvidia.nccl.__path__[0])"); \
+    for d in "$cudnn" "$nccl"; do \
+      for f in "$d"/include/*.h "$d"/lib/lib*.so*; do \
+        case "$f" in *.h) to="$CUDA_HOME/include" ;; *) to="$CUDA_HOME/lib64" ;; esac; \
+        ln -sf "$f" "$to/"; \
+      done; \
+    done \
+ && ls -l "$CUDA_HOME"/include/cudnn.h "$CUDA_HOME"/include/nccl.h "$CUDA_HOME"/lib64/libcudnn.so "$CUDA_HOME"/lib64/libnccl.so
 RUN --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
     git clone --depth 1 --branch "v${TORCH_VERSION}" --recurse-submodules --shallow-submodules \
@@ -66,26 +78,27 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,re
     pip install -r requirements.txt
 # The compile, alone in this step. MAX_JOBS=auto: one compile job per 4 GiB of the build host's memory, at most one
 # per core. USE_FLASH_ATTENTION=0: its kernels are sm_80+ (hours of build for nothing on 7.5); memory-efficient
-# attention stays. NCCL and cuDNN from their wheels (namespace packages: __path__, never __file__; FindNCCL and FindCUDNN
-# read NCCL_INCLUDE_DIR/NCCL_LIB_DIR and CUDNN_INCLUDE_DIR/CUDNN_LIBRARY from the environment); CUPTI (kineto's
-# profiler, linked by default) from cuda-toolkit[cupti], found under /usr/local/cuda and on the runtime stage's
-# loader path.
+# attention stays. Then the configure's cache is read back: every flag of TORCH_BUILD_FLAGS as the manifest asks.
+# The flags are NAME=VALUE words, exported as such (SC2086, SC2163: split and exported on purpose).
+# hadolint ignore=SC2086,SC2163
 RUN --mount=type=cache,target=/root/.cache/ccache \
+    --mount=type=bind,source=check-torch.py,target=/tmp/check/check-torch.py \
     if [ "$MAX_JOBS" = auto ]; then \
       MAX_JOBS=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 4194304 )); \
       MAX_JOBS=$(( MAX_JOBS < 1 ? 1 : MAX_JOBS > $(nproc) ? $(nproc) : MAX_JOBS )); \
     fi; \
-    nccl=$(python3 -c "import nvidia.nccl; print(nvidia.nccl.__path__[0])"); \
-    cudnn=$(python3 -c "import nvidia.cudnn; print(nvidia.cudnn.__path__[0])"); \
     requires=$(echo "$TORCH_CUDA_WHEELS" | tr ' ' '|'); \
-    export MAX_JOBS TORCH_CUDA_ARCH_LIST USE_CUDA=1 USE_CUDNN=1 CUDNN_INCLUDE_DIR="$cudnn/include" \
-      CUDNN_LIBRARY="$cudnn/lib/libcudnn.so" USE_SYSTEM_NCCL=1 NCCL_INCLUDE_DIR="$nccl/include" NCCL_LIB_DIR="$nccl/lib" \
-      USE_FLASH_ATTENTION=0 USE_CUSPARSELT=0 USE_CUDSS=0 USE_CUFILE=0 USE_NVSHMEM=0 BUILD_TEST=0 \
+    cmake_args=$(printf -- '-D%s ' $TORCH_BUILD_FLAGS); \
+    export MAX_JOBS CMAKE_BUILD_PARALLEL_LEVEL="$MAX_JOBS" TORCH_CUDA_ARCH_LIST $TORCH_BUILD_FLAGS \
+      CMAKE_ARGS="$cmake_args" SKBUILD_BUILD_DIR=/src/pytorch/build \
+      CUDNN_INCLUDE_DIR="$CUDA_HOME/include" CUDNN_LIBRARY="$CUDA_HOME/lib64" \
+      NCCL_INCLUDE_DIR="$CUDA_HOME/include" NCCL_LIB_DIR="$CUDA_HOME/lib64" \
       CCACHE_DIR=/root/.cache/ccache PYTORCH_BUILD_VERSION="${TORCH_VERSION}" PYTORCH_BUILD_NUMBER=1 \
       PYTORCH_EXTRA_INSTALL_REQUIREMENTS="$requires" \
       CFLAGS="-mcpu=${CPU_BASELINE}" CXXFLAGS="-mcpu=${CPU_BASELINE}" TORCH_NVCC_FLAGS="--threads=${NVCC_THREADS}"; \
-    echo "building torch ${TORCH_VERSION} for ${TORCH_CUDA_ARCH_LIST} with MAX_JOBS=${MAX_JOBS}, NCCL ${nccl}, cuDNN ${cudnn}"; \
-    pip wheel --no-build-isolation --no-deps --wheel-dir /wheels .
+    echo "building torch ${TORCH_VERSION} for ${TORCH_CUDA_ARCH_LIST} with MAX_JOBS=${MAX_JOBS}: ${TORCH_BUILD_FLAGS}"; \
+    pip wheel --no-build-isolation --no-deps --wheel-dir /wheels . \
+ && python3 /tmp/check/check-torch.py cmake-cache "$SKBUILD_BUILD_DIR/CMakeCache.txt" $TORCH_BUILD_FLAGS
 
 FROM scratch AS torch-wheel
 COPY --from=torch-build /wheels/ /
@@ -94,6 +107,7 @@ FROM ${BASE_IMAGE} AS torch-base
 ARG TORCH_VERSION=2.14.0
 ARG TORCH_CUDA_ARCH_LIST="7.5"
 ARG CUOBJDUMP_VERSION=13.4.92
+ARG TORCH_BUILD_FLAGS="USE_CUDA=1 USE_CUDNN=1 USE_NCCL=1 USE_SYSTEM_NCCL=1 USE_KINETO=1 USE_DISTRIBUTED=1 USE_FLASH_ATTENTION=0 USE_MEM_EFF_ATTENTION=1 USE_CUSPARSELT=0 USE_CUDSS=0 USE_CUFILE=0 USE_NVSHMEM=0 BUILD_TEST=0"
 # Install steps run as root; every image ends with USER 1000 (DL3002 also flags root in build stages).
 # hadolint ignore=DL3002
 USER 0:0
@@ -130,6 +144,11 @@ RUN --mount=type=bind,source=check-needed.sh,target=/tmp/check/check-needed.sh \
  && bash /tmp/check/check-needed.sh "$torch/lib" \
  && CUOBJDUMP=/tmp/cuobjdump/nvidia/cu13/bin/cuobjdump bash /tmp/check/check-sass.sh "${TORCH_CUDA_ARCH_LIST}" "$torch/lib/libtorch_cuda.so" \
  && rm -rf /tmp/cuobjdump
+# What torch was built with, read back without a GPU: cuDNN compiled in, the NCCL process group, CUPTI linked for
+# kineto, and every flag torch.__config__.show() lists, as TORCH_BUILD_FLAGS (the manifest) asks.
+# hadolint ignore=SC2086
+RUN --mount=type=bind,source=check-torch.py,target=/tmp/check/check-torch.py \
+    python3 /tmp/check/check-torch.py installed $TORCH_BUILD_FLAGS
 # torch is fixed from here on: every later pip install (vllm, pytorch and their users) runs under a constraint that
 # pins it, and images built FROM this one compare torch with /opt/g5g/torch.txt after installing.
 RUN mkdir -p /opt/g5g \
