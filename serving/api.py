@@ -368,7 +368,7 @@ def version() -> str:
 def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_model_name: str | None = None,
                max_waiting: int = 64, on_load_error: Callable[[BaseException], None] | None = None,
                shutdown_grace: float = 5.0, max_body_bytes: int = 16 * 2**20, api_key: str | None = None,
-               cors: dict | None = None, body_timeout_s: float = 10.0, max_queue_wait: float = 0.0) -> FastAPI:
+               cors: dict | None = None, body_timeout_s: float = 10.0, max_queue_wait: float = 60.0) -> FastAPI:
     """`load_engine` runs in the engine thread after the server starts listening; /health is 503 until it
     returns and a warm-up has produced a token. `app.state.begin_shutdown()` (thread-safe; `Server` calls it on
     SIGTERM) starts the drain: new requests get 503, running ones `shutdown_grace` seconds to finish, then
