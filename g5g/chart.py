@@ -1,8 +1,10 @@
 """The serving Helm chart's values, generated from the same plan as the images (tags, port, platform) and from
-deploy/fleet.yaml (nodes, measured boot times, probe and shutdown settings). Pure: files in, dicts out.
+deploy/fleet.yaml (nodes, measured boot times, decode speeds, probe, rollout and shutdown settings), which is checked
+like the manifests (`check_fleet`: one line naming the file and the key). Pure: files in, dicts out.
 
-The templates are static Helm templates in deploy/chart/templates; `write` puts Chart.yaml, values.yaml (the
-g5g vLLM defaults) and one values-<runtime>-<profile>.yaml per serving image next to them.
+The templates (deploy/chart/templates), values.schema.json and the init container's script (files/) are
+hand-written; `write` puts Chart.yaml, values.yaml (fleet.yaml's `default`) and one values-<runtime>-<profile>.yaml
+per serving image next to them, and removes a values file no longer generated.
 """
 from __future__ import annotations
 
@@ -10,11 +12,14 @@ import json
 import math
 import shutil
 from pathlib import Path
+from typing import Annotated, Literal
 
 import yaml
+from pydantic import Field, StrictFloat, StrictInt, StrictStr, model_validator
 
 from g5g.containers import server_command
 from g5g.errors import UserError
+from g5g.manifest import _Model, _read_yaml, _validate
 from g5g.plan import ImagePlan, Plan
 
 CHART_NAME = "g5g-serving"
@@ -22,37 +27,119 @@ ARCH = {"linux/arm64": "arm64", "linux/amd64": "amd64"}
 MODEL = "gemma-4-E2B-it"
 
 
+# --- deploy/fleet.yaml: validated like the manifests (one line naming the file and the key) -------------------------
+
+Positive = Annotated[StrictFloat, Field(gt=0)]
+Count = Annotated[StrictInt, Field(ge=1)]
+Name = Annotated[StrictStr, Field(pattern=r"^[a-z0-9][a-z0-9-]*$")]
+
+
+class Term(_Model):
+    """A figure: a quoted `value` with its `source`, or a number in a committed result file (`from` + dotted `key`)."""
+    value: Positive | None = None
+    source: StrictStr | None = None
+    from_: StrictStr | None = Field(None, alias="from")
+    key: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self):
+        if (self.value is None) == (self.from_ is None) or (self.value is not None and not self.source) \
+                or (self.from_ is not None and not self.key):
+            raise ValueError("a term is {value: N, source: WHY} or {from: FILE, key: a.b}")
+        return self
+
+
+class Nodes(_Model):
+    instance_types: tuple[StrictStr, ...] = Field(min_length=1)
+
+
+class Probe(_Model):
+    period_s: Count
+    timeout_s: Count
+    failures: Count
+
+
+class Probes(_Model):
+    period_s: Count
+    liveness: Probe
+    readiness: Probe
+
+
+class Shutdown(_Model):
+    prestop_sleep_s: Annotated[StrictInt, Field(ge=0)]
+    exit_backstop_s: Count
+
+
+class Rollout(_Model):
+    schedule: tuple[Term, ...] = Field(min_length=1)
+
+
+class Resources(_Model):
+    requests: dict[Literal["cpu", "memory"], StrictStr]
+    limits: dict[Literal["memory"], StrictStr]
+
+
+class Fleet(_Model):
+    default: tuple[Name, Name]
+    nodes: dict[Name, Nodes] = Field(min_length=1)
+    boot: dict[Name, tuple[tuple[Term, ...], ...]] = Field(min_length=1)
+    startup_margin: Annotated[StrictFloat, Field(ge=1)]   # below 1: under the measured boot, a restart loop
+    max_model_len: Count
+    decode_tok_s: dict[Name, tuple[Term, ...]]
+    rollout: Rollout
+    compile_cache: dict[Name, Annotated[StrictStr, Field(pattern="^/")]] = {}
+    probes: Probes
+    shutdown: Shutdown
+    resources: Resources
+
+
+def check_fleet(data, file: str, repo_root: Path) -> dict:
+    """`data` (deploy/fleet.yaml) checked: the keys and types above, then what they refer to."""
+    fleet = _validate(Fleet, file, data)
+    runtime, profile = fleet.default
+    if runtime not in fleet.boot or profile not in fleet.nodes:
+        raise UserError(f"{file}: default: [{runtime}, {profile}] needs a boot entry for {runtime} and nodes for "
+                        f"{profile}")
+    for rt in fleet.boot:
+        if rt not in fleet.decode_tok_s:
+            raise UserError(f"{file}: decode_tok_s.{rt}: missing (every runtime that boots needs its drain speed)")
+        for i, entry in enumerate(fleet.boot[rt]):
+            for j, term in enumerate(entry):
+                _term(term.model_dump(by_alias=True, exclude_none=True), repo_root, f"{file}: boot.{rt}[{i}][{j}]")
+    return data
+
+
 def load_fleet(repo_root: Path) -> dict:
     path = repo_root / "deploy" / "fleet.yaml"
-    try:
-        return yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise UserError(f"{path}: cannot read it ({e})") from None
+    shown = "deploy/fleet.yaml"
+    return check_fleet(_read_yaml(path, shown), shown, repo_root)
 
 
-def _term(term: dict, repo_root: Path) -> float:
+def _term(term: dict, repo_root: Path, where: str = "deploy/fleet.yaml") -> float:
     if "value" in term:
         return float(term["value"])
-    data = json.loads((repo_root / term["from"]).read_text())
+    try:
+        data = json.loads((repo_root / term["from"]).read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{where}.from: cannot read {term['from']} ({type(e).__name__})") from None
     for k in term["key"].split("."):
+        if not isinstance(data, dict) or k not in data:
+            raise UserError(f"{where}.key: {term['key']} is not in {term['from']} (no {k!r})")
         data = data[k]
+    if isinstance(data, bool) or not isinstance(data, (int, float)):
+        raise UserError(f"{where}.key: {term['key']} in {term['from']} is {data!r}, not a number")
     return float(data)
 
 
 def boot_seconds(fleet: dict, runtime: str, repo_root: Path) -> float:
     """The slowest measured boot of `runtime` (fleet.yaml `boot`: max over entries, each a sum of terms)."""
-    try:
-        return max(sum(_term(t, repo_root) for t in entry) for entry in fleet["boot"][runtime])
-    except (OSError, KeyError, ValueError, TypeError) as e:
-        raise UserError(f"deploy/fleet.yaml: boot.{runtime}: cannot read a figure ({type(e).__name__}: {e})") from None
+    return max(sum(_term(t, repo_root, f"deploy/fleet.yaml: boot.{runtime}[{i}]") for t in entry)
+               for i, entry in enumerate(fleet["boot"][runtime]))
 
 
-def server_shutdown_default() -> int:
-    """`python -m serving --shutdown-timeout`'s default: the drain the chart asks every server for (vLLM's own
-    default, 0, aborts at once)."""
-    from serving.__main__ import build_parser  # argparse only: no jax, no torch
-
-    return math.ceil(build_parser().get_default("shutdown_timeout"))
+def decode_speed(fleet: dict, runtime: str, repo_root: Path) -> float:
+    """One stream's decode speed on a T4G under load (fleet.yaml `decode_tok_s`: the slowest entry)."""
+    return min(_term(t, repo_root) for t in fleet["decode_tok_s"][runtime])
 
 
 def values(image: ImagePlan, plan: Plan, fleet: dict, repo_root: Path) -> dict:
@@ -68,21 +155,33 @@ def values(image: ImagePlan, plan: Plan, fleet: dict, repo_root: Path) -> dict:
     cmd = server_command(image.context_vars["model_arg"], mount, None) or []  # how this runtime takes its model: a flag or positional
     probes = fleet["probes"]
     boot = boot_seconds(fleet, image.runtime, repo_root)
-    out = {
+    return {
         "runtime": image.runtime,
         "profile": profile,
-        "image": {"repository": repo, "tag": tag, "pullPolicy": "IfNotPresent"},
+        # digest: sha256:... pins the image (repository@digest; the tag stays for people)
+        "image": {"repository": repo, "tag": tag, "digest": "", "pullPolicy": "IfNotPresent"},
         "imagePullSecrets": [],
         "replicaCount": 1,
         "port": image.context_vars["port"],
-        "model": {"claimName": MODEL.lower(), "subPath": "", "mountPath": mount, "servedModelName": MODEL,
-                  "flag": cmd[0] if cmd and cmd[0] != mount else ""},
+        "maxModelLen": fleet["max_model_len"],
+        "model": {
+            "mountPath": mount, "servedModelName": MODEL, "flag": cmd[0] if cmd and cmd[0] != mount else "",
+            "source": "pvc",                                     # pvc | huggingface | s3
+            "pvc": {"claimName": MODEL.lower(), "subPath": MODEL},
+            "huggingface": {"repo": f"google/{MODEL}", "revision": "main"},
+            "s3": {"uri": "", "image": "public.ecr.aws/aws-cli/aws-cli:2.35.19"},
+            "sha256": {},                                        # file -> sha256: checked after a fetch
+            "cache": {"claimName": "", "sizeLimit": "24Gi"},     # huggingface/s3: a PVC (fetched once) or emptyDir
+        },
         "extraArgs": [],
         "env": {},
         "secrets": {"apiKey": {"name": "", "key": "api-key"}, "hfToken": {"name": "", "key": "token"}},
-        "shutdownTimeoutSeconds": server_shutdown_default(),
+        "serviceAccountName": "",
+        "drain": {"decodeTokensPerSecond": decode_speed(fleet, image.runtime, repo_root),
+                  "shutdownTimeoutSeconds": None},               # None: ceil(maxModelLen / decodeTokensPerSecond)
         "lifecycle": {"preStopSleepSeconds": fleet["shutdown"]["prestop_sleep_s"],
                       "exitBackstopSeconds": fleet["shutdown"]["exit_backstop_s"]},
+        "rollout": {"scheduleSeconds": math.ceil(sum(_term(t, repo_root) for t in fleet["rollout"]["schedule"]))},
         "probes": {
             "startup": {"periodSeconds": probes["period_s"], "timeoutSeconds": 5,
                         "failureThreshold": math.ceil(boot * fleet["startup_margin"] / probes["period_s"]),
@@ -97,17 +196,22 @@ def values(image: ImagePlan, plan: Plan, fleet: dict, repo_root: Path) -> dict:
         "nodeSelector": {"kubernetes.io/arch": ARCH[image.platforms[0]]},
         "instanceTypes": list(fleet["nodes"][profile]["instance_types"]),
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-        "resources": {"limits": {"nvidia.com/gpu": 1}, "requests": dict(fleet["resources"]["requests"])},
+        # spread over zones and nodes when there is room (soft: a two-GPU node may still take two pods)
+        "topologySpread": [{"topologyKey": k, "maxSkew": 1, "whenUnsatisfiable": "ScheduleAnyway"}
+                           for k in ("topology.kubernetes.io/zone", "kubernetes.io/hostname")],
+        "resources": {"limits": {"nvidia.com/gpu": 1, **fleet["resources"]["limits"]},
+                      "requests": dict(fleet["resources"]["requests"])},
         # a runtime's compile cache (fleet.yaml compile_cache; the image's own cache dir): a restart boots warm
         "compileCache": {"path": fleet.get("compile_cache", {}).get(image.runtime, ""), "claimName": ""},
         "service": {"type": "ClusterIP", "port": 80},
         "podDisruptionBudget": {"enabled": True, "maxUnavailable": 1},
-        "podMonitor": {"enabled": False, "interval": "15s"},
+        # on whenever autoscaling is (the scaler's metric comes from this scrape); labels: what the Prometheus
+        # selects PodMonitors by, e.g. {release: kube-prometheus-stack}
+        "podMonitor": {"enabled": False, "interval": "15s", "labels": {}},
         "autoscaling": {"enabled": False, "minReplicas": 1, "maxReplicas": 4, "waitingPerReplica": 4,
                         "pollingInterval": 15, "cooldownPeriod": 300,
                         "prometheusServer": "http://prometheus-operated.monitoring.svc:9090"},
     }
-    return out
 
 
 def chart_files(plans: list[Plan], fleet: dict, repo_root: Path, version: str) -> dict[str, str]:
@@ -129,14 +233,25 @@ def chart_files(plans: list[Plan], fleet: dict, repo_root: Path, version: str) -
     return files
 
 
-def write(out: Path, files: dict[str, str], templates: Path) -> list[Path]:
-    """The generated files into `out`, and the templates beside them when `out` is not their own chart."""
+STATIC = ("templates", "files", "values.schema.json")   # the chart's hand-written parts, next to the generated ones
+
+
+def write(out: Path, files: dict[str, str], source: Path) -> tuple[list[Path], list[Path]]:
+    """The generated files into `out`, the hand-written parts of the chart at `source` beside them when `out` is
+    another directory, and a values-*.yaml that is no longer generated removed: (written, removed)."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    if (out / "templates").resolve() != templates.resolve():
-        shutil.copytree(templates, out / "templates", dirs_exist_ok=True)
-        written.append(out / "templates")
+    if out.resolve() != source.resolve():
+        for name in STATIC:
+            if (source / name).is_dir():
+                shutil.copytree(source / name, out / name, dirs_exist_ok=True)
+            else:
+                shutil.copyfile(source / name, out / name)
+            written.append(out / name)
     for name, text in files.items():
         (out / name).write_text(text)
         written.append(out / name)
-    return written
+    removed = [p for p in sorted(out.glob("values-*.yaml")) if p.name not in files]
+    for p in removed:
+        p.unlink()
+    return written, removed

@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chart", help="write the serving Helm chart's values (every runtime x profile) from the "
                        "manifests and deploy/fleet.yaml")
     c.add_argument("--out", default=str(REPO_ROOT / "deploy" / "chart"),
-                   help="chart directory; the templates are copied there too (default: deploy/chart)")
+                   help="chart directory; the templates, values.schema.json and files/ are copied there too, a "
+                   "values file no longer generated is removed (default: deploy/chart)")
     c.add_argument("--registry", help="registry/namespace of the images (default: the profiles')")
     c.add_argument("--manifests", default=None, help="manifest directory (default: ./manifests)")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

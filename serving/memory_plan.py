@@ -23,6 +23,15 @@ DEFAULT_OVERHEAD_MIB = 1024
 # scheme -> (bits, group size or None for one scale per output channel); None: 16-bit weights.
 SCHEMES = {"fp16": None, "w8a16": (8, None), "w4a16": (4, 32)}
 SCALE_BYTES = 2                 # fp16 scales, one per output row (channel) or per group
+# What the PyTorch runtime's attention and sampler hold beside weights and KV (serving/torch_attention.py,
+# serving/torch_sampler.py): a prompt's queries are attended ATTENTION_QUERY_CHUNK at a time, each query head's row of
+# keys costing its boolean mask, SDPA's fp16 additive mask and the math backend's float32 scores and probabilities;
+# per slot and vocabulary entry the sampler keeps bias, counts (float32, int32) and held, seen (bool), and a step's
+# logits, their adjusted copies, the noise's int64 hash words and the top-k values and ids stay under 64 bytes.
+ATTENTION_QUERY_CHUNK = 256
+PREFILL_BYTES_PER_SCORE = 1 + 2 + 4 + 4
+SAMPLER_STATE_BYTES = 4 + 4 + 1 + 1
+SAMPLER_STEP_BYTES = 64
 PREFIXES = ("model.language_model.", "model.")
 # Linear weights the quantiser packs: attention, MLP and the per-layer-input gate/projection of every layer.
 # Left in 16-bit (the quantisation_config's `ignore`): the tied embedding/LM head, the per-layer embedding table
@@ -156,10 +165,11 @@ class Plan:
     kv: int                     # slots x max_model_len x kv_per_token
     overhead: int
     gpu: int
+    attention: int = 0          # the PyTorch runtime's attention and sampler buffers (attention_bytes)
 
     @property
     def total(self) -> int:
-        return self.weights + self.towers + self.kv + self.overhead
+        return self.weights + self.towers + self.kv + self.attention + self.overhead
 
     @property
     def fits(self) -> bool:
@@ -172,6 +182,8 @@ class Plan:
                   if self.towers else []),
                 f"KV cache                {m(self.kv)}  ({self.kv_per_token} B/token; sliding layers at their "
                 f"window: {self.kv_per_token_sliding} B/token at this length)",
+                *([f"attention + sampling   {m(self.attention)}  (prompt chunks' scores, per-slot sampler state)"]
+                  if self.attention else []),
                 f"overhead (stated)       {m(self.overhead)}",
                 f"total                   {m(self.total)} of {m(self.gpu)}: "
                 + ("fits" if self.fits else f"does NOT fit (over by {(self.total - self.gpu) / MIB:.1f} MiB)"),
@@ -196,11 +208,19 @@ def kv_bytes_per_token(raw: dict, max_len: int | None = None, elem_bytes: int = 
     return int(round(total))
 
 
+def attention_bytes(raw: dict, max_model_len: int, slots: int) -> int:
+    """What the PyTorch runtime's attention and sampler hold at most: one prompt chunk's scores over max_model_len
+    keys, every query head, and the sampler's state and step per slot over the vocabulary."""
+    t = text_section(raw)
+    prefill = t["num_attention_heads"] * min(ATTENTION_QUERY_CHUNK, max_model_len) * max_model_len
+    return prefill * PREFILL_BYTES_PER_SCORE + slots * t["vocab_size"] * (SAMPLER_STATE_BYTES + SAMPLER_STEP_BYTES)
+
+
 def plan(raw: dict, scheme: str, max_model_len: int, slots: int, gpu_mib: int = T4G_MIB,
          overhead_mib: int = DEFAULT_OVERHEAD_MIB, tensors: dict | None = None, towers: int = 0,
-         rings: bool = False) -> Plan:
-    """rings: the runtime keeps sliding layers' KV as rings of their window (JAX); else at full length (PyTorch,
-    vLLM's allocation counted as such)."""
+         rings: bool = False, attention: bool = False) -> Plan:
+    """rings: the runtime keeps sliding layers' KV as rings of their window (JAX, PyTorch); else at full length
+    (vLLM's allocation counted as such). attention: count attention_bytes (the PyTorch runtime's)."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
     tensors = tensors if tensors is not None else text_tensors(raw)
@@ -215,7 +235,7 @@ def plan(raw: dict, scheme: str, max_model_len: int, slots: int, gpu_mib: int = 
     return Plan(scheme=scheme, weights=sum(sizes.values()), towers=towers, streamed_per_token=streamed,
                 kv_per_token=per_tok, kv_per_token_sliding=per_tok_rings,
                 kv=slots * max_model_len * (per_tok_rings if rings else per_tok), overhead=overhead_mib * MIB,
-                gpu=gpu_mib * MIB)
+                gpu=gpu_mib * MIB, attention=attention_bytes(raw, max_model_len, slots) if attention else 0)
 
 
 def plan_checkpoint(model_dir: Path, scheme: str | None, max_model_len: int, slots: int, text_only: bool = False,
@@ -235,13 +255,14 @@ def plan_checkpoint(model_dir: Path, scheme: str | None, max_model_len: int, slo
     return plan(raw, scheme or scheme_of(raw), max_model_len, slots, tensors=tensors, towers=towers, **kw)
 
 
-def refusal(model_dir: Path, max_model_len: int, slots: int, gpu_bytes: int, rings: bool = False) -> str | None:
+def refusal(model_dir: Path, max_model_len: int, slots: int, gpu_bytes: int, rings: bool = False,
+            attention: bool = False) -> str | None:
     """The one line a server logs before refusing to start when the plan says the model does not fit the GPU it
     runs on (weights + KV + the stated overhead), else None. A checkpoint the plan cannot read is not refused
     here: loading it reports what is wrong."""
     try:
         p = plan_checkpoint(model_dir, None, max_model_len, slots, text_only=True, gpu_mib=gpu_bytes // MIB,
-                            rings=rings)
+                            rings=rings, attention=attention)
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if p.fits:

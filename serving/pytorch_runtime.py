@@ -15,9 +15,10 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from serving import memory_plan, packed_matmul, quantized
+from serving import memory_plan, packed_matmul, quantized, torch_attention
 from serving.engine import DeviceRow, SamplingParams, TokenLogprobs
-from serving.structured import MASKED
+from serving.torch_attention import SlotKV, span
+from serving.torch_sampler import Sampler
 
 log = logging.getLogger("serving.pytorch")
 
@@ -42,68 +43,15 @@ class _StaticKV:
         positions = torch.arange(n, device=self.device)
         return dict(position_ids=positions[None], cache_position=positions, past_key_values=self.cache)
 
-    def decode(self, positions: list[int]) -> dict:
-        p = torch.tensor(positions, device=self.device)
-        return dict(position_ids=p[:, None], cache_position=p, past_key_values=self.cache)
-
-
-class SlotKV:
-    """Continuous batching's KV cache: every layer that computes KV keeps [slots, kv_heads, max_context, head_dim],
-    each row one sequence at its own position. transformers' caches share one cache_position across the batch, so
-    rows at different positions need a cache of our own: the model reaches it through the Cache `update` call, and
-    the sliding windows are per-row masks (the model takes a {layer type: mask} mapping as attention_mask).
-    A decode step runs every row (free ones too: static shapes) and attends over a power-of-two prefix of the
-    positions that covers every row."""
-
-    def __init__(self, model, slots: int, max_context: int, device: torch.device, dtype):
-        self.k, self.v = {}, {}
-        for i, layer in enumerate(model.model.layers):
-            a = layer.self_attn
-            if not a.is_kv_shared_layer:
-                shape = (slots, a.k_proj.out_features // a.head_dim, max_context, a.head_dim)
-                self.k[i] = torch.zeros(shape, dtype=dtype, device=device)
-                self.v[i] = torch.zeros(shape, dtype=dtype, device=device)
-        if device.type == "cuda":                # CUDA graphs replay over these very buffers
-            for t in (*self.k.values(), *self.v.values()):
-                torch._dynamo.mark_static_address(t)
-        self.window = model.config.sliding_window
-        self.max_context, self.device = max_context, device
-        self._slot, self._pos, self._span = 0, None, 0
-
-    def _masks(self, q: torch.Tensor, k: torch.Tensor) -> dict:
-        """{layer type: bool mask [rows, 1, queries, keys]} for query positions q [rows, Q], key positions k [K]."""
-        full = k[None, None, :] <= q[:, :, None]
-        sliding = full & (k[None, None, :] > q[:, :, None] - self.window)
-        return {"full_attention": full[:, None], "sliding_attention": sliding[:, None]}
-
-    def prefill(self, slot: int, n: int) -> dict:
-        self._slot, self._pos = slot, None
-        q = torch.arange(n, device=self.device)
-        return dict(position_ids=q[None], attention_mask=self._masks(q[None], q), past_key_values=self)
-
-    def decode(self, positions: list[int]) -> dict:
-        self._pos = torch.tensor(positions, device=self.device)
-        self._span = min(self.max_context, max(64, 1 << max(positions).bit_length()))
-        p = self._pos[:, None]
-        return dict(position_ids=p, attention_mask=self._masks(p, torch.arange(self._span, device=self.device)),
-                    past_key_values=self)
-
-    def update(self, key, value, layer_idx, cache_kwargs=None):
-        """Write the new entries (key/value [rows, kv_heads, T, head_dim]) and return what the layer attends over."""
-        k, v = self.k[layer_idx], self.v[layer_idx]
-        if self._pos is None:                   # a prompt, into one slot from position 0
-            n, s = key.shape[2], self._slot
-            k[s, :, :n], v[s, :, :n] = key[0], value[0]
-            return k[s:s + 1, :, :n], v[s:s + 1, :, :n]
-        rows = torch.arange(key.shape[0], device=key.device)
-        k[rows, :, self._pos], v[rows, :, self._pos] = key[:, :, 0], value[:, :, 0]
-        return k[:, :, :self._span], v[:, :, :self._span]
+    def decode(self, positions: torch.Tensor, span: int) -> dict:
+        return dict(position_ids=positions[:, None], cache_position=positions, past_key_values=self.cache)
 
 
 class TorchEngine:
-    """serving.engine.Engine over a transformers causal LM, next tokens chosen on the device. One slot: transformers'
-    StaticCache (sequences run one after another). More (G5G_TORCH_SLOTS; 8 on a GPU by default): continuous batching
-    over SlotKV, every live sequence decoded in one forward."""
+    """serving.engine.Engine over a transformers causal LM, next tokens chosen on the device (serving/torch_sampler.py,
+    every slot in one pass). One slot: transformers' StaticCache (sequences run one after another). More
+    (G5G_TORCH_SLOTS; 8 on a GPU by default): continuous batching over SlotKV (serving/torch_attention.py), every
+    live sequence decoded in one forward."""
 
     def __init__(self, model, text_config, device: torch.device, max_context: int, slots: int = 1):
         self.model = model
@@ -116,14 +64,14 @@ class TorchEngine:
                     else SlotKV(model, slots, max_context, device, model.dtype))
         self._pos = [0] * slots                 # next position per slot (0: not started)
         self._params = [SamplingParams(temperature=0.0)] * slots
-        self._rows = [DeviceRow.of(self._params[0], vocab)] * slots    # what the sampler reads, per slot
-        self._gens = [torch.Generator(device=device) for _ in range(slots)]
+        self.sampler = Sampler(slots, vocab, device)
+        self._rows = torch.arange(slots, device=device)
+        # a step's host inputs (token, position, counted, holding per slot) cross in one copy, from pinned memory
+        # on a GPU so that it does not wait
+        self._staged = torch.zeros((4, slots), dtype=torch.int64, pin_memory=device.type == "cuda")
         self._logits: dict[int, torch.Tensor] = {}
         self._logprobs: dict[int, TokenLogprobs] = {}
         self._prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
-        # what the penalties read, per slot: generated-token counts and the prompt's tokens, over the vocabulary
-        self._counts = torch.zeros((slots, vocab), dtype=torch.int32, device=device)
-        self._seen = torch.zeros((slots, vocab), dtype=torch.bool, device=device)
         self._out = [0] * slots                 # tokens generated so far
         # Decode steps (one token per row, static shapes) go through transformers' own compiled call, as its
         # generate(cache_implementation="static") does on CUDA: inductor with CUDA graphs ("reduce-overhead").
@@ -137,12 +85,12 @@ class TorchEngine:
         if not 0 <= slot < self.slots:
             raise ValueError(f"slot {slot} is not one of the PyTorch runtime's {self.slots} slots")
 
-    def _forward(self, call, input_ids: list[list[int]], kw: dict) -> torch.Tensor:
-        out = call(input_ids=torch.tensor(input_ids, device=self.device), use_cache=True, logits_to_keep=1, **kw)
+    def _forward(self, call, input_ids: torch.Tensor, kw: dict) -> torch.Tensor:
+        out = call(input_ids=input_ids, use_cache=True, logits_to_keep=1, **kw)
         # a copy (float32, off the CUDA graph's output buffer, which the next replay overwrites)
         return out.logits[:, -1].float().clone()
 
-    def _decode_call(self, input_ids: list[list[int]], kw: dict) -> torch.Tensor:
+    def _decode_call(self, input_ids: torch.Tensor, kw: dict) -> torch.Tensor:
         if self._decode_checked:
             return self._forward(self._decode, input_ids, kw)
         try:                                   # first compiled step: fall back to eager if compiling fails
@@ -154,19 +102,14 @@ class TorchEngine:
         self._decode_checked = True
         return out
 
-    def _choose(self, slot: int, logits: torch.Tensor, mask: np.ndarray | None) -> torch.Tensor:
-        """The slot's next token (a 0-d tensor) from its float32 logits [V]."""
-        row = self._rows[slot]
-        self._logits[slot] = logits
-        x = logits if mask is None else apply_mask(logits, mask)
-        x = adjust(x, row, self._counts[slot], self._seen[slot], held=self._out[slot] < self._params[slot].min_tokens)
-        return sample(x, row, self._gens[slot])
-
     def _took(self, slot: int, token: int) -> int:
         p = self._params[slot]
         if p.logprobs is not None:
             self._logprobs[slot] = raw_logprobs(self._logits[slot], token, p.logprobs)
         return token
+
+    def _holds(self, slot: int) -> bool:
+        return self._out[slot] < self._params[slot].min_tokens
 
     @torch.inference_mode()
     def start(self, slot: int, prompt_ids: Sequence[int], params: SamplingParams,
@@ -178,22 +121,23 @@ class TorchEngine:
         if n > self.max_context:
             raise ValueError(f"sequence of {n} tokens exceeds the PyTorch runtime's max_context {self.max_context}")
         self._params[slot] = params
-        self._rows[slot] = DeviceRow.of(params, self.vocab_size)
-        self._gens[slot].manual_seed(params.seed64())
-        self._counts[slot].zero_()
-        self._seen[slot].zero_()
-        self._seen[slot, torch.tensor(list(prompt_ids), device=self.device).clamp(0, self.vocab_size - 1)] = True
+        self.sampler.set(slot, DeviceRow.of(params, self.vocab_size), params.seed64(), prompt_ids)
         self._out[slot] = 0
         self._pos[slot] = n
         kw = self._kv.prefill(slot, n)
+        ids = torch.tensor([list(prompt_ids)], device=self.device)
         if params.prompt_logprobs is None:
-            logits = self._forward(self.model.__call__, [list(prompt_ids)], kw)[0]
+            logits = self._forward(self.model.__call__, ids, kw)
         else:      # the model's head over every prompt position (the last one's logits as the call above makes them)
-            h = self.model.model(input_ids=torch.tensor([list(prompt_ids)], device=self.device), use_cache=True,
-                                 **kw).last_hidden_state[0]
+            h = self.model.model(input_ids=ids, use_cache=True, **kw).last_hidden_state[0]
             self._prompt_logprobs[slot] = prompt_logprobs(self._head, h[:-1], prompt_ids[1:], params.prompt_logprobs)
-            logits = self._head(h[-1:])[0].float()
-        return self._took(slot, int(self._choose(slot, logits, mask)))
+            logits = self._head(h[-1:]).float()
+        self._logits[slot] = logits[0]
+        row = self._rows[slot:slot + 1]
+        holding = torch.ones(1, dtype=torch.bool, device=self.device) if self._holds(slot) else None
+        chosen = self.sampler.choose(logits, row, [slot], torch.full((1,), n, device=self.device), holding,
+                                     None if mask is None else mask[None])
+        return self._took(slot, int(chosen[0]))
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of hidden states [T, D], as Gemma4ForCausalLM's forward makes them (lm_head, soft-capping)."""
@@ -212,19 +156,30 @@ class TorchEngine:
             if self._pos[slot] >= self.max_context:
                 raise ValueError(f"sequence of {self._pos[slot] + 1} tokens exceeds the PyTorch runtime's "
                                  f"max_context {self.max_context}")
-        ids, positions = [[0] for _ in range(self.slots)], [0] * self.slots
+        staged = self._staged.numpy()         # written only after the last step's copy is done (its tokens came back)
+        staged[:] = 0
         for slot, token in tokens.items():
-            if self._rows[slot].penalised and 0 <= token < self.vocab_size:   # only the penalties read it
-                self._counts[slot, token] += 1
             self._out[slot] += 1
-            ids[slot], positions[slot] = [token], self._pos[slot]
+            staged[:, slot] = token, self._pos[slot], self.sampler.rows[slot].penalised, self._holds(slot)
             self._pos[slot] += 1
         for slot in set(range(self.slots)) - set(tokens):
             self._pos[slot] = 0                  # a slot left out is free from now on
-        logits = self._decode_call(ids, self._kv.decode(positions))
-        masks = masks or {}
-        chosen = torch.stack([self._choose(s, logits[s], masks.get(s)) for s in tokens]).tolist()
-        return {s: self._took(s, t) for s, t in zip(tokens, chosen)}
+        live = list(tokens)
+        span_ = span([self._pos[s] - 1 for s in live], self.max_context)
+        ids, positions, counted, holding = self._staged.to(self.device, non_blocking=True)
+        self.sampler.count(self._rows, ids, counted)
+        logits = self._decode_call(ids[:, None], self._kv.decode(positions, span_))
+        allowed = None
+        if masks:
+            allowed = np.full((self.slots, (self.vocab_size + 31) // 32), -1, np.int32)
+            for slot, m in masks.items():
+                allowed[slot] = m
+        holds = any(self._holds(s) for s in live)
+        chosen = self.sampler.choose(logits, self._rows, live, positions + 1, holding.bool() if holds else None,
+                                     allowed).tolist()        # the step's one wait: the tokens, to the host
+        for slot in live:
+            self._logits[slot] = logits[slot]
+        return {s: self._took(s, chosen[s]) for s in live}
 
     def logits(self, slot: int) -> np.ndarray:
         return self._logits[slot].cpu().numpy()
@@ -234,32 +189,6 @@ class TorchEngine:
 
     def prompt_logprobs(self, slot: int) -> list[TokenLogprobs]:
         return self._prompt_logprobs.pop(slot)
-
-
-FLOOR = -80.0   # as serving/jax_runtime/sampling.py: tempered, max-shifted logits are clamped here
-
-
-def adjust(logits: torch.Tensor, row: DeviceRow, counts: torch.Tensor, seen: torch.Tensor,
-           held: bool) -> torch.Tensor:
-    """serving.engine's adjustments before the draw, in vLLM's order (as serving/jax_runtime/sampling.py's
-    adjust): logit_bias and min_tokens, penalties, min_p. counts/seen: the sequence's history over the vocabulary."""
-    x = logits
-    held_ids = list(row.held) if held else []
-    if row.bias or held_ids:
-        x = x.clone()
-        if row.bias:
-            x.index_add_(0, torch.tensor([t for t, _ in row.bias], device=x.device),
-                         torch.tensor([b for _, b in row.bias], dtype=x.dtype, device=x.device))
-        x[held_ids] = -torch.inf
-    if row.penalised:                # vLLM's apply_penalties
-        out = counts > 0
-        rep = row.repetition
-        x = torch.where(seen | out, torch.where(x > 0, x / rep, x * rep), x)
-        x = x - row.frequency * counts - row.presence * out
-    if row.min_p > 0:                # p < min_p * p_max at temperature t  <=>  logit < max + t * log(min_p)
-        x = torch.where(x < x.max() + float(np.float32(row.temperature * np.log(np.float32(row.min_p)))),
-                        -torch.inf, x)
-    return x
 
 
 def raw_logprobs(logits: torch.Tensor, chosen: int, k: int) -> TokenLogprobs:
@@ -287,29 +216,6 @@ def prompt_logprobs(head, h: torch.Tensor, targets: Sequence[int], k: int) -> li
     return out
 
 
-def apply_mask(logits: torch.Tensor, mask: np.ndarray) -> torch.Tensor:
-    """float32 logits [V] with every token the packed bitmask row `mask` (serving/engine.py) disallows at MASKED."""
-    bits = np.unpackbits(np.ascontiguousarray(mask, "<i4").view(np.uint8), bitorder="little")[:logits.numel()]
-    return logits.masked_fill(torch.from_numpy(bits == 0).to(logits.device), MASKED)
-
-
-def sample(logits: torch.Tensor, row: DeviceRow, gen: torch.Generator) -> torch.Tensor:
-    """The next token (a 0-d tensor) from float32 logits [V] by serving.engine's sampling contract."""
-    t = row.temperature
-    if t <= 0.0:
-        return logits.argmax()
-    x = ((logits - logits.max()) / t).clamp_min(FLOOR)
-    if row.top_k or row.top_p < 1.0:
-        top = x.sort(descending=True).values
-        if row.top_k:
-            top = top[: row.top_k]
-        mass = torch.softmax(top, 0).cumsum(0)
-        n = int((mass < row.top_p).sum()) + 1 if row.top_p < 1.0 else top.numel()
-        x = torch.where(x >= top[min(n, top.numel()) - 1], x, -torch.inf)   # ties at the cut stay, as on JAX
-    q = torch.empty_like(x).exponential_(generator=gen)
-    return (x - q.log()).argmax()                    # Gumbel-max: a draw from softmax(x)
-
-
 # Sequences decoded together by default, per device type: on a GPU a decode step streams the weights once whatever
 # its rows, and the 8-slot server beat the one-slot one on a lone stream too (H200: 185.9 vs 168.3 tok/s,
 # benchmarks/RESULTS.md, round 2); on a CPU 8 rows cost 8 rows' compute (a lone stream 0.81x), so one slot.
@@ -323,6 +229,19 @@ def slots_from_env(env=os.environ, device_type: str = "cpu") -> int:
     if not text.isdigit() or int(text) < 1:
         raise ValueError(f"G5G_TORCH_SLOTS: {text!r} is not a positive integer")
     return int(text)
+
+
+DEFAULT_CACHE_DIR = "~/.cache/g5g-torch"
+
+
+def inductor_env(env=os.environ) -> dict[str, str]:
+    """G5G_TORCH_CACHE_DIR: where inductor keeps the compiled decode step (FX graphs, AOT graphs, Triton kernels), so
+    a restarted server loads them instead of compiling (default ~/.cache/g5g-torch; empty: torch's temporary
+    directory, lost with the container). The variables to set; TORCHINDUCTOR_CACHE_DIR itself, when set, wins."""
+    if "TORCHINDUCTOR_CACHE_DIR" in env:
+        return {}
+    path = env.get("G5G_TORCH_CACHE_DIR", DEFAULT_CACHE_DIR)
+    return {"TORCHINDUCTOR_CACHE_DIR": str(Path(path).expanduser())} if path else {}
 
 
 def _quantised_text(model_dir: Path, dtype) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
@@ -365,7 +284,7 @@ def load(model_dir: str | Path, device: str | None = None, max_context: int | No
     slots = slots or slots_from_env(os.environ, dev.type)
     if dev.type == "cuda":          # refuse before loading what the plan says cannot fit (weights + KV cache)
         gpu = torch.cuda.get_device_properties(dev).total_memory
-        if no := memory_plan.refusal(model_dir, context, slots, gpu):
+        if no := memory_plan.refusal(model_dir, context, slots, gpu, rings=True, attention=True):
             raise ValueError(no)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()     # the towers' tensors are "unexpected" for a text model, by design
@@ -389,8 +308,17 @@ def load(model_dir: str | Path, device: str | None = None, max_context: int | No
         raise ValueError(f"{model_dir}: checkpoint lacks text weights, e.g. {missing[:3]} "
                          f"(expected Gemma 4 weights under model.language_model.*)")
     model.to(dev).eval()
-    if slots > 1 and model.config._attn_implementation != "sdpa":
-        model.set_attn_implementation("sdpa")    # SlotKV's masks are boolean (True: attend), as sdpa takes them
+    if dev.type == "cuda":
+        for key, path in inductor_env().items():
+            try:
+                Path(path).mkdir(parents=True, exist_ok=True)
+                os.environ[key] = path
+            except OSError as e:
+                log.warning("G5G_TORCH_CACHE_DIR %s unusable (%s): compiling without a persistent cache", path, e)
+    if slots > 1:        # SlotKV's attention: each K/V read once, on the SDPA backends sm_75 has
+        model.set_attn_implementation(torch_attention.register())
+        if dev.type == "cuda":
+            torch_attention.turing_backends()
     log.info("loaded %s on %s as %s (%d layers, context %d, %d slot%s)", model_dir, dev, dtype,
              text_config.num_hidden_layers, context, slots, "s" * (slots > 1))
     return TorchEngine(model, text_config, dev, context, slots)

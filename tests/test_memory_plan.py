@@ -102,3 +102,28 @@ def test_the_jax_server_refuses_on_its_gpu_pool_before_reading_weights(tiny_gemm
     monkeypatch.setattr(checkpoint, "load_params", lambda *a: pytest.fail("weights read before the refusal"))
     with pytest.raises(ValueError, match="does not fit this GPU at --max-model-len 4096 with 4 slot"):
         engine.load(tiny_gemma4, Settings(buckets=(64, 4096), cache_dir=None, slots=4))
+
+
+def test_the_pytorch_plan_counts_what_its_cache_attention_and_sampler_hold(tiny_gemma4):
+    """The PyTorch server's refusal plans sliding layers as rings (SlotKV holds only their window) and counts its
+    attention and sampler: the cache and the sampler's state are exactly what a loaded engine allocates (float32 on
+    a CPU, twice the plan's fp16), and a prompt chunk's scores are counted at the chunk the attention uses."""
+    torch = pytest.importorskip("torch")
+    from serving import torch_attention
+    from serving.pytorch_runtime import load
+
+    slots, context = 4, 128
+    engine = load(tiny_gemma4, max_context=context, slots=slots)
+    plan = mp.plan_checkpoint(tiny_gemma4, None, context, slots, text_only=True, rings=True, attention=True)
+    assert engine._kv.nbytes() == 2 * plan.kv < 2 * mp.plan_checkpoint(tiny_gemma4, None, context, slots).kv
+    s = engine.sampler
+    state = sum(t.numel() * t.element_size() for t in (s.bias, s.counts, s.held, s.seen))
+    assert state == slots * engine.vocab_size * mp.SAMPLER_STATE_BYTES
+    raw = json.loads((tiny_gemma4 / "config.json").read_text())
+    heads = raw["text_config"]["num_attention_heads"]
+    assert torch_attention.QUERY_CHUNK == mp.ATTENTION_QUERY_CHUNK
+    assert plan.attention == (heads * min(mp.ATTENTION_QUERY_CHUNK, context) * context * mp.PREFILL_BYTES_PER_SCORE
+                              + slots * engine.vocab_size * (mp.SAMPLER_STATE_BYTES + mp.SAMPLER_STEP_BYTES))
+    assert plan.total == plan.weights + plan.kv + plan.attention + plan.overhead
+    assert any(line.startswith("attention + sampling") for line in plan.lines())
+    assert torch.float32 == engine.model.dtype

@@ -80,3 +80,15 @@ def test_server_with_slots_answers_concurrent_clients(tiny_gemma4):
         assert r.status_code == 200, r.text
         text = r.json()["choices"][0]["message"]["content"]
         assert text == ANSWER if n == 200 else (ANSWER.startswith(text) and r.json()["usage"]["completion_tokens"] == n)
+
+
+def test_compile_cache_survives_a_restart_where_asked(tmp_path):
+    """G5G_TORCH_CACHE_DIR names inductor's cache (default under ~/.cache: the image mounts a volume there); empty
+    leaves torch's temporary one; an explicit TORCHINDUCTOR_CACHE_DIR wins."""
+    from pathlib import Path
+
+    from serving.pytorch_runtime import inductor_env
+    assert inductor_env({}) == {"TORCHINDUCTOR_CACHE_DIR": str(Path("~/.cache/g5g-torch").expanduser())}
+    assert inductor_env({"G5G_TORCH_CACHE_DIR": str(tmp_path)}) == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    assert inductor_env({"G5G_TORCH_CACHE_DIR": ""}) == {}
+    assert inductor_env({"G5G_TORCH_CACHE_DIR": "/x", "TORCHINDUCTOR_CACHE_DIR": "/y"}) == {}

@@ -42,7 +42,8 @@ def test_how_a_runtime_takes_its_model_is_its_manifests_serve_model_arg(tmp_path
     assert img.context_vars["model_arg"] == style
     assert containers.server_command(img.context_vars["model_arg"], "/models/m", None) == command
     # the chart's values name the flag (or none) the same way
-    fleet = chart.load_fleet(REPO) | {"boot": {"tiny": [[{"value": 10}]]}, "nodes": {"cpu": {"instance_types": []}}}
+    fleet = chart.load_fleet(REPO) | {"boot": {"tiny": [[{"value": 10}]]}, "decode_tok_s": {"tiny": [{"value": 10}]},
+                                      "nodes": {"cpu": {"instance_types": []}}}
     values = chart.values(img, plan, fleet, REPO)
     assert values["model"]["flag"] == ("" if style == "positional" else "--model")
 

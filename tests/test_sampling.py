@@ -21,12 +21,14 @@ def _jax_draws(logits, params: SamplingParams, n: int) -> list[int]:
 
 
 def _torch_draws(logits, params: SamplingParams, n: int) -> list[int]:
+    """The same on PyTorch's batched sampler: n rows of the one slot, at positions 0..n-1."""
     import torch
-    from serving.pytorch_runtime import sample
+    from serving.torch_sampler import Sampler
 
-    gen = torch.Generator().manual_seed(params.seed64())
-    x = torch.tensor(np.asarray(logits, np.float32))
-    return [int(sample(x, DeviceRow.of(params, len(logits)), gen)) for _ in range(n)]
+    sampler = Sampler(1, len(logits), torch.device("cpu"))
+    sampler.set(0, DeviceRow.of(params, len(logits)), params.seed64(), [])
+    x = torch.tensor(np.asarray(logits, np.float32)).expand(n, -1)
+    return sampler.choose(x, torch.zeros(n, dtype=torch.int64), [0], torch.arange(n), None).tolist()
 
 
 def test_what_parameters_mean_on_the_device_is_decided_once_for_both_runtimes():
@@ -136,12 +138,12 @@ ADJUSTED = [
 
 def test_both_runtimes_adjust_logits_alike():
     """The adjustments before the draw (bias, min_tokens, penalties, min_p) give the same logits on both
-    runtimes, a batch of differently set rows on JAX against one row at a time on PyTorch."""
+    runtimes, a batch of differently set rows on each."""
     pytest.importorskip("jax")
     torch = pytest.importorskip("torch")
     import jax.numpy as jnp
     from serving.jax_runtime import sampling as js
-    from serving.pytorch_runtime import adjust
+    from serving.torch_sampler import Sampler
 
     rng = np.random.default_rng(4)
     v, n = 300, len(ADJUSTED)
@@ -155,9 +157,13 @@ def test_both_runtimes_adjust_logits_alike():
     temp = np.array([p.temperature for p in ADJUSTED], np.float32)
     got = np.asarray(js.adjust(jnp.asarray(logits), jnp.asarray(temp), {k: jnp.asarray(a) for k, a in rows.items()},
                                jnp.asarray(counts), jnp.asarray(seen)))
+    sampler = Sampler(n, v, torch.device("cpu"))
     for i, p in enumerate(ADJUSTED):
-        want = adjust(torch.tensor(logits[i]), DeviceRow.of(p, v), torch.tensor(counts[i]), torch.tensor(seen[i]),
-                      held=True).numpy()
+        sampler.set(i, DeviceRow.of(p, v), 0, [])
+    sampler.counts[:], sampler.seen[:] = torch.tensor(counts), torch.tensor(seen)
+    adjusted = sampler._adjust(torch.tensor(logits), torch.arange(n), sampler.rows, torch.ones(n, dtype=torch.bool))
+    for i, p in enumerate(ADJUSTED):
+        want = adjusted[i].numpy()
         np.testing.assert_array_equal(np.isinf(got[i]), np.isinf(want))
         np.testing.assert_allclose(got[i][np.isfinite(want)], want[np.isfinite(want)], rtol=1e-6, atol=1e-5)
         assert not np.array_equal(want, logits[i])           # every row changed something

@@ -48,8 +48,8 @@ def test_mask_keeps_exactly_the_allowed_logits(runtime):
                                                     jnp.full((1, mask_words(vocab)), -1, jnp.int32)))[0], logits)
     else:
         torch = pytest.importorskip("torch")
-        from serving.pytorch_runtime import apply_mask
-        got = apply_mask(torch.tensor(logits), only(vocab, allowed)).numpy()
+        from serving.torch_sampler import apply_mask
+        got = apply_mask(torch.tensor(logits[None]), only(vocab, allowed)[None]).numpy()[0]
     want = np.full(vocab, MASKED, np.float32)
     want[allowed] = logits[allowed]
     assert np.array_equal(got, want)

@@ -12,7 +12,7 @@ from g5g.errors import OK
 from g5g.plan import make_plan
 
 console = Console(highlight=False, soft_wrap=True)
-TEMPLATES = REPO_ROOT / "deploy" / "chart" / "templates"
+CHART = REPO_ROOT / "deploy" / "chart"
 
 
 def files(registry: str | None = None, manifests: str | None = None, overrides: tuple[str, ...] = ()) -> dict:
@@ -26,6 +26,9 @@ def files(registry: str | None = None, manifests: str | None = None, overrides: 
 
 def run(args) -> int:
     out = Path(args.out)
-    for path in chart.write(out, files(args.registry, args.manifests, tuple(args.overrides)), TEMPLATES):
+    written, removed = chart.write(out, files(args.registry, args.manifests, tuple(args.overrides)), CHART)
+    for path in written:
         console.print(f"wrote {path}", markup=False)
+    for path in removed:
+        console.print(f"removed {path} (no longer generated)", markup=False)
     return OK

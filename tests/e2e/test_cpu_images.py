@@ -27,6 +27,7 @@ import pytest
 
 from tests.e2e import oci
 from tests.e2e.harness import ROOT, plan_tag, unavailable
+from tests.fixtures.helm import helm  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.e2e
 
@@ -167,3 +168,51 @@ def test_secrets_stay_out_of_the_image(engine, built, canaries):
     assert found[b"serving/api.py"], "the serving code is in no layer"
     for n in needles:
         assert not found[n], f"{n.decode()} in layers {found[n]}"
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_the_image_runs_as_the_charts_pod_runs_it(engine, built, tiny_gemma4, helm, runtime):  # noqa: F811
+    """The image with the chart's args and the pod's restrictions, as docker can give them: a read-only root
+    with HOME and /tmp writable (the chart's emptyDirs), uid 1000, no capabilities, no privilege escalation, the
+    model read-only where the chart mounts it, the chart's `port` (not the image's 8000). It serves."""
+    import time
+
+    import requests
+    import yaml
+
+    from g5g.devtools.server import free_port
+
+    ref = built(runtime)
+    if engine.docker("image", "inspect", ref).returncode != 0:   # pushed, not kept: take it from the registry
+        assert engine.docker("pull", "-q", ref, timeout=600).returncode == 0
+    chart = ROOT / "deploy" / "chart"
+    r = subprocess.run([helm, "template", "gemma", str(chart), "-f", str(chart / f"values-{runtime}-g4dn.yaml"),
+                        "--set", "port=9000"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    dep = next(d for d in yaml.safe_load_all(r.stdout) if d and d["kind"] == "Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    scratch = sorted(m["mountPath"] for m in c["volumeMounts"] if m["name"] in ("home", "tmp"))
+    assert scratch == ["/home/g5g", "/tmp"]
+    port, name = free_port(), f"g5g-chart-pod-{secrets.token_hex(4)}"
+    run = engine.docker("run", "-d", "--name", name, "--read-only", *[a for p in scratch for a in
+                        ("--tmpfs", f"{p}:uid=1000,gid=1000")], "--user", "1000:1000", "--cap-drop", "ALL",
+                        "--security-opt", "no-new-privileges", "-v", f"{tiny_gemma4}:/models/gemma-4-E2B-it:ro",
+                        "-p", f"127.0.0.1:{port}:9000", ref, *c["args"])
+    assert run.returncode == 0, run.stderr
+    try:
+        deadline, healthy = time.monotonic() + 600, False
+        while not healthy and time.monotonic() < deadline:
+            try:
+                healthy = requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+            except requests.RequestException:
+                pass
+            state = engine.docker("inspect", "-f", "{{.State.Running}}", name).stdout.strip()
+            assert healthy or state == "true", engine.docker("logs", "--tail", "40", name).stderr
+            time.sleep(1)
+        assert healthy, engine.docker("logs", "--tail", "40", name).stderr
+        answer = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=300, json={
+            "model": "gemma-4-E2B-it", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert answer.status_code == 200, answer.text
+    finally:
+        engine.docker("rm", "-f", name)

@@ -1,0 +1,148 @@
+"""The chart's init container (model.source huggingface or s3): put a checkpoint into the cache volume once, checked.
+
+    fetch_model.py huggingface --dest /cache/DIR --repo ORG/NAME --revision REV [--sha256 FILE=HEX ...]
+    fetch_model.py s3 --dest /cache/DIR --sha256 FILE=HEX ...     (the `download` init container fetched it)
+
+A pod downloads into /cache/.partial/<pod>, every file's hash is checked (Hugging Face: the Hub's own sha256 of each
+LFS file and git blob id of the others, at the commit the revision resolved to; and the --sha256 list), then the
+directory is renamed to DIR with a `.verified` record. DIR with its record is never fetched again: on a shared PVC,
+every pod that starts after the first checked fetch reuses it (pods that start together each fetch; the first to
+finish publishes, the others drop their copies). Runs with the serving image's python3 (huggingface_hub comes with transformers and
+vLLM); stdlib otherwise. An error is one line on stderr and exit 1 (the kubelet retries the init container).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+VERIFIED = ".verified"
+CHUNK = 1 << 20
+
+
+class FetchError(Exception):
+    pass
+
+
+def file_digest(path: Path, kind: str) -> str:
+    """sha256 of the file, or its git blob id ("git-sha1": sha1 of `blob <size>\\0` + content, what the Hub lists
+    for a file kept outside LFS)."""
+    h = hashlib.sha256() if kind == "sha256" else hashlib.sha1(b"blob %d\0" % path.stat().st_size)
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check(directory: Path, expected: dict[str, tuple[str, str]], complete: bool) -> dict[str, str]:
+    """Every expected file is there with its digest ({file: (kind, hex)}); `complete`: and no other file. Returns
+    {file: "kind:hex"} for the record."""
+    present = {p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file()}
+    present = {n for n in present if n != VERIFIED and not n.startswith(".cache/")}  # huggingface_hub's metadata
+    if not expected:
+        raise FetchError("no file hashes to check against (model.sha256 is empty)")
+    for name in sorted(expected):
+        if name not in present:
+            raise FetchError(f"{name}: missing from the download")
+        kind, want = expected[name]
+        got = file_digest(directory / name, kind)
+        if got != want.lower():
+            raise FetchError(f"{name}: {kind} {got} but {want} was expected (corrupt or changed at the source)")
+    if complete and (extra := sorted(present - set(expected))):
+        raise FetchError(f"{extra[0]}: downloaded but not in model.sha256 (list every file of the checkpoint)")
+    return {name: f"{kind}:{want.lower()}" for name, (kind, want) in sorted(expected.items())}
+
+
+def publish(partial: Path, dest: Path, record: dict) -> None:
+    """The checked download becomes `dest`, atomically; a pod that lost the race drops its own copy."""
+    shutil.rmtree(partial / ".cache", ignore_errors=True)   # huggingface_hub's download metadata
+    (partial / VERIFIED).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    try:
+        partial.rename(dest)
+    except OSError:
+        if not (dest / VERIFIED).is_file():
+            raise
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def hub_expected(siblings) -> dict[str, tuple[str, str]]:
+    """The Hub's hashes of a revision's files: an LFS file's sha256, another file's git blob id."""
+    out = {}
+    for s in siblings:
+        lfs = getattr(s, "lfs", None)
+        out[s.rfilename] = ("sha256", lfs.sha256) if lfs else ("git-sha1", s.blob_id)
+    return out
+
+
+def fetch_huggingface(repo: str, revision: str, partial: Path) -> tuple[dict, dict]:
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")   # a pod's log: no carriage-return bars
+    from huggingface_hub import HfApi, snapshot_download
+
+    token = os.environ.get("HF_TOKEN") or None
+    info = HfApi().model_info(repo, revision=revision, files_metadata=True, token=token)
+    snapshot_download(repo, revision=info.sha, local_dir=str(partial), token=token)
+    return hub_expected(info.siblings or []), {"source": f"hf://{repo}", "revision": revision, "commit": info.sha}
+
+
+def parse_sha256(items: list[str]) -> dict[str, tuple[str, str]]:
+    out = {}
+    for item in items:
+        name, _, digest = item.partition("=")
+        if not name or len(digest) != 64 or any(c not in "0123456789abcdefABCDEF" for c in digest):
+            raise FetchError(f"--sha256 {item}: expected FILE=<64 hex digits>")
+        out[name] = ("sha256", digest)
+    return out
+
+
+def run(argv: list[str]) -> str:
+    p = argparse.ArgumentParser(prog="fetch_model.py")
+    p.add_argument("source", choices=["huggingface", "s3"])
+    p.add_argument("--dest", required=True, type=Path)
+    p.add_argument("--repo")
+    p.add_argument("--revision", default="main")
+    p.add_argument("--sha256", action="append", default=[])
+    a = p.parse_args(argv)
+    if (a.dest / VERIFIED).is_file():
+        return f"{a.dest}: fetched and checked before ({VERIFIED}): nothing to do"
+    own = parse_sha256(a.sha256)
+    partial = a.dest.parent / ".partial" / os.environ.get("POD", "local")
+    if a.source == "huggingface":
+        if not a.repo:
+            raise FetchError("huggingface: --repo is required")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        try:
+            hub, record = fetch_huggingface(a.repo, a.revision, partial)
+        except Exception as e:  # huggingface_hub's errors (gated repo, no token, unknown revision, network)
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise FetchError(f"huggingface {a.repo}@{a.revision}: {type(e).__name__}: {first}") from None
+        for name, (_, want) in own.items():   # the user's list must agree with the Hub's where both hash a file
+            kind, listed = hub.get(name, ("sha256", want))
+            if kind == "sha256" and listed.lower() != want.lower():
+                raise FetchError(f"model.sha256.{name}: {want} but the Hub lists {listed} at {record['commit']}")
+        expected, complete = hub | own, True
+    else:
+        if not partial.is_dir():
+            raise FetchError(f"{partial}: no download here (the download init container did not run?)")
+        expected, complete, record = own, True, {"source": "s3"}
+    record["files"] = check(partial, expected, complete)
+    a.dest.parent.mkdir(parents=True, exist_ok=True)
+    publish(partial, a.dest, record)
+    return f"{a.dest}: {len(expected)} files checked and published"
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        print(run(sys.argv[1:] if argv is None else argv), flush=True)
+        return 0
+    except FetchError as e:
+        print(f"fetch_model: {e}", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Continuous batching's KV cache for the PyTorch runtime, and the attention that reads it once.
+
+transformers' SDPA path expands a grouped KV head to every query head it serves (`repeat_kv`) whenever a mask is
+passed: on Gemma 4 (8 query heads, 1 KV head) that is 8 copies of the cache per layer per step. SDPA's own
+`enable_gqa` does not help on Turing: the memory-efficient kernel (with math, the only SDPA backends sm_75 has)
+takes as many KV heads as query heads. So `attend` folds each group of query heads into the query axis instead:
+[rows, kv_heads, group x queries, head_dim] against K/V [rows, kv_heads, keys, head_dim] is ordinary attention, and
+K/V are read where they lie. It is registered with transformers as the attention implementation ATTENTION.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from serving.memory_plan import ATTENTION_QUERY_CHUNK
+
+ATTENTION = "g5g_slots"
+QUERY_CHUNK = ATTENTION_QUERY_CHUNK     # prompt queries attended at once (what a prefill holds: memory_plan counts it)
+
+
+def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
+           scaling: float | None = None, **_) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: query [rows, heads, Q, D], key/value [rows, kv_heads, S, D],
+    a boolean mask [rows, 1, Q, S] (True: attend); returns [rows, Q, heads, D]."""
+    rows, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    out = []
+    for i in range(0, q_len, QUERY_CHUNK):
+        q = query[:, :, i:i + QUERY_CHUNK]
+        n = q.shape[2]
+        # heads are kv-head-major (repeat_kv's order): head h reads KV head h // group
+        q = q.reshape(rows, kv_heads, group * n, dim)
+        m = attention_mask[:, :, i:i + n]
+        m = m[:, :, None].expand(rows, 1, group, n, m.shape[-1]).reshape(rows, 1, group * n, m.shape[-1])
+        o = F.scaled_dot_product_attention(q, key, value, attn_mask=m, scale=scaling)
+        out.append(o.reshape(rows, heads, n, dim))
+    o = out[0] if len(out) == 1 else torch.cat(out, 2)
+    return o.transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, attend)
+    return ATTENTION
+
+
+def turing_backends() -> None:
+    """Leave SDPA only the backends sm_75 has (memory-efficient, math), so a newer GPU measures Turing's path."""
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+def span(positions: list[int], max_context: int) -> int:
+    """Keys a decode step attends over on full layers: a power of two (one compiled graph per size) covering every
+    position, at least 64."""
+    return min(max_context, max(64, 1 << max(positions).bit_length()))
+
+
+class SlotKV:
+    """Every layer that computes KV keeps one row per sequence: full layers [slots, kv_heads, max_context, head_dim],
+    sliding layers a ring of their window [slots, kv_heads, window, head_dim] (position p at p % window). Rows are
+    at different positions, which transformers' caches cannot hold, so the model reaches this one through the Cache
+    `update` call and takes {layer type: mask} as attention_mask. A decode step attends over the first
+    span(positions) keys of full layers, the length of their mask (marked dynamic: one compiled graph serves every
+    span), and over the whole ring of sliding ones: keys are stored rotated, so a ring's order does not matter, and
+    entry j is written exactly when j <= p, the same mask as a full layer's prefix."""
+
+    def __init__(self, model, slots: int, max_context: int, device: torch.device, dtype):
+        self.window = min(model.config.sliding_window, max_context)
+        self.k, self.v, self.ring = {}, {}, {}
+        for i, layer in enumerate(model.model.layers):
+            a = layer.self_attn
+            if not a.is_kv_shared_layer:
+                self.ring[i] = a.is_sliding
+                shape = (slots, a.k_proj.out_features // a.head_dim, self.window if a.is_sliding else max_context,
+                         a.head_dim)
+                self.k[i] = torch.zeros(shape, dtype=dtype, device=device)
+                self.v[i] = torch.zeros(shape, dtype=dtype, device=device)
+        if device.type == "cuda":                # CUDA graphs replay over these very buffers
+            for t in (*self.k.values(), *self.v.values()):
+                torch._dynamo.mark_static_address(t)
+        self.max_context, self.device = max_context, device
+        self._slot, self._pos = 0, None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+
+    def prefill(self, slot: int, n: int) -> dict:
+        """A prompt of n tokens into `slot` from position 0: it attends over its own keys (causal, window)."""
+        self._slot, self._pos = slot, None
+        q = torch.arange(n, device=self.device)
+        full = q[None, :] <= q[:, None]
+        sliding = full & (q[None, :] > q[:, None] - self.window)
+        return dict(position_ids=q[None], past_key_values=self,
+                    attention_mask={"full_attention": full[None, None], "sliding_attention": sliding[None, None]})
+
+    def decode(self, positions: torch.Tensor, span: int) -> dict:
+        """One token per row at positions [rows] (on the device); span: span() of them, from the host."""
+        self._pos, self._ring_pos = positions, positions % self.window
+        at = positions.view(-1, 1, 1, 1)
+        # tensors of their own, not views of one: the compiler sees a view's base, and the span's mark with it
+        self._full = torch.arange(span, device=self.device).view(1, 1, 1, span) <= at
+        torch._dynamo.maybe_mark_dynamic(self._full, 3)
+        masks = {"full_attention": self._full,
+                 "sliding_attention": torch.arange(self.window, device=self.device).view(1, 1, 1, -1) <= at}
+        return dict(position_ids=positions[:, None], attention_mask=masks, past_key_values=self)
+
+    def update(self, key, value, layer_idx, cache_kwargs=None):
+        """Write the new entries (key/value [rows, kv_heads, T, head_dim]) and return what the layer attends over."""
+        k, v, ring = self.k[layer_idx], self.v[layer_idx], self.ring[layer_idx]
+        if self._pos is None:                   # a prompt: the ring keeps its last window positions
+            n, s = key.shape[2], self._slot
+            if ring:
+                m = min(n, self.window)
+                at = torch.arange(n - m, n, device=key.device) % self.window
+                k[s].index_copy_(1, at, key[0, :, n - m:])
+                v[s].index_copy_(1, at, value[0, :, n - m:])
+            else:
+                k[s, :, :n], v[s, :, :n] = key[0], value[0]
+            return key, value
+        rows = torch.arange(key.shape[0], device=key.device)
+        at = self._ring_pos if ring else self._pos
+        k[rows, :, at], v[rows, :, at] = key[:, :, 0], value[:, :, 0]
+        if ring:
+            return k, v
+        n = self._full.shape[-1]
+        return k[:, :, :n], v[:, :, :n]
