@@ -4,8 +4,10 @@ shapes with random weights (no download), beside transformers.
     python benchmarks/quantized_decode.py OUT_DIR [--phase kernels|models] [--shapes e2b,e4b] [--tiny]
 
 kernels: every distinct packed linear of the shapes, 1 and 8 rows. PyTorch: cuBLAS fp16 (F.linear) against
-  serving/packed_matmul.py's kernel for each config in CONFIGS; JAX: an fp16 dot against model.matmul on Packed
-  int8/int4. Time per matmul over enough distinct weights to overflow L2 (so the bytes come from HBM), PyTorch
+  serving/packed_matmul.py's GEMV (its own config for this GPU, a T4G's grid, and the GEMV_SWEEP around it) and
+  its dot kernel (KERNEL_CONFIG); the device's copy bandwidth first, each kernel's packed GB/s as a share of it;
+  JAX (unless --kernel-runtimes torch): an fp16 dot against model.matmul on Packed int8/int4. Time per matmul
+  over enough distinct weights to overflow L2 (so the bytes come from HBM), PyTorch
   replayed from a CUDA graph (kernel time, launch excluded); effective GB/s of the bytes a matmul must read; the
   largest error against the dequantised weight.
 models: per shape, a random fp16 checkpoint, quantised to w8a16 and w4a16; per checkpoint, in a child process
@@ -36,9 +38,9 @@ sys.path.insert(0, str(ROOT / "tools"))
 from serving import memory_plan  # noqa: E402
 
 RESULT: dict = {}
-CONFIGS = [(32, 256, 4), (64, 128, 4), (16, 512, 4), (64, 256, 8), (128, 128, 4), (32, 512, 4)]
 SCHEMES = ("fp16", "w8a16", "w4a16")
 TOP_SHAPES = 5
+GEMV_SWEEP = [(8, 256), (16, 128), (16, 512), (32, 256)]     # (BLOCK_N, BLOCK_KB), split: 3 ways
 L2_BYTES = 256 << 20            # weights cycled per timing: well beyond any GPU's L2 (H200: 50 MB) ...
 MAX_COPIES = 64                 # ... up to this many (the smallest weights then partly stay in L2: noted per row)
 
@@ -76,10 +78,29 @@ def _copies(nbytes: int) -> int:
     return min(MAX_COPIES, max(4, -(-L2_BYTES // max(1, nbytes))))
 
 
-def kernels_torch(n: int, k: int, rows: int) -> dict:
+def copy_bandwidth() -> float:
+    """The device's copy bandwidth, bytes read + written per second (a 2 GiB device-to-device copy)."""
+    import torch
+    a = torch.empty(1 << 30, dtype=torch.float16, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return 2 * a.numel() * 2 / statistics.median(times)
+
+
+def kernels_torch(n: int, k: int, rows: int, copy_bw: float) -> dict:
     import torch
     import quantize
-    from serving.packed_matmul import PackedLinear, packed_mm
+    from serving import packed_matmul
+    from serving.packed_matmul import PackedLinear, gemv, packed_mm
 
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -110,7 +131,9 @@ def kernels_torch(n: int, k: int, rows: int) -> dict:
     c = _copies(w16.numel() * 2)
     ws = [w16.clone() for _ in range(c)]
     us = timed(lambda i: torch.nn.functional.linear(x, ws[i]), c)
-    res["fp16"] = {"us": round(us, 2), "GB_s": round(w16.numel() * 2 / us / 1e3, 1), "set_MB": c * w16.numel() * 2 >> 20}
+    res["fp16"] = {"us": round(us, 2), "GB_s": round(w16.numel() * 2 / us / 1e3, 1),
+                   "set_MB": c * w16.numel() * 2 >> 20,
+                   "of_copy_bw": round(w16.numel() * 2 / us / 1e-6 / copy_bw, 3)}
     for scheme in ("w8a16", "w4a16"):
         args = quantize.scheme_args(scheme, None)
         p = quantize.pack(w.float().cpu(), args)
@@ -119,17 +142,32 @@ def kernels_torch(n: int, k: int, rows: int) -> dict:
         nbytes = layer.packed.numel() + layer.scale.numel() * 2
         c = _copies(nbytes)
         packs = [(layer.packed.clone(), layer.scale.clone()) for _ in range(c)]
+        group = 0 if layer.scale.shape[1] == 1 else k // layer.scale.shape[1]
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        here = packed_matmul.gemv_config(n, k, args.num_bits, group, sms)
+        t4g = packed_matmul.gemv_config(n, k, args.num_bits, group, 40)
+        cands = {"gemv": ("gemv", here), "gemv_t4g_grid": ("gemv", t4g),
+                 "dot": ("dot", packed_matmul.KERNEL_CONFIG[args.num_bits])}
+        for bn, kb in GEMV_SWEEP:
+            if group and kb < group * args.num_bits // 8:
+                continue
+            for split in {max(1, here[2] // 2), here[2], 2 * here[2]}:
+                cands[f"gemv{(bn, kb, split)}"] = ("gemv", (bn, kb, split, 4))
         per = {}
-        for cfg in CONFIGS:
+        for name, (kind, cfg) in cands.items():
             try:
-                y = packed_mm(x, layer.packed, layer.scale, args.num_bits, config=cfg)
+                fn = ((lambda xx, w, s, cfg=cfg: gemv(xx, w, s, args.num_bits, config=cfg)) if kind == "gemv"
+                      else (lambda xx, w, s, cfg=cfg: packed_mm(xx, w, s, args.num_bits, config=cfg)))
+                y = fn(x, layer.packed, layer.scale)
                 err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
-                us = timed(lambda i, cfg=cfg: packed_mm(x, *packs[i], args.num_bits, config=cfg), c)
-                per[str(cfg)] = {"us": round(us, 2), "GB_s": round(nbytes / us / 1e3, 1), "rel_err": round(err, 5)}
+                us = timed(lambda i, fn=fn: fn(x, *packs[i]), c)
+                per[name] = {"config": cfg, "us": round(us, 2), "GB_s": round(nbytes / us / 1e3, 1),
+                             "of_copy_bw": round(nbytes / us / 1e-6 / copy_bw, 3), "rel_err": round(err, 5)}
             except Exception as e:          # a config the shape does not take: recorded, not fatal
-                per[str(cfg)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                per[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         best = min((v["us"], kk) for kk, v in per.items() if "us" in v)
-        res[scheme] = {"configs": per, "best": best[1], "us": best[0], "vs_fp16": round(res["fp16"]["us"] / best[0], 2)}
+        res[scheme] = {"configs": per, "best": best[1], "us": best[0], "vs_fp16": round(res["fp16"]["us"] / best[0], 2),
+                       "default_of_copy_bw": per["gemv"].get("of_copy_bw"), "bytes": nbytes}
     return res
 
 
@@ -191,7 +229,9 @@ def kernels_jax(n: int, k: int, rows: int) -> dict:
     return res
 
 
-def run_kernels(out: Path, shapes: list[str], tiny: bool) -> None:
+def run_kernels(out: Path, shapes: list[str], tiny: bool, runtimes: list[str]) -> None:
+    copy_bw = copy_bandwidth()
+    note(out, **{"kernels.copy_bandwidth_GB_s": round(copy_bw / 1e9, 1)})
     seen = set()
     for shape in shapes:      # the shapes that carry most of a token's packed bytes (each model's top TOP_SHAPES)
         ranked = sorted(linear_shapes(shape, tiny).items(), key=lambda kv: -kv[1] * kv[0][0] * kv[0][1])
@@ -201,8 +241,9 @@ def run_kernels(out: Path, shapes: list[str], tiny: bool) -> None:
             seen.add((n, k))
             for rows in (1, 8):
                 key = f"{n}x{k}/rows{rows}"
-                note(out, **{f"kernels.torch.{key}": kernels_torch(n, k, rows)})
-                note(out, **{f"kernels.jax.{key}": kernels_jax(n, k, rows)})
+                note(out, **{f"kernels.torch.{key}": kernels_torch(n, k, rows, copy_bw)})
+                if "jax" in runtimes:
+                    note(out, **{f"kernels.jax.{key}": kernels_jax(n, k, rows)})
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -368,6 +409,7 @@ def main() -> int:
     ap.add_argument("out", type=Path, nargs="?")
     ap.add_argument("--phase", choices=("kernels", "models"), action="append")
     ap.add_argument("--shapes", default="e2b,e4b")
+    ap.add_argument("--kernel-runtimes", default="torch,jax")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--work", type=Path, default=Path("/tmp/qdecode"))
     ap.add_argument("--no-peer", action="store_true")
@@ -384,7 +426,7 @@ def main() -> int:
     note(a.out, started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), shapes=shapes)
     for phase in a.phase or ("kernels", "models"):
         if phase == "kernels":
-            run_kernels(a.out, shapes, a.tiny)
+            run_kernels(a.out, shapes, a.tiny, a.kernel_runtimes.split(","))
         else:
             run_models(a.out, shapes, a.tiny, a.steps, a.work, not a.no_peer)
     note(a.out, finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))

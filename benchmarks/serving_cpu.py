@@ -1,6 +1,7 @@
 """The PyTorch and JAX servers side by side, measured by the project's one harness (`build.py bench`).
 
     python -m benchmarks.serving_cpu [--runtimes pytorch,jax] [--model DIR] [--requests 8] [--max-tokens 128]
+                                     [--concurrency 1]
 
 For each runtime: start `python -m serving` (default model: the tiny Gemma 4 fixture, built if needed), time
 process start → /health 200, run `build.py bench --url …` (TTFT, TPOT, ITL on the wire, the server's gauge beside
@@ -28,6 +29,7 @@ def bench_runtime(runtime: str, model: Path, args, out: Path) -> Path:
             result = out / f"{runtime}.json"
             subprocess.run([sys.executable, "build.py", "bench", "--url", srv.url, "--label", runtime,
                             "--requests", str(args.requests), "--max-tokens", str(args.max_tokens),
+                            "--concurrency", str(args.concurrency),
                             "--warmup", "2", "--json", str(result)], cwd=REPO, check=True)
     except ServerFailed as e:
         raise SystemExit(f"{runtime}: {e}") from None
@@ -43,6 +45,7 @@ def main() -> int:
     ap.add_argument("--model", help="checkpoint dir (default: the tiny Gemma 4 fixture)")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=1, help="clients at once (a storm: what the queue carries)")
     ap.add_argument("--threads", type=int, default=1, help="OMP/torch threads for the server (CPU)")
     ap.add_argument("--out", default="benchmarks/results/serving_cpu", help="where <runtime>.json go")
     args = ap.parse_args()

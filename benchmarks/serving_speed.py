@@ -112,7 +112,9 @@ def measure_server(runtime: str, ckpt: Path, work: Path, runs: int, p: dict, tor
                       G5G_JAX_BUCKETS=BUCKETS, G5G_JAX_SLOTS=str(SLOTS), XLA_PYTHON_CLIENT_MEM_FRACTION="0.5",
                       G5G_TORCH_SLOTS=str(torch_slots),
                       G5G_TORCH_CACHE_DIR=str(work / f"torchcache{torch_slots}"))
-    flags = ("--max-model-len", "1024", "--served-model-name", "e2b", "--max-waiting", "64", "--log-level", "warning")
+    # --max-queue-wait 0: the concurrent runs queue on a one-slot runtime by design (throughput, not latency)
+    flags = ("--max-model-len", "1024", "--served-model-name", "e2b", "--max-waiting", "64", "--max-queue-wait", "0",
+             "--log-level", "warning")
     res: dict = {"log_tail": {}}
     # the first boot compiles into an empty cache (JAX: the bucket ladder; PyTorch: the decode step): time it, then
     # boot from that cache, as a restarted pod with the chart's compile-cache volume does

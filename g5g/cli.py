@@ -175,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--runtime", default="vllm", metavar="RUNTIME",
                     help="a serving runtime (runtimes/*.yaml with smoke:); with --model: vllm loads the vision/audio "
                     "towers too; jax and pytorch serve the text model only (default: vllm)")
+    ft.add_argument("--lm-head", choices=("fp16", "int8"), default="fp16",
+                    help="the LM head the PyTorch runtime reads per token (G5G_LM_HEAD): int8 adds a quantised copy "
+                    "(the embedding gather stays 16-bit) and streams half the head's bytes (default: fp16)")
     ft.add_argument("--gpu", choices=("t4g", "t4"), default="t4g", help="target GPU (15 360 MiB; default: t4g)")
     ft.add_argument("--overhead-mib", type=int, default=1024,
                     help="CUDA context, workspaces, activations (default: 1024, a stated allowance)")

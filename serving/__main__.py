@@ -79,11 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=_count, default=64,
                    help="how many requests may wait while the engine is busy; one more gets a 429 at once "
                         "(0: no queue, a request is admitted only when the engine is free; default: 64)")
+    p.add_argument("--max-queue-wait", type=_seconds, default=60.0,
+                   help="seconds a request may wait for a slot; then a 429 (0: no limit; default: 60)")
     p.add_argument("--shutdown-timeout", type=_seconds, default=5.0,
                    help="on SIGTERM, seconds running and queued requests get to finish before they are aborted "
                         "(streams end with finish_reason \"abort\", others get a 503; default: 5)")
     p.add_argument("--max-body-bytes", type=_positive, default=16 * 2**20,
                    help="largest request body; a larger one gets a 413 before it is read (default: 16 MiB)")
+    p.add_argument("--body-timeout", type=_seconds, default=10.0,
+                   help="seconds a request body may pause before it is complete; then a 408 (0: no limit; default: 10)")
     p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1/* (as vllm serve; default: $VLLM_API_KEY)")
     p.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS origins, a JSON list")
@@ -125,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
     app = create_app(load, model, args.served_model_name, max_waiting=args.max_waiting, on_load_error=on_load_error,
                      shutdown_grace=args.shutdown_timeout, max_body_bytes=args.max_body_bytes,
-                     api_key=args.api_key, cors=cors)
+                     api_key=args.api_key, cors=cors, body_timeout_s=args.body_timeout,
+                     max_queue_wait=args.max_queue_wait)
     server = make_server(app, args.host, args.port, args.shutdown_timeout, args.log_level)
     server.run()
     return 1 if failed else 0

@@ -133,13 +133,17 @@ class Scheduler:
     are unfinished, counting the ones running and the ones waiting whose client is still there. So
     `max_waiting` is exactly how many requests may wait while every slot is busy, whatever their arrival timing;
     0 means no queue (a request is admitted only when a slot is free).
+
+    The wait (`--max-queue-wait`, seconds; 0: none): a job still waiting for a slot that long after it arrived is
+    answered 429 (its stream too: a stream's headers wait for its first event), rather than waiting on for minutes
+    (a CPU server with one slot).
     """
 
-    def __init__(self, metrics: Metrics, max_waiting: int):
+    def __init__(self, metrics: Metrics, max_waiting: int, max_queue_wait: float = 0.0):
         if max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
         self.metrics = metrics
-        self.max_waiting = max_waiting
+        self.max_waiting, self.max_queue_wait = max_waiting, max_queue_wait
         self.queued: deque[Job] = deque()   # waiting for a slot, in arrival order
         self.wake = threading.Condition()   # guards queued
         self.pending = 0                    # taken from the queue by the engine thread, not in the batch yet
@@ -220,6 +224,7 @@ class Scheduler:
         """Engine thread: admit, step, hand every event to its request's coroutine, until the server stops."""
         batch = self.batch
         while not self.stopping.is_set():
+            self._expire()
             with self.wake:
                 while not self.queued and not batch.live and not self.stopping.is_set():
                     self.wake.wait(timeout=1.0)
@@ -244,6 +249,23 @@ class Scheduler:
             self._kv_usage()
         for job in batch.drop_all():
             job.cancelled.set()
+
+    def _expire(self) -> None:
+        """Engine thread: a 429 for each job that waited past max_queue_wait (the FIFO's oldest come first)."""
+        if not self.max_queue_wait:
+            return
+        too_old = time.monotonic() - self.max_queue_wait
+        with self.wake:
+            expired = []
+            while self.queued and self.queued[0].arrival < too_old:
+                expired.append(self.queued.popleft())
+        for job in expired:
+            job.cancelled.set()
+            self.metrics.finished(job.arrival, Finish("abort", len(job.prompt_ids), 0, []), running=self._running())
+            job.send(APIError(429, f"server busy: no slot came free within {self.max_queue_wait:g} s "
+                                   f"(--max-queue-wait); retry later", "rate_limit_error", code="rate_limit_exceeded"))
+        if expired:
+            self.metrics.set_queue(self._live())
 
     def _kv_usage(self) -> None:
         filled = sum(live.gen.prompt_tokens + len(live.gen.times) for live in self.batch.live.values())
@@ -322,7 +344,7 @@ def version() -> str:
 def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_model_name: str | None = None,
                max_waiting: int = 64, on_load_error: Callable[[BaseException], None] | None = None,
                shutdown_grace: float = 5.0, max_body_bytes: int = 16 * 2**20, api_key: str | None = None,
-               cors: dict | None = None) -> FastAPI:
+               cors: dict | None = None, body_timeout_s: float = 10.0, max_queue_wait: float = 60.0) -> FastAPI:
     """`load_engine` runs in the engine thread after the server starts listening; /health is 503 until it
     returns and a warm-up has produced a token. `app.state.begin_shutdown()` (thread-safe; `Server` calls it on
     SIGTERM) starts the drain: new requests get 503, running ones `shutdown_grace` seconds to finish, then
@@ -331,12 +353,12 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
     model_dir = Path(model_dir)
     name = served_model_name or model_dir.name
     metrics = Metrics(name)
-    ctx = Context(name, model_dir, metrics, Scheduler(metrics, max_waiting))
+    ctx = Context(name, model_dir, metrics, Scheduler(metrics, max_waiting, max_queue_wait))
     app = FastAPI(title="g5g serving", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=_lifespan(ctx, load_engine, on_load_error, shutdown_grace))
     app.state.ctx = ctx
     app.state.begin_shutdown = lambda: None          # replaced once the server runs
-    app.add_middleware(Guard, max_body_bytes=max_body_bytes, api_key=api_key)
+    app.add_middleware(Guard, max_body_bytes=max_body_bytes, api_key=api_key, body_timeout_s=body_timeout_s)
     cors = {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers": ["*"], "allow_credentials": False,
             **(cors or {})}
     app.add_middleware(CORSMiddleware, **cors)       # outermost: preflights never need the API key

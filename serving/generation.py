@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -17,7 +18,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from serving.engine import Engine, SamplingParams, TokenLogprobs
-from serving.structured import Matcher, mask_words
+from serving.structured import Matcher, mask_words, tokenizer_family
 from serving.tool_calls import MARKUP, RESPONSE_START
 
 # Gemma 4's control tokens that shape the output (see the checkpoint's tokenizer.json).
@@ -51,6 +52,7 @@ class TokenizerInfo:
     token_texts: dict = field(default_factory=dict)     # id -> its text alone (logprobs), filled as needed
     tool_markup: frozenset[int] = frozenset()   # Gemma 4's tool-call tags: shown when tool calls are read
     tool_response: int | None = None            # RESPONSE_START's id: ends a reply that may call tools
+    family: str = "sentencepiece"               # how its tokens spell bytes (serving/structured.py's tokenizer_family)
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "TokenizerInfo":
@@ -58,6 +60,10 @@ class TokenizerInfo:
 
         model_dir = Path(model_dir)
         tok = AutoTokenizer.from_pretrained(model_dir)
+        try:
+            family = tokenizer_family(tok)
+        except ValueError as e:       # refused at start, not answered with output the grammar did not mean
+            raise ValueError(f"{model_dir / 'tokenizer.json'}: {e}") from None
         hidden = {i for i, t in tok.added_tokens_decoder.items() if t.special} | set(tok.all_special_ids)
         vocab = tok.get_vocab()
         stop = set()
@@ -83,7 +89,7 @@ class TokenizerInfo:
                    defaults, prompt_tokenizer=AutoTokenizer.from_pretrained(model_dir),
                    max_token_chars=max(map(len, vocab), default=1),
                    tool_markup=frozenset(vocab[t] for t in MARKUP if t in vocab),
-                   tool_response=vocab.get(RESPONSE_START))
+                   tool_response=vocab.get(RESPONSE_START), family=family)
 
     @property
     def vocab_size(self) -> int:
@@ -174,28 +180,51 @@ class Detokenizer:
         return after[len(before):]
 
 
-def _failure(s: str) -> list[int]:
-    """KMP failure function: f[i] = length of the longest proper prefix of s[:i+1] that is also its suffix."""
-    f, k = [0] * len(s), 0
-    for i in range(1, len(s)):
-        while k and s[i] != s[k]:
-            k = f[k - 1]
-        if s[i] == s[k]:
-            k += 1
-        f[i] = k
-    return f
+class StopAutomaton:
+    """An Aho-Corasick automaton over a request's stop strings: built once, in time linear in their length (bounded
+    by the API: serving/protocol.py's MAX_STOP, MAX_STOP_CHARS; the API builds it off the engine thread, Job.stops),
+    it then costs O(1) amortised per generated character, however many stops there are and however long they and
+    the output are. Read-only: the n choices of a request share one."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(s for s in dict.fromkeys(stops) if s)
+        # The trie of the stops: node 0 the root, goto[n] its edges, depth[n] the length of the text it stands for,
+        # ends[n] the length of the longest stop that text ends with (0: none), fail[n] the node of its longest
+        # proper suffix that is in the trie.
+        self.goto: list[dict[str, int]] = [{}]
+        self.depth, self.ends = [0], [0]
+        for stop in self.stops:
+            n = 0
+            for ch in stop:
+                if ch not in self.goto[n]:
+                    self.goto[n][ch] = len(self.goto)
+                    self.goto.append({})
+                    self.depth.append(self.depth[n] + 1)
+                    self.ends.append(0)
+                n = self.goto[n][ch]
+            self.ends[n] = len(stop)
+        self.fail = [0] * len(self.goto)
+        queue = deque(self.goto[0].values())   # breadth first: a node's suffix is done before it
+        while queue:
+            n = queue.popleft()
+            for ch, child in self.goto[n].items():
+                f = self.fail[n]
+                while f and ch not in self.goto[f]:
+                    f = self.fail[f]
+                self.fail[child] = self.goto[f].get(ch, 0)
+                self.ends[child] = self.ends[child] or self.ends[self.fail[child]]
+                queue.append(child)
 
 
 class StopStrings:
     """Holds back text that might be the start of a stop string; cuts the text at the first stop string to
-    complete. One KMP matcher per stop string: the work per delta is linear in the delta (times the number of
-    stops), however long the stops and the output are."""
+    complete (the longest, if several complete at one character). `stops`: the strings, or their StopAutomaton."""
 
-    def __init__(self, stops: Sequence[str], include: bool = False):
+    def __init__(self, stops: Sequence[str] | StopAutomaton, include: bool = False):
         self.include = include                  # the text ends with the stop string (vLLM's include_stop_str_in_output)
-        self.stops = [s for s in dict.fromkeys(stops) if s]
-        self.fail = [_failure(s) for s in self.stops]
-        self.matched = [0] * len(self.stops)    # per stop: how many of its first characters end the text
+        self.auto = stops if isinstance(stops, StopAutomaton) else StopAutomaton(stops)
+        self.stops = self.auto.stops
+        self.node = 0                           # where the text so far ends in the trie
         self.pending = ""                       # unsent text: the longest possible start of a stop string
 
     def push(self, delta: str) -> tuple[str, bool]:
@@ -203,23 +232,16 @@ class StopStrings:
         if not self.stops:
             return delta, False
         text, base = self.pending + delta, len(self.pending)
+        goto, fail, ends, n = self.auto.goto, self.auto.fail, self.auto.ends, self.node
         for i, ch in enumerate(delta):
-            cut = None
-            for k, s in enumerate(self.stops):
-                q, f = self.matched[k], self.fail[k]
-                while q and s[q] != ch:
-                    q = f[q - 1]
-                if s[q] == ch:
-                    q += 1
-                if q == len(s):
-                    start = base + i + 1 if self.include else base + i + 1 - q
-                    cut = start if cut is None else min(cut, start)
-                    q = f[q - 1]
-                self.matched[k] = q
-            if cut is not None:
-                self.pending = ""
-                return text[:cut], True
-        keep = max(self.matched)
+            while n and ch not in goto[n]:
+                n = fail[n]
+            n = goto[n].get(ch, 0)
+            if ends[n]:
+                end = base + i + 1
+                self.pending, self.node = "", 0
+                return text[:end if self.include else end - ends[n]], True
+        self.node, keep = n, self.auto.depth[n]
         self.pending = text[len(text) - keep:] if keep else ""
         return text[:len(text) - keep], False
 
@@ -277,12 +299,13 @@ class Generation:
     """One request's state between tokens: its budget, detokeniser, stop strings and token times."""
 
     def __init__(self, info: TokenizerInfo, prompt_ids: Sequence[int], params: SamplingParams, max_context: int,
-                 grammar: Any = None, reveal: frozenset[int] = frozenset(), vocab_size: int | None = None):
+                 grammar: Any = None, reveal: frozenset[int] = frozenset(), vocab_size: int | None = None,
+                 stops: StopAutomaton | None = None):
         self.info, self.params = info, params
         self.prompt_tokens = len(prompt_ids)
         self.budget = min(params.max_tokens, max_context - len(prompt_ids))
         self.detok = Detokenizer(info, reveal)
-        self.stops = StopStrings(params.stop, params.include_stop_str)
+        self.stops = StopStrings(params.stop if stops is None else stops, params.include_stop_str)
         self.matcher = Matcher(grammar) if grammar is not None else None
         words = mask_words(vocab_size or info.vocab_size)
         self.allowed = None             # allowed_token_ids as a mask row (serving/engine.py's layout)
@@ -395,8 +418,9 @@ class _Live:
 
 class Batch:
     """Continuous batching over an engine's slots. A job is anything with `prompt_ids`, `params`, `cancelled`
-    (a threading.Event), and optionally `grammar` (serving/structured.py; None: unconstrained) and `reveal`
-    (special token ids the text shows, e.g. TokenizerInfo.tool_markup). `join` prefills a job into a free slot,
+    (a threading.Event), and optionally `grammar` (serving/structured.py; None: unconstrained), `reveal`
+    (special token ids the text shows, e.g. TokenizerInfo.tool_markup) and `stops` (params.stop's StopAutomaton,
+    built before: none, it is built on the engine thread). `join` prefills a job into a free slot,
     `step` advances every live job by one token; both return the (job, Delta | Finish) events to hand out. A job
     whose client left ends with "abort" at its next token. One thread drives a Batch (the engine's)."""
 
@@ -410,7 +434,8 @@ class Batch:
 
     def join(self, job) -> list[tuple[Any, Delta | Finish]]:
         gen = Generation(self.info, job.prompt_ids, job.params, self.engine.max_context,
-                         getattr(job, "grammar", None), getattr(job, "reveal", frozenset()), self.engine.vocab_size)
+                         getattr(job, "grammar", None), getattr(job, "reveal", frozenset()), self.engine.vocab_size,
+                         getattr(job, "stops", None))
         slot = next(s for s in range(self.engine.slots) if s not in self.live)
         if gen.budget <= 0 and job.params.prompt_logprobs is not None and not job.cancelled.is_set():
             return [(job, ev) for ev in gen.prompt_only(self.engine, slot, job.prompt_ids)]

@@ -23,6 +23,10 @@ DEFAULT_OVERHEAD_MIB = 1024
 # scheme -> (bits, group size or None for one scale per output channel); None: 16-bit weights.
 SCHEMES = {"fp16": None, "w8a16": (8, None), "w4a16": (4, 32)}
 SCALE_BYTES = 2                 # fp16 scales, one per output row (channel) or per group
+# The LM head as the decode step reads it: fp16, or int8 with one scale per vocabulary row (a copy the PyTorch
+# runtime quantises at load, G5G_LM_HEAD=int8; the tied embedding stays 16-bit for the gather, so a tied head adds
+# the int8 copy to the resident bytes and streams only it).
+LM_HEADS = ("fp16", "int8")
 # What the PyTorch runtime's attention and sampler hold beside weights and KV (serving/torch_attention.py,
 # serving/torch_sampler.py): a prompt's queries are attended ATTENTION_QUERY_CHUNK at a time, each query head's row of
 # keys costing its boolean mask, SDPA's fp16 additive mask and the math backend's float32 scores and probabilities;
@@ -159,12 +163,13 @@ class Plan:
     scheme: str
     weights: int                # bytes resident: text model
     towers: int                 # bytes of the vision/audio towers (vLLM loads them; our runtimes do not)
-    streamed_per_token: int     # bytes read per decode step: every linear + the tied LM head (not the gathers)
+    streamed_per_token: int     # bytes read per decode step: every linear + the LM head (not the gathers)
     kv_per_token: int           # bytes of KV cache per token of context, every non-shared layer at full length
     kv_per_token_sliding: int   # the same with sliding layers holding only their window (the floor)
     kv: int                     # slots x max_model_len x kv_per_token
     overhead: int
     gpu: int
+    lm_head: str = "fp16"
     attention: int = 0          # the PyTorch runtime's attention and sampler buffers (attention_bytes)
     tuning: int = 0             # a runtime whose compiler autotunes its dots: what tuning the largest one holds
 
@@ -178,7 +183,8 @@ class Plan:
 
     def lines(self) -> list[str]:
         m = lambda b: f"{b / MIB:9.1f} MiB"  # noqa: E731
-        return [f"weights ({self.scheme}, text) {m(self.weights)}",
+        head = "" if self.lm_head == "fp16" else f", {self.lm_head} LM head"
+        return [f"weights ({self.scheme}{head}, text) {m(self.weights)}",
                 *([f"vision/audio towers     {m(self.towers)}  (vLLM loads them; our runtimes do not)"]
                   if self.towers else []),
                 f"KV cache                {m(self.kv)}  ({self.kv_per_token} B/token; sliding layers at their "
@@ -221,30 +227,38 @@ def attention_bytes(raw: dict, max_model_len: int, slots: int) -> int:
 
 def plan(raw: dict, scheme: str, max_model_len: int, slots: int, gpu_mib: int = T4G_MIB,
          overhead_mib: int = DEFAULT_OVERHEAD_MIB, tensors: dict | None = None, towers: int = 0,
-         rings: bool = False, attention: bool = False, autotuned: bool = False) -> Plan:
+         rings: bool = False, attention: bool = False, autotuned: bool = False, lm_head: str = "fp16") -> Plan:
     """rings: the runtime keeps sliding layers' KV as rings of their window (JAX, PyTorch); else at full length
     (vLLM's allocation counted as such). attention: count attention_bytes (the PyTorch runtime's). autotuned: the
     runtime's compiler autotunes each dot at boot (XLA on a GPU), running it on fresh copies of its operands and
     output: the LM head's is the largest (16-bit, [slots, vocab] float32 logits out), held once if the runtime
-    compiles one executable per shape of it before the rest."""
+    compiles one executable per shape of it before the rest. lm_head: one of LM_HEADS."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
+    if lm_head not in LM_HEADS:
+        raise ValueError(f"LM head {lm_head!r} is not one of {', '.join(LM_HEADS)}")
     tensors = tensors if tensors is not None else text_tensors(raw)
     sizes = {n: tensor_bytes(n, s, scheme) for n, s in tensors.items()}
     streamed = sum(b for n, b in sizes.items() if QUANTISED.search(n) or n.endswith("model_projection.weight"))
-    if text_section(raw).get("tie_word_embeddings", raw.get("tie_word_embeddings", True)) or "lm_head.weight" \
-            not in tensors:
-        streamed += sizes["embed_tokens.weight"]
+    tied = text_section(raw).get("tie_word_embeddings", raw.get("tie_word_embeddings", True)) \
+        or "lm_head.weight" not in tensors
+    head = "embed_tokens.weight" if tied else "lm_head.weight"
+    vocab, width = tensors[head]
+    if lm_head == "int8":
+        int8 = vocab * width + SCALE_BYTES * vocab
+        if not tied:            # an untied head is replaced by its int8 copy
+            del sizes[head]
+        sizes["lm_head.int8"] = int8
+        streamed += int8
     else:
-        streamed += sizes["lm_head.weight"]
+        streamed += sizes[head]
     per_tok, per_tok_rings = kv_bytes_per_token(raw), kv_bytes_per_token(raw, max_model_len)
-    untied = not text_section(raw).get("tie_word_embeddings", raw.get("tie_word_embeddings", True))
-    head = tensors["lm_head.weight" if untied and "lm_head.weight" in tensors else "embed_tokens.weight"]
-    tuning = 2 * head[0] * head[1] + 4 * slots * head[0] if autotuned else 0
+    tuning = 2 * vocab * width + 4 * slots * vocab if autotuned else 0
     return Plan(tuning=tuning, scheme=scheme, weights=sum(sizes.values()), towers=towers, streamed_per_token=streamed,
                 kv_per_token=per_tok, kv_per_token_sliding=per_tok_rings,
                 kv=slots * max_model_len * (per_tok_rings if rings else per_tok), overhead=overhead_mib * MIB,
-                gpu=gpu_mib * MIB, attention=attention_bytes(raw, max_model_len, slots) if attention else 0)
+                gpu=gpu_mib * MIB, attention=attention_bytes(raw, max_model_len, slots) if attention else 0,
+                lm_head=lm_head)
 
 
 def plan_checkpoint(model_dir: Path, scheme: str | None, max_model_len: int, slots: int, text_only: bool = False,
@@ -265,13 +279,13 @@ def plan_checkpoint(model_dir: Path, scheme: str | None, max_model_len: int, slo
 
 
 def refusal(model_dir: Path, max_model_len: int, slots: int, gpu_bytes: int, rings: bool = False,
-            attention: bool = False, autotuned: bool = False) -> str | None:
+            attention: bool = False, autotuned: bool = False, lm_head: str = "fp16") -> str | None:
     """The one line a server logs before refusing to start when the plan says the model does not fit the GPU it
     runs on (weights + KV + the stated overhead), else None. A checkpoint the plan cannot read is not refused
     here: loading it reports what is wrong."""
     try:
         p = plan_checkpoint(model_dir, None, max_model_len, slots, text_only=True, gpu_mib=gpu_bytes // MIB,
-                            rings=rings, attention=attention, autotuned=autotuned)
+                            rings=rings, attention=attention, autotuned=autotuned, lm_head=lm_head)
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if p.fits:

@@ -1,14 +1,18 @@
 """What every HTTP request passes through before an endpoint sees it (one pure-ASGI middleware, streaming-safe):
 
 - an `x-request-id` on every response: the client's own, or a new one (it also names the completion's id);
-- `--api-key`: /v1/* needs `Authorization: Bearer <key>`, as with `vllm serve --api-key` (401 otherwise);
+- `--api-key`: /v1/* needs exactly one `Authorization: Bearer <key>` header, as with `vllm serve --api-key` (401
+  otherwise: a wrong key followed by the right one is refused too);
 - a request-body limit (`--max-body-bytes`): 413 from the Content-Length alone, or as soon as a chunked body
   passes the limit, before anything parses or tokenises it;
+- a body that stops coming (`--body-timeout`: seconds without a byte while the body is incomplete, e.g. a
+  Content-Length of 100 and 7 bytes sent) gets a 408, instead of holding its connection and handler open;
 - a request uvicorn's HTTP parser refuses (a malformed Content-Length, a garbled request line) gets an OpenAI
   error body too, not uvicorn's plain text (`http_protocol`).
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import uuid
@@ -22,9 +26,15 @@ class BodyTooLarge(APIError):
                               f"(--max-body-bytes)", code="request_too_large")
 
 
+class BodyTimeout(APIError):
+    def __init__(self, seconds: float):
+        super().__init__(408, f"request body incomplete: no byte of it came for {seconds:g} s (--body-timeout)",
+                         code="request_timeout")
+
+
 class Guard:
-    def __init__(self, app, max_body_bytes: int, api_key: str | None = None):
-        self.app, self.limit = app, max_body_bytes
+    def __init__(self, app, max_body_bytes: int, api_key: str | None = None, body_timeout_s: float = 10.0):
+        self.app, self.limit, self.body_timeout_s = app, max_body_bytes, body_timeout_s
         self.auth = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
@@ -46,23 +56,32 @@ class Guard:
                 response.headers["www-authenticate"] = "Bearer"
             await response(scope, receive, send_with_id)
 
+        keys = [v for k, v in scope["headers"] if k == b"authorization"]     # dict(headers) keeps the last one
         if self.auth and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS" and \
-                not hmac.compare_digest(headers.get(b"authorization", b""), self.auth):
+                not (len(keys) == 1 and hmac.compare_digest(keys[0], self.auth)):
             return await refuse(APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
                                          "authentication_error", code="invalid_api_key"))
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
             return await refuse(BodyTooLarge(self.limit) if length.isdigit() else
                                 APIError(400, "invalid Content-Length header"))
-        received = 0
+        received, complete = 0, False
 
         async def limited_receive():
-            nonlocal received
-            message = await receive()
+            nonlocal received, complete
+            if complete:            # after the body: waits for the client to leave (a stream's watch), no deadline
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout_s or None)     # 0: no limit
+            except asyncio.TimeoutError:
+                raise BodyTimeout(self.body_timeout_s) from None    # reaches the endpoint's body read: a 408
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.limit:
                     raise BodyTooLarge(self.limit)       # reaches the endpoint's body read: a 413 response
+                complete = not message.get("more_body", False)
+            else:
+                complete = True
             return message
 
         await self.app(scope, limited_receive, send_with_id)

@@ -17,7 +17,7 @@ from typing import Any, Callable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from serving.generation import Delta, Finish, Logprob, PromptLogprob, PromptTooLong, SamplingParams
+from serving.generation import Delta, Finish, Logprob, PromptLogprob, PromptTooLong, SamplingParams, StopAutomaton
 from serving.protocol import (APIError, ChatRequest, CompletionRequest, ResponseFormat, messages, read,
                               template_options, unavailable)
 from serving.scheduler import Job, QueueFull
@@ -175,17 +175,18 @@ async def while_connected(request: Request, fn: Callable[[threading.Event], Any]
 GOLDEN = 0x9E3779B97F4A7C15     # 2**64 / golden ratio: choice i's seed is the request's plus i times this
 
 
-def submit(request: Request, prompts: list[tuple[list[int], SamplingParams]], n: int, grammar: Any = None,
-           reveal: frozenset[int] = frozenset()) -> list[Job]:
+async def submit(request: Request, prompts: list[tuple[list[int], SamplingParams]], n: int, grammar: Any = None,
+                 reveal: frozenset[int] = frozenset()) -> list[Job]:
     """Queue n choices of each (prompt ids, params) (all or none); choice j of prompt p has index p * n + j (as
     vLLM). Choice j of a seeded request samples with a seed derived from the request's seed and j (choice 0 with
     the seed itself), so the same request gives the same choices. Each choice follows `grammar` with a matcher of
-    its own."""
+    its own. The stop strings' automaton (the same for every prompt) is built here, in a worker thread."""
+    stops = await asyncio.to_thread(StopAutomaton, prompts[0][1].stop)
     ctx = request.app.state.ctx
     ctx.check_serving()                    # again: the server may have begun shutting down while we tokenised
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     jobs = [Job(ids, params if params.seed is None or j == 0 else replace(params, seed=params.seed + j * GOLDEN),
-                loop, events=events, index=p * n + j, grammar=grammar, reveal=reveal)
+                loop, events=events, index=p * n + j, grammar=grammar, reveal=reveal, stops=stops)
             for p, (ids, params) in enumerate(prompts) for j in range(n)]
     try:
         ctx.scheduler.submit(*jobs)
@@ -286,7 +287,7 @@ async def chat(request: Request):
         reveal |= ctx.info.tool_markup         # into a tool's answer it would have to make up
         if ctx.info.tool_response is not None:
             params = replace(params, stop_token_ids=params.stop_token_ids + (ctx.info.tool_response,))
-    jobs = submit(request, [(ids, params)], req.n, grammar, reveal)
+    jobs = await submit(request, [(ids, params)], req.n, grammar, reveal)
     rid, created, model = f"chatcmpl-{request.state.request_id}", int(time.time()), ctx.name
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -311,8 +312,8 @@ async def chat(request: Request):
         def end(fins: list[Finish]) -> list[str]:
             return [sse({**base, "choices": [], "usage": usage(fins)})] if include_usage else []
 
-        return stream(jobs, [chunk(i, {"role": "assistant", "content": ""}) for i in range(req.n)],
-                      on_text, on_finish, end)
+        return await stream(request, jobs, [chunk(i, {"role": "assistant", "content": ""}) for i in range(req.n)],
+                            on_text, on_finish, end)
 
     results = await collect(request, jobs)
     return JSONResponse({
@@ -357,8 +358,8 @@ async def completions(request: Request):
     # echo with logprobs: the prompt's tokens lead the logprobs, as vLLM (its prompt logprobs, the first one null)
     with_prompt = req.echo and req.logprobs is not None
     prompt_lps = req.logprobs if with_prompt and req.prompt_logprobs is None else req.prompt_logprobs
-    jobs = submit(request, [(i, sampling(ctx, req, len(i), req.max_tokens, req.logprobs, prompt_lps)) for i in ids],
-                  req.n, grammar, revealed(ctx, req))
+    jobs = await submit(request, [(i, sampling(ctx, req, len(i), req.max_tokens, req.logprobs, prompt_lps))
+                                  for i in ids], req.n, grammar, revealed(ctx, req))
     rid, created, model = f"cmpl-{request.state.request_id}", int(time.time()), ctx.name
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -382,8 +383,9 @@ async def completions(request: Request):
             first = [chunk(i, echoes[i // req.n], echoed(ev.prompt, req.logprobs))] if with_prompt and ev.prompt else []
             return first + ([chunk(i, ev.text, lps)] if ev.text or lps else [])
 
-        return stream(jobs, [chunk(i, echoes[i // req.n]) for i in range(len(jobs))] if req.echo and not with_prompt
-                      else [], on_text, lambda i, fin: [chunk(i, "", None, fin.reason)], end)
+        return await stream(request, jobs, [chunk(i, echoes[i // req.n]) for i in range(len(jobs))]
+                            if req.echo and not with_prompt else [], on_text,
+                            lambda i, fin: [chunk(i, "", None, fin.reason)], end)
 
     results = await collect(request, jobs)
     return JSONResponse({
@@ -396,15 +398,35 @@ async def completions(request: Request):
 
 
 # -------------------------------------------------------------------------------------------- answering
-async def collect(request: Request, jobs: list[Job]) -> list[tuple[str, list[Logprob], Finish, list | None]]:
-    """Each choice's whole text, logprobs, end and prompt logprobs; stops the generations if the client hangs up."""
-    async def watch_disconnect():
-        while not await request.is_disconnected():
-            await asyncio.sleep(0.25)
+async def _stop_when_gone(request: Request, jobs: list[Job]) -> None:
+    """Stops the jobs' generations once the client hangs up (a task, cancelled when the answer is done)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
+    for job in jobs:
+        job.cancelled.set()
+
+
+async def first_event(request: Request, jobs: list[Job]) -> tuple[int, Any]:
+    """The jobs' first (index, event), awaited before a stream's headers go out, so that a request the queue
+    refuses (429: no slot within --max-queue-wait) or the engine fails gets its status, not a 200 and an error
+    event. Stops the jobs if the client hangs up meanwhile."""
+    watcher = asyncio.create_task(_stop_when_gone(request, jobs))
+    try:
+        head = await jobs[0].events.get()
+        if isinstance(head[1], APIError):
+            raise head[1]
+        return head
+    except BaseException:
         for job in jobs:
             job.cancelled.set()
+        raise
+    finally:
+        watcher.cancel()
 
-    watcher = asyncio.create_task(watch_disconnect())
+
+async def collect(request: Request, jobs: list[Job]) -> list[tuple[str, list[Logprob], Finish, list | None]]:
+    """Each choice's whole text, logprobs, end and prompt logprobs; stops the generations if the client hangs up."""
+    watcher = asyncio.create_task(_stop_when_gone(request, jobs))
     parts: list[list[str]] = [[] for _ in jobs]
     lps: list[list[Logprob]] = [[] for _ in jobs]
     prompts: list[list[PromptLogprob] | None] = [None] * len(jobs)
@@ -431,17 +453,21 @@ async def collect(request: Request, jobs: list[Job]) -> list[tuple[str, list[Log
             job.cancelled.set()
 
 
-def stream(jobs: list[Job], first: list[str], on_text: Callable[[int, Delta], list[str]],
-           on_finish: Callable[[int, Finish], list[str]], end: Callable[[list[Finish]], list[str]]):
+async def stream(request: Request, jobs: list[Job], first: list[str], on_text: Callable[[int, Delta], list[str]],
+                 on_finish: Callable[[int, Finish], list[str]], end: Callable[[list[Finish]], list[str]]):
     """SSE over the choices' events as they come (each chunk names its choice's index): what `on_text` makes of
-    each token's Delta, what `on_finish` makes of each choice's end, then `end` and [DONE]."""
+    each token's Delta, what `on_finish` makes of each choice's end, then `end` and [DONE]. The headers go out with
+    the first event (first_event)."""
+    head = await first_event(request, jobs)
+
     async def events():
         try:
             for line in first:
                 yield line
             fins: dict[int, Finish] = {}
+            pending = [head]
             while len(fins) < len(jobs):
-                i, ev = await jobs[0].events.get()
+                i, ev = pending.pop() if pending else await jobs[0].events.get()
                 if isinstance(ev, Delta):
                     for line in on_text(i, ev):
                         yield line

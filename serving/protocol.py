@@ -15,12 +15,14 @@ import re
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 INT64 = (-2**63, 2**63 - 1)     # vLLM's seed range (torch.long)
 MAX_LOGIT_BIAS = 300            # entries (a fixed width on the JAX runtime's device)
 MAX_STOP_TOKEN_IDS = 32
+MAX_STOP = 64                   # stop strings in one request (OpenAI takes 4)
+MAX_STOP_CHARS = 16_384         # their characters, all together (what the engine thread's matcher is built from)
 MAX_BAD_WORDS = 128
 MAX_PROMPTS = 1024              # prompts in one completions request (also bounded by the server's slots + queue)
 MAX_LOGPROBS = 20               # vLLM's default --max-logprobs; OpenAI's top_logprobs bound
@@ -134,7 +136,7 @@ class _Sampling(_Strict):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = None        # at most MAX_STOP, of MAX_STOP_CHARS in all (parse)
     include_stop_str_in_output: bool = False
     seed: Seed | None = None
     ignore_eos: bool = False
@@ -221,6 +223,22 @@ UNSUPPORTED = {
     CompletionRequest: {**_NOT_HONOURED, "suffix": (None, "")},
     TokenizeRequest: {"chat_template": (None,), "mm_processor_kwargs": (None, {})},
 }
+
+
+def _null_means_default(model: type[BaseModel]) -> frozenset[str]:
+    """The fields with a default that null is not a value of: OpenAI's API takes null for them ("stream": null,
+    "n": null) and means the default, so the request is read as if they were not sent."""
+    out = set()
+    for name, f in model.model_fields.items():
+        try:
+            if not f.is_required():
+                TypeAdapter(f.annotation).validate_python(None, strict=True)
+        except ValidationError:
+            out.add(f.alias or name)
+    return frozenset(out)
+
+
+NULL_MEANS_DEFAULT = {m: _null_means_default(m) for m in (ChatRequest, CompletionRequest, TokenizeRequest)}
 
 
 def _param(loc: tuple) -> str:
@@ -310,6 +328,10 @@ def parse(model: type[_Strict], body: bytes) -> Any:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")
+    unset = NULL_MEANS_DEFAULT.get(model, frozenset())
+    data = {k: v for k, v in data.items() if v is not None or k not in unset}
+    if isinstance(data.get("stop"), list) and len(data["stop"]) > MAX_STOP:     # before validating a million
+        raise APIError(400, f"stop: more than {MAX_STOP} stop strings", param="stop")
     for name, defaults in UNSUPPORTED.get(model, {}).items():
         if name in data and not _is_default(data[name], defaults):
             raise APIError(400, f"{name} is not supported by this server (unset it, or send "
@@ -328,6 +350,9 @@ def parse(model: type[_Strict], body: bytes) -> Any:
         req = model.model_validate(data)
     except ValidationError as e:
         raise _validation_error(e) from None
+    stop = getattr(req, "stop", None)
+    if stop is not None and sum(map(len, [stop] if isinstance(stop, str) else stop)) > MAX_STOP_CHARS:
+        raise APIError(400, f"stop: more than {MAX_STOP_CHARS} characters in the stop strings", param="stop")
     options = getattr(req, "stream_options", None)
     if options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")

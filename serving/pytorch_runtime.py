@@ -231,6 +231,15 @@ def slots_from_env(env=os.environ, device_type: str = "cpu") -> int:
     return int(text)
 
 
+def lm_head_from_env(env=os.environ) -> str:
+    """G5G_LM_HEAD: the LM head a decode step reads, fp16 (the tied embedding itself) or int8 (a copy quantised at
+    load, one scale per vocabulary row: half the head's bytes per token; serving/memory_plan.py counts it)."""
+    head = env.get("G5G_LM_HEAD") or "fp16"
+    if head not in memory_plan.LM_HEADS:
+        raise ValueError(f"G5G_LM_HEAD: {head!r} is not one of {', '.join(memory_plan.LM_HEADS)}")
+    return head
+
+
 DEFAULT_CACHE_DIR = "~/.cache/g5g-torch"
 
 
@@ -282,9 +291,10 @@ def load(model_dir: str | Path, device: str | None = None, max_context: int | No
     text_config = getattr(config, "text_config", config)   # a text-only Gemma 4 checkpoint works too
     context = min(text_config.max_position_embeddings, max_context or DEFAULT_MAX_CONTEXT)
     slots = slots or slots_from_env(os.environ, dev.type)
+    head = lm_head_from_env()
     if dev.type == "cuda":          # refuse before loading what the plan says cannot fit (weights + KV cache)
         gpu = torch.cuda.get_device_properties(dev).total_memory
-        if no := memory_plan.refusal(model_dir, context, slots, gpu, rings=True, attention=True):
+        if no := memory_plan.refusal(model_dir, context, slots, gpu, rings=True, attention=True, lm_head=head):
             raise ValueError(no)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()     # the towers' tensors are "unexpected" for a text model, by design
@@ -308,6 +318,10 @@ def load(model_dir: str | Path, device: str | None = None, max_context: int | No
         raise ValueError(f"{model_dir}: checkpoint lacks text weights, e.g. {missing[:3]} "
                          f"(expected Gemma 4 weights under model.language_model.*)")
     model.to(dev).eval()
+    if head == "int8":      # the tied embedding stays 16-bit for the gather; the head reads its int8 copy
+        if dev.type == "cuda" and (why := packed_matmul.kernel_missing()):
+            raise ValueError(f"G5G_LM_HEAD=int8: {why}")
+        model.lm_head = packed_matmul.PackedLinear.from_weight(model.lm_head.weight, dtype).to(dev)
     if dev.type == "cuda":
         for key, path in inductor_env().items():
             try:
@@ -319,6 +333,6 @@ def load(model_dir: str | Path, device: str | None = None, max_context: int | No
         model.set_attn_implementation(torch_attention.register())
         if dev.type == "cuda":
             torch_attention.turing_backends()
-    log.info("loaded %s on %s as %s (%d layers, context %d, %d slot%s)", model_dir, dev, dtype,
-             text_config.num_hidden_layers, context, slots, "s" * (slots > 1))
+    log.info("loaded %s on %s as %s (%d layers, context %d, %d slot%s, %s LM head)", model_dir, dev, dtype,
+             text_config.num_hidden_layers, context, slots, "s" * (slots > 1), head)
     return TorchEngine(model, text_config, dev, context, slots)

@@ -22,6 +22,7 @@ class Job:
     shutdown: bool = False        # aborted because the server is shutting down (not because the client left)
     index: int = 0                # which of the request's `n` choices (its jobs share one `events` queue)
     grammar: Any = None           # serving/structured.py: the grammar the output follows (None: free text)
+    stops: Any = None             # params.stop's serving.generation.StopAutomaton, built off the engine thread
     reveal: frozenset[int] = frozenset()    # special tokens shown in the text (tool-call markup)
 
     def send(self, ev: Any) -> None:

@@ -1,14 +1,16 @@
 """Structured output: a grammar per request, enforced where the next token is chosen.
 
 `response_format` (json_object, json_schema) and forced tool calls compile, through outlines-core, to an index over
-the checkpoint's tokenizer: JSON schema -> regex -> for every state, the tokens allowed and where each leads. The
-compile runs in a worker thread, bounded in time and size (an unusable schema is the client's 400), and the result
-is cached per schema. outlines-core's index build cannot be interrupted, so it runs in a process of its own, killed
-at the time limit or once every request waiting for it left: a compile nobody waits for keeps no core and no
-memory. The generation loop
-(serving/generation.py) gives each such request a `Matcher`: before every sampling step it writes the tokens the grammar allows next as a bitmask (bit i % 32 of int32 word i // 32 is token
-i, the layout outlines-core and the runtimes share) and after every generated token it advances. The runtime sets
-every other token's logit to MASKED before it samples (serving/engine.py). Why outlines-core: docs/serving.md.
+the checkpoint's tokenizer: JSON schema -> regex -> for every state, the tokens allowed and where each leads. What a
+schema may be is checked first, cheaply (its depth, integer bounds, string length bounds, optional properties: an
+unusable schema is the client's 400); the compile itself, regex and index, can grow quadratically with the schema
+and cannot be interrupted, so it runs in a process of its own, with capped memory, killed at the time limit or once
+every request waiting for it left: a compile nobody waits for keeps no core and no memory, and no compile holds the
+server's GIL. The result is cached per schema. The generation loop (serving/generation.py) gives each such request
+a `Matcher`: before every sampling step it writes the tokens the grammar allows next as a bitmask (bit i % 32 of
+int32 word i // 32 is token i, the layout outlines-core and the runtimes share) and after every generated token it
+advances. The runtime sets every other token's logit to MASKED before it samples (serving/engine.py). Why
+outlines-core: docs/serving.md.
 """
 from __future__ import annotations
 
@@ -20,11 +22,13 @@ import pickle
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,6 +41,16 @@ MAX_REGEX_CHARS = int(os.environ.get("G5G_GRAMMAR_MAX_REGEX", "100000"))
 # A JSON string of at most n characters (maxLength, minLength) costs outlines-core's index time exponential in n
 # (tiny fixture: n = 12 0.3 s, 14 1.0 s, 16 4.5 s, 18 15 s, 20 over 20 s): refused past this bound before the build.
 MAX_STRING_BOUND = int(os.environ.get("G5G_GRAMMAR_MAX_STRING_BOUND", "16"))
+# How deeply a schema's JSON may nest (objects and arrays): checked before anything recurses into it.
+MAX_SCHEMA_DEPTH = int(os.environ.get("G5G_GRAMMAR_MAX_DEPTH", "64"))
+# An object's optional properties make a regex that grows with their square (outlines-core writes every order in
+# which they may come): past this many in one object it is over MAX_REGEX_CHARS whatever they are, refused before.
+MAX_OPTIONAL_PROPERTIES = 160
+# An integer minimum/maximum past this magnitude is refused (its range regex would grow with its digits).
+MAX_INTEGER_BOUND = 2**63
+# The compile's process may map at most this much memory (bytes; 0: no limit): a schema whose regex explodes
+# (10 000 optional properties: a 1.5-billion-character regex) dies there, not in the server.
+COMPILE_MEMORY = int(os.environ.get("G5G_GRAMMAR_MAX_MEMORY", str(4 * 2**30)))
 CACHE_ENTRIES = 64
 POLL_S = 0.25       # how often a compile's waiters and its process look at their deadline and whether to stop
 
@@ -59,15 +73,46 @@ class InvalidGrammar(ValueError):
     """The request's schema cannot be compiled: a 400 for the client."""
 
 
-def token_bytes(tokenizer, skip: frozenset[int]) -> dict[bytes, list[int]]:
-    """What each token of a SentencePiece-style tokenizer (Gemma's) writes: '▁' is a space, <0xNN> is the byte NN,
-    other tokens are their UTF-8 text. Tokens in `skip` (special tokens, stop tokens) write nothing here."""
+def tokenizer_family(tokenizer) -> str:
+    """How a fast tokenizer's tokens spell their bytes, read from its decoder: "byte_level" (GPT-2's alphabet: Llama
+    3, Qwen, ...) or "sentencepiece" ('▁' a space, <0xNN> a byte: Gemma's). ValueError for any other: a grammar
+    over bytes could not know what its tokens write."""
+    decoder = tokenizer.backend_tokenizer.decoder
+    spec = json.loads(decoder.__getstate__()) if decoder is not None else {}
+    parts = spec.get("decoders") or [spec]
+    kinds = {d.get("type") for d in parts}
+    if "ByteLevel" in kinds:
+        return "byte_level"
+    if "Metaspace" in kinds or any(d.get("type") == "Replace" and d.get("pattern", {}).get("String") == "▁"
+                                   for d in parts):
+        return "sentencepiece"
+    raise ValueError(f"its decoder ({', '.join(sorted(filter(None, kinds))) or 'none'}) is neither byte-level BPE "
+                     f"nor SentencePiece's, so structured output could not be constrained over it")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: the printable Latin-1 bytes stand for themselves, every
+    other byte for the character 256 + its rank among them."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+def token_bytes(tokenizer, skip: frozenset[int], family: str = "sentencepiece") -> dict[bytes, list[int]]:
+    """What each token writes, by the tokenizer's family (tokenizer_family). SentencePiece (Gemma's): '▁' is a
+    space, <0xNN> is the byte NN, other tokens are their UTF-8 text. Byte-level BPE: each character of the token is
+    one byte of GPT-2's alphabet (an added token that is not spelled in it writes its own text). Tokens in `skip`
+    (special tokens, stop tokens) write nothing here."""
+    alphabet = _byte_level_alphabet() if family == "byte_level" else {}
     out: dict[bytes, list[int]] = {}
     for text, i in tokenizer.get_vocab().items():
         if i in skip:
             continue
-        byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", text)
-        data = bytes([int(byte[1], 16)]) if byte else text.replace("▁", " ").encode()
+        if family == "byte_level":
+            data = bytes(alphabet[c] for c in text) if all(c in alphabet for c in text) else text.encode()
+        else:
+            byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", text)
+            data = bytes([int(byte[1], 16)]) if byte else text.replace("▁", " ").encode()
         if data:
             out.setdefault(data, []).append(i)
     return out
@@ -109,16 +154,38 @@ def integer_regex(lo: int | None, hi: int | None) -> str:
     return "(" + "|".join(parts) + ")"
 
 
-def _number(value: Any) -> float | None:
-    """A finite JSON number, else None."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return value if ok else None
+def _number(value: Any) -> int | float | None:
+    """A finite JSON number, else None (an integer of any size is finite: math.isfinite overflows on 10**400)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return value if isinstance(value, int) or math.isfinite(value) else None
+
+
+def _shown(n: int | float) -> str:
+    """A number for a message: floats as %g, integers in full up to 20 digits."""
+    if isinstance(n, float):
+        return f"{n:g}"
+    digits = str(abs(n))
+    return str(n) if len(digits) <= 20 else f"{'-' if n < 0 else ''}{digits[:3]}… ({len(digits)} digits)"
+
+
+def _depth(schema: Any, limit: int) -> None:
+    """InvalidGrammar when `schema` nests objects and arrays more than `limit` deep (walked without recursion)."""
+    level = [schema]
+    for depth in range(limit + 1):
+        level = [v for node in level for v in (node.values() if isinstance(node, dict) else
+                                               node if isinstance(node, list) else ())
+                 if isinstance(v, (dict, list))]
+        if not level:
+            return
+    raise InvalidGrammar(f"nested more than {limit} levels deep")
 
 
 def _bounded_integers(schema: Any, ranges: dict[str, str], max_string: int = MAX_STRING_BOUND) -> Any:
     """`schema` with each integer subschema that has bounds (outlines-core ignores them) swapped for a string with
     a marker pattern; `ranges` gets each marker's regex, put in place of the marker's string after the compile.
-    A string length bound past `max_string` is refused here, before any automaton is built."""
+    A string length bound past `max_string`, and an object with more than MAX_OPTIONAL_PROPERTIES optional properties,
+    are refused here, before any regex or automaton is built."""
     if isinstance(schema, list):
         return [_bounded_integers(s, ranges, max_string) for s in schema]
     if not isinstance(schema, dict):
@@ -126,13 +193,24 @@ def _bounded_integers(schema: Any, ranges: dict[str, str], max_string: int = MAX
     for key in ("maxLength", "minLength"):
         n = _number(schema.get(key))
         if n is not None and n > max_string and "pattern" not in schema and "format" not in schema:
-            raise InvalidGrammar(f"too large: {key} {n:g} (the automaton for a string of bounded length grows "
+            raise InvalidGrammar(f"too large: {key} {_shown(n)} (the automaton for a string of bounded length grows "
                                  f"exponentially with the bound; at most {max_string} here)")
+    properties, required = schema.get("properties"), schema.get("required")
+    if isinstance(properties, dict) and len(properties) > MAX_OPTIONAL_PROPERTIES:
+        optional = len(set(properties) - (set(required) if isinstance(required, list) and
+                                          all(isinstance(r, str) for r in required) else set()))
+        if optional > MAX_OPTIONAL_PROPERTIES:
+            raise InvalidGrammar(f"too large: {optional} optional properties in one object (its regex grows with "
+                                 f"their square; at most {MAX_OPTIONAL_PROPERTIES})")
     low, xlow, high, xhigh = (_number(schema.get(k))
                               for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"))
     lows = ([math.ceil(low)] if low is not None else []) + ([math.floor(xlow) + 1] if xlow is not None else [])
     highs = ([math.floor(high)] if high is not None else []) + ([math.ceil(xhigh) - 1] if xhigh is not None else [])
     if schema.get("type") == "integer" and (lows or highs):
+        past = next((n for n in (*lows, *highs) if abs(n) > MAX_INTEGER_BOUND), None)
+        if past is not None:
+            raise InvalidGrammar(f"an integer bound of {_shown(past)} is past the largest this server enforces "
+                                 f"(±2**63)")
         lo, hi = max(lows, default=None), min(highs, default=None)
         if lo is not None and hi is not None and lo > hi:
             raise InvalidGrammar(f"no integer from {lo} to {hi} (minimum greater than maximum)")
@@ -184,6 +262,7 @@ class Grammars:
         """A compiled grammar for JSON valid against `schema`, written compactly (no free whitespace: a weak
         model cannot stall in it). Waits at most the time limit; InvalidGrammar with the reason otherwise. `gone`:
         set when the requester left; a compile that every requester left is stopped (and not cached)."""
+        _depth(schema, MAX_SCHEMA_DEPTH)                    # before anything recurses into it
         _bounded_integers(schema, {}, self.max_string)      # what it refuses, refused before queueing a compile
         key = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
         with self._lock:
@@ -230,21 +309,12 @@ class Grammars:
         return entry
 
     def _compile(self, schema_json: str, deadline: float, stop: threading.Event) -> Grammar:
-        from outlines_core.json_schema import build_regex_from_schema
-
+        if stop.is_set():                               # every requester left while it queued
+            raise InvalidGrammar(f"compiling it takes longer than {self.timeout_s:g} s")
         try:
-            ranges: dict[str, str] = {}
-            schema = _bounded_integers(json.loads(schema_json), ranges, self.max_string)
-            regex = build_regex_from_schema(json.dumps(schema), whitespace_pattern="")
-            for marker, integers in ranges.items():
-                regex = regex.replace(f'"{marker}"', integers)
-            if len(regex) > self.max_regex_chars:
-                raise InvalidGrammar(f"too large: its regex has {len(regex)} characters, over the limit of "
-                                     f"{self.max_regex_chars}")
-            if stop.is_set():                           # every requester left while it queued
-                raise TimeoutError
-            index = build_index(regex, self._vocab(), deadline, stop)
-        except (ValueError, TypeError, RecursionError) as e:    # TypeError: nested past outlines-core's JSON parser
+            index = build_index(schema_json, self._vocab(), deadline, stop,
+                                max_string=self.max_string, max_regex_chars=self.max_regex_chars)
+        except ValueError as e:
             # outlines-core's reason is its first line; the rest is advice to file bugs
             raise InvalidGrammar(str(e).strip().split("\n")[0].strip()) from None
         except TimeoutError:                            # its requesters gave up too (or left): refused for all
@@ -257,53 +327,84 @@ class Grammars:
         with self._vocab_lock:
             if self._vocabulary is None:
                 with self.info.prompt_lock:
-                    tokens = token_bytes(self.info.prompt_tokenizer, self.info.hidden_ids | self.info.stop_ids)
+                    tokens = token_bytes(self.info.prompt_tokenizer, self.info.hidden_ids | self.info.stop_ids,
+                                         self.info.family)
                 # outlines-core knows one end token; Matcher lets any of the checkpoint's stop tokens end.
                 self._vocabulary = Vocabulary(min(self.info.stop_ids), tokens)
             return self._vocabulary
 
 
-# The index build, as a program of its own: (regex, outlines-core Vocabulary) pickled in, (ok, Index or reason) out.
-# On Linux it dies with the thread that started it (the server's), so no server exit leaves it running.
+def schema_regex(schema_json: str, max_string: int = MAX_STRING_BOUND,
+                 max_regex_chars: int = MAX_REGEX_CHARS) -> str:
+    """The regex of JSON valid against the schema, written compactly, with exact integer ranges; InvalidGrammar
+    past the regex size limit. Its cost can grow quadratically with the schema (optional properties), so it runs
+    in the compile's process (build_index), never in the server's."""
+    from outlines_core.json_schema import build_regex_from_schema
+
+    ranges: dict[str, str] = {}
+    schema = _bounded_integers(json.loads(schema_json), ranges, max_string)
+    try:
+        regex = build_regex_from_schema(json.dumps(schema), whitespace_pattern="")
+    except TypeError as e:          # nested past outlines-core's JSON parser
+        raise InvalidGrammar(str(e)) from None
+    for marker, integers in ranges.items():
+        regex = regex.replace(f'"{marker}"', integers)
+    if len(regex) > max_regex_chars:
+        raise InvalidGrammar(f"too large: its regex has {len(regex)} characters, over the limit of {max_regex_chars}")
+    return regex
+
+
+# The compile, as a program of its own: (schema JSON, bounds, outlines-core Vocabulary) pickled in, (ok, Index or
+# reason) out. On Linux it dies with the thread that started it (the server's), so no server exit leaves it
+# running; its address space is capped (COMPILE_MEMORY), and whatever it allocated goes back when it exits.
 _INDEX_PROGRAM = """
-import ctypes, os, pickle, signal, sys
+import ctypes, os, pickle, resource, signal, sys
 try:
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
 except (OSError, AttributeError):
     pass
 if os.getppid() != int(sys.argv[1]):                # the server went before that took effect
     sys.exit(1)
+sys.path.insert(0, sys.argv[2])
+memory = int(sys.argv[3])
+if memory:
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 from outlines_core import Index
-regex, vocabulary = pickle.load(sys.stdin.buffer)
+from serving.structured import schema_regex
+schema_json, max_string, max_regex_chars, vocabulary = pickle.load(sys.stdin.buffer)
 try:
-    out = (True, Index(regex, vocabulary))
-except (ValueError, TypeError, RecursionError) as e:
-    out = (False, str(e))
+    out = (True, Index(schema_regex(schema_json, max_string, max_regex_chars), vocabulary))
+except (ValueError, TypeError, RecursionError, MemoryError) as e:
+    out = (False, str(e) or type(e).__name__)
 pickle.dump(out, sys.stdout.buffer)
 """
+_ROOT = str(Path(__file__).resolve().parents[1])       # where `serving` is imported from
 
 
-def build_index(regex: str, vocabulary, deadline: float, stop: threading.Event | None = None):
-    """outlines-core's Index of `regex` over `vocabulary`, built in a child process (the server's threads and
-    devices stay out of it) that is killed at `deadline` or once `stop` is set (TimeoutError). Its reason
-    (ValueError) if it cannot."""
-    proc = subprocess.Popen([sys.executable, "-c", _INDEX_PROGRAM, str(os.getpid())], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    payload = pickle.dumps((regex, vocabulary))
+def build_index(schema_json: str, vocabulary, deadline: float, stop: threading.Event | None = None,
+                max_string: int = MAX_STRING_BOUND, max_regex_chars: int = MAX_REGEX_CHARS,
+                memory: int = COMPILE_MEMORY):
+    """outlines-core's Index of the schema's regex (schema_regex) over `vocabulary`, both built in a child process
+    (the server's threads, memory and devices stay out of it) that is killed at `deadline` or once `stop` is set
+    (TimeoutError). Its reason (ValueError) if it cannot."""
+    with tempfile.TemporaryFile() as payload:      # a file, not a pipe: no write to resume after a timeout
+        pickle.dump((schema_json, max_string, max_regex_chars, vocabulary), payload)
+        payload.seek(0)
+        proc = subprocess.Popen([sys.executable, "-c", _INDEX_PROGRAM, str(os.getpid()), _ROOT, str(memory)],
+                                stdin=payload, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         while True:
-            try:        # a retry goes on where the last call stopped (input included)
-                out, err = proc.communicate(payload, min(POLL_S, max(0.0, deadline - time.monotonic())))
+            try:        # a retry goes on reading where the last call stopped
+                out, err = proc.communicate(None, min(POLL_S, max(0.0, deadline - time.monotonic())))
                 break
             except subprocess.TimeoutExpired:
-                payload = None
                 if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
                     raise TimeoutError from None
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    if proc.returncode:             # e.g. out of memory
+    if proc.returncode:             # e.g. past its memory
         last = (err.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
         raise ValueError(f"the compile stopped (exit code {proc.returncode}: {last})")
     ok, result = pickle.loads(out)

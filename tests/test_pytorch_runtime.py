@@ -82,6 +82,25 @@ def test_server_with_slots_answers_concurrent_clients(tiny_gemma4):
         assert text == ANSWER if n == 200 else (ANSWER.startswith(text) and r.json()["usage"]["completion_tokens"] == n)
 
 
+def test_int8_lm_head_keeps_the_embedding_and_tracks_the_fp16_logits(engines, tiny_gemma4, monkeypatch):
+    """G5G_LM_HEAD=int8: the head becomes an int8 PackedLinear (the tied embedding, which the gather reads, stays
+    16-bit) and a greedy decode's logits stay within int8 rounding of the fp16 head's; a bad value is one line."""
+    import torch
+    from serving import packed_matmul
+    from serving.pytorch_runtime import lm_head_from_env, load
+
+    monkeypatch.setenv("G5G_LM_HEAD", "int8")
+    q = load(tiny_gemma4, max_context=CONTEXT)
+    assert isinstance(q.model.lm_head, packed_matmul.PackedLinear) and q.model.lm_head.bits == 8
+    assert q.model.model.embed_tokens.weight.dtype == torch.float32          # CPU dtype; not replaced
+    prompt = _prompt(q, 12, 3)
+    _, want = _alone(engines[0], prompt, GREEDY, 4)
+    _, got = _alone(q, prompt, GREEDY, 4)
+    assert np.abs(got[0] - want[0]).max() < 0.02 * np.abs(want[0]).max()
+    with pytest.raises(ValueError, match="G5G_LM_HEAD: 'int4' is not one of fp16, int8"):
+        lm_head_from_env({"G5G_LM_HEAD": "int4"})
+
+
 def test_compile_cache_survives_a_restart_where_asked(tmp_path):
     """G5G_TORCH_CACHE_DIR names inductor's cache (default under ~/.cache: the image mounts a volume there); empty
     leaves torch's temporary one; an explicit TORCHINDUCTOR_CACHE_DIR wins."""

@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from serving.api import create_app
-from tests.fixtures.observe import metrics, wait_until
+from tests.fixtures.observe import hangs_up_waiting, metrics, wait_until
 from devtools.tiny_gemma4 import ANSWER, QUESTION
 from devtools.server import in_thread, wait_ready
 from tests.fixtures.serving import tiny_server
@@ -152,6 +152,9 @@ BAD = [
     (json.dumps({"messages": ASK, "stream": "yes"}), 400, "stream"),
     (json.dumps({"messages": ASK, "stop": 3}), 400, None),
     (json.dumps({"messages": ASK, "stop": [3]}), 400, "stop"),                       # not "stop.list[str].0"
+    (json.dumps({"messages": ASK, "stop": ["a"] * 65}), 400, "stop"),               # each char cost every stop
+    (json.dumps({"messages": ASK, "stop": ["x" * 8193] * 2}), 400, "stop"),         # the matcher's size
+    (json.dumps({"messages": ASK, "stop": "x" * 16385}), 400, "stop"),
     (json.dumps({"messages": [{"role": "user", "content": 5}]}), 400, "messages.0.content"),
     (json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}), 400, "messages.0.role"),
     (json.dumps({"messages": [{"role": "tool", "content": "hi"}]}), 400, "messages.0.tool_call_id"),
@@ -338,10 +341,7 @@ def test_disconnect_while_queued_is_skipped(paced_server):
     t = threading.Thread(target=lambda: c.chat.completions.create(model="tiny-gemma4", messages=ASK, max_tokens=30))
     t.start()
     wait_until(lambda: _in_flight(paced_server) >= 1, what="first request running")
-    with requests.post(f"{paced_server}/v1/chat/completions", stream=True, timeout=60,
-                       json={"messages": ASK, "stream": True, "max_tokens": 50}) as r:
-        next(r.iter_lines())                          # the role chunk arrives at once, the request is queued
-        assert metrics(paced_server)["vllm:num_requests_waiting"] == 1
+    assert hangs_up_waiting(paced_server, {"messages": ASK, "stream": True, "max_tokens": 50})    # queued, gone
     t.join(timeout=60)
     wait_until(lambda: _in_flight(paced_server) == 0, what="queue to drain")
     # Only the first request generated anything; the second is counted as aborted.
@@ -357,18 +357,10 @@ def test_clients_that_left_the_queue_hold_no_slot(paced_server):
     long.start()
     wait_until(lambda: _in_flight(paced_server) >= 1, what="first request running")
     for _ in range(3):                                # fill the bound (max_waiting=3), each client hangs up
-        with requests.post(f"{paced_server}/v1/chat/completions", stream=True, timeout=60,
-                           json={"messages": ASK, "stream": True, "max_tokens": 5}) as r:
-            assert r.status_code == 200
-            next(r.iter_lines())
-
-    def admitted() -> bool:
-        with requests.post(f"{paced_server}/v1/chat/completions", stream=True, timeout=60,
-                           json={"messages": ASK, "stream": True, "max_tokens": 2}) as r:
-            return r.status_code == 200
-
-    wait_until(admitted, timeout=5, what="a new request to be admitted")
-    assert long.is_alive()                            # admitted while the 200-token request still runs (~6 s)
+        assert hangs_up_waiting(paced_server, {"messages": ASK, "stream": True, "max_tokens": 5}, 0.3)
+    # admitted (not a 429 at once) while the 200-token request still runs (~6 s)
+    assert hangs_up_waiting(paced_server, {"messages": ASK, "stream": True, "max_tokens": 2}, 0.5)
+    assert long.is_alive()
     long.join(timeout=60)
 
 # ------------------------------------------------------------------------------------------------- health
@@ -405,3 +397,25 @@ def test_text_parts_of_a_message_are_joined_with_newlines_as_vllm_does():
 
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
     assert messages(parse(ChatRequest, json.dumps(body).encode()).messages)[0]["content"] == "a\nb"
+
+
+NULLABLE = {"stream": None, "n": None, "ignore_eos": None, "min_tokens": None, "skip_special_tokens": None,
+            "include_stop_str_in_output": None}
+
+
+def test_openais_nullable_fields_take_null_as_the_default(server):
+    """OpenAI's API lets `stream`, `n` (and vLLM's extensions) be null; a 400 refused what its own client may send.
+    Null for a field where it means something else stays that (completions' max_tokens null: no limit)."""
+    chat = requests.post(f"{server}/v1/chat/completions", timeout=60, json={
+        "model": "tiny-gemma4", "messages": ASK, "add_generation_prompt": None, "continue_final_message": None,
+        **NULLABLE})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["message"]["content"] == ANSWER and len(chat.json()["choices"]) == 1
+    done = requests.post(f"{server}/v1/completions", timeout=60, json={
+        "model": "tiny-gemma4", "prompt": "hi", "echo": None, "max_tokens": 2, **NULLABLE})
+    assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] <= 2, done.text
+    tok = requests.post(f"{server}/tokenize", timeout=60, json={"messages": ASK, "return_token_strs": None,
+                                                                 "add_generation_prompt": None})
+    assert tok.status_code == 200 and tok.json()["token_strs"] is None, tok.text
+    from serving.protocol import CompletionRequest, parse
+    assert parse(CompletionRequest, b'{"prompt": "a", "max_tokens": null}').max_tokens is None

@@ -6,8 +6,8 @@ import random
 import numpy as np
 import pytest
 
-from serving.generation import (Batch, Delta, Detokenizer, Finish, SamplingParams, StopStrings, TokenizerInfo,
-                                generate)
+from serving.generation import (Batch, Delta, Detokenizer, Finish, SamplingParams, StopAutomaton, StopStrings,
+                                TokenizerInfo, generate)
 from tests.fixtures.batching import Job, run_in_batch
 from devtools.tiny_gemma4 import ANSWER, QUESTION
 
@@ -122,6 +122,28 @@ def test_stop_strings_match_the_reference_however_the_text_is_split(seed):
     if not hit:
         sent += s.flush()
     assert (sent, hit) == _first_stop(text, stops), (stops, text)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_shared_automaton_keeps_each_matchers_place_and_include_ends_at_the_stop(seed):
+    """The n choices of a request share one StopAutomaton (built off the engine thread); each StopStrings keeps its
+    own place in it. With include_stop_str_in_output the text ends where the first stop string completes."""
+    rng = random.Random(seed)
+    stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 4))]
+    texts = ["".join(rng.choice("abc") for _ in range(rng.randint(0, 40))) for _ in range(2)]
+    auto = StopAutomaton(stops)
+    matchers = [StopStrings(auto), StopStrings(auto, include=True)]
+    sent, hit = ["", ""], [False, False]
+    for pos in range(max(map(len, texts))):              # interleaved, a character at a time
+        for i, m in enumerate(matchers):
+            if pos < len(texts[i]) and not hit[i]:
+                out, hit[i] = m.push(texts[i][pos])
+                sent[i] += out
+    for i, m in enumerate(matchers):
+        sent[i] += "" if hit[i] else m.flush()
+    assert (sent[0], hit[0]) == _first_stop(texts[0], stops), (stops, texts[0])
+    end = next((e for e in range(1, len(texts[1]) + 1) if any(texts[1][:e].endswith(s) for s in stops)), None)
+    assert (sent[1], hit[1]) == ((texts[1], False) if end is None else (texts[1][:end], True)), (stops, texts[1])
 
 
 # ------------------------------------------------------------------------------------------------ sampler

@@ -14,7 +14,7 @@ import time
 import pytest
 import requests
 
-from tests.fixtures.observe import metrics as gauges, wait_until
+from tests.fixtures.observe import hangs_up_waiting, metrics as gauges, wait_until
 from devtools.server import REPO, serving_env
 from tests.fixtures.serving import tiny_server
 from devtools.tiny_gemma4 import ANSWER, QUESTION
@@ -178,15 +178,31 @@ def test_clients_that_left_the_queue_hold_no_slot(paced):
     running = Call(paced, {**LONG, "max_tokens": 80})
     wait_until(lambda: gauges(paced)["vllm:num_requests_running"] == 1, what="request running")
     for _ in range(2):                       # fill the queue (max 2), each client hangs up
-        with requests.post(f"{paced}/v1/chat/completions", stream=True, timeout=60,
-                           json={"messages": ASK, "stream": True}) as r:
-            assert r.status_code == 200
-            next(r.iter_lines())
-    with requests.post(f"{paced}/v1/chat/completions", stream=True, timeout=60,
-                       json={"messages": ASK, "stream": True, "max_tokens": 2}) as r:
-        assert r.status_code == 200           # admitted (its headers are out) while the first request runs
+        assert hangs_up_waiting(paced, {"messages": ASK, "stream": True}, 0.3)
+    # admitted (no 429 at once) while the first request runs
+    assert hangs_up_waiting(paced, {"messages": ASK, "stream": True, "max_tokens": 2}, 0.5)
     assert running.is_alive()
     running.join(60)
+
+
+def test_a_request_that_waits_past_max_queue_wait_gets_a_429(tiny_gemma4):
+    """One slot busy for ~5 s (100 paced steps): the requests queued behind it, plain and streamed, get a 429 once
+    they have waited 1 s (--max-queue-wait 1), not an answer minutes later (a CPU server with one slot took 331 s
+    for a 32-client storm); the running one finishes, and the gauges come back to zero."""
+    with tiny_server(tiny_gemma4, "--max-waiting", "8", "--max-queue-wait", "1", pace=0.05) as srv:
+        running = Call(srv.url, {**LONG, "max_tokens": 100})
+        wait_until(lambda: gauges(srv.url)["vllm:num_requests_running"] == 1, what="request running")
+        queued = [Call(srv.url, {"messages": ASK}), Call(srv.url, {"messages": ASK, "stream": True})]
+        for c in queued:
+            c.join(60)
+            assert c.status == 429 and c.json["error"]["code"] == "rate_limit_exceeded", (c.status, c.json, c.events)
+            assert "--max-queue-wait" in c.json["error"]["message"]
+        assert running.is_alive()                      # refused while the slot was still busy
+        running.join(60)
+        assert running.status == 200 and running.json["choices"][0]["finish_reason"] == "length"
+        wait_until(lambda: in_flight(srv.url) == 0, what="the gauges back to zero")
+        r = requests.post(f"{srv.url}/v1/chat/completions", json={"messages": ASK}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == ANSWER
 
 
 def test_max_waiting_0_admits_only_when_the_engine_is_free(tiny_gemma4):

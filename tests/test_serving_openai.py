@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -553,8 +554,9 @@ def test_bodies_python_cannot_hold_are_a_400_not_a_500(url, body, message):
 # ------------------------------------------------------------------------------- api key, CORS, body limit
 @pytest.fixture(scope="module")
 def guarded(tiny_gemma4):
-    with tiny_server(tiny_gemma4, "--api-key", "s3cret", "--max-body-bytes", "65536",
-                     "--allowed-origins", '["https://app.example"]') as srv:
+    # paced (10 ms before each decode step): a 200-token stream outlasts the body timeout
+    with tiny_server(tiny_gemma4, "--api-key", "s3cret", "--max-body-bytes", "65536", "--body-timeout", "1",
+                     "--allowed-origins", '["https://app.example"]', pace=0.01) as srv:
         yield srv.url
         assert srv.stop() == 0
 
@@ -570,6 +572,47 @@ def test_api_key_guards_v1_only(guarded):
         == ANSWER
     assert requests.get(f"{guarded}/health", timeout=5).status_code == 200        # probes need no key, as vLLM
     assert requests.get(f"{guarded}/metrics", timeout=5).status_code == 200
+
+
+def _raw(url: str, request: bytes) -> tuple[int, dict]:
+    """Send `request` as is: (status, error object) of the answer (no answer within 30 s: socket.timeout)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock, sock.makefile("rb") as answer:
+        sock.sendall(request)
+        status, length = int(answer.readline().split()[1]), 0
+        while line := answer.readline().strip():
+            name, _, value = line.partition(b":")
+            length = int(value) if name.lower() == b"content-length" else length
+        return status, json.loads(answer.read(length))["error"]
+
+
+def test_two_authorization_headers_are_refused(guarded):
+    """A wrong key followed by the right one was let in (the last header won); either order is a 401 now."""
+    body = json.dumps({"model": "tiny", "messages": ASK, "max_tokens": 2}).encode()
+    for keys in (("wrong", "s3cret"), ("s3cret", "wrong"), ("s3cret", "s3cret")):
+        head = "".join(f"Authorization: Bearer {k}\r\n" for k in keys)
+        status, error = _raw(guarded, f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n{head}Content-Type: "
+                                      f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        assert (status, error["code"]) == (401, "invalid_api_key"), keys
+
+
+def test_a_body_that_stops_coming_gets_a_408(guarded):
+    """Content-Length 100 and 7 bytes sent: the request was held open without an answer; after --body-timeout
+    (1 s here) without a byte it is a 408."""
+    status, error = _raw(guarded, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret"
+                                  b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"a\": 1")
+    assert (status, error["code"]) == (408, "request_timeout") and "--body-timeout" in error["message"]
+
+
+def test_a_stream_outlives_the_body_timeout(guarded):
+    """Once the body is complete, the wait for the client to leave (a stream's watch) has no deadline: a stream
+    longer than --body-timeout ends with [DONE]."""
+    r = requests.post(f"{guarded}/v1/chat/completions", headers={"Authorization": "Bearer s3cret"}, timeout=60,
+                      json={"model": "tiny", "messages": ASK, "max_tokens": 200, "ignore_eos": True, "stream": True},
+                      stream=True)
+    lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == b"data: [DONE]" and all(b'"error"' not in line for line in lines), lines[-3:]
+    assert len(lines) > 200         # 200 tokens, each after a 10 ms pause: longer than the 1 s body timeout
 
 
 def test_cors_allows_only_the_configured_origin(guarded):

@@ -421,3 +421,154 @@ def test_a_mask_after_an_unmasked_step_is_never_served_by_the_speculative_step(e
     spec = dict(engine.speculation)
     assert engine.step({0: free}, {0: only(engine.vocab_size, [forced])})[0] == forced
     assert engine.speculation["replaced"] == spec["replaced"] + 1
+
+
+@pytest.mark.parametrize("schema,message", [
+    ({"type": "string", "maxLength": 10**400}, r"too large: maxLength 100… \(401 digits\)"),
+    ({"type": "object", "properties": {"a": {"type": "string", "minLength": -10**400, "maxLength": 10**30}}},
+     r"too large: maxLength 100… \(31 digits\)"),
+    ({"type": "integer", "minimum": 10**400}, r"integer bound of 100… \(401 digits\) is past"),
+    ({"type": "integer", "exclusiveMaximum": -10**19}, "integer bound of -10000000000000000001 is past"),
+    ({"type": "integer", "maximum": 1e300}, r"integer bound of 100… \(301 digits\) is past"),
+])
+def test_bounds_past_float_range_are_the_clients_400(grammars, schema, message):
+    """math.isfinite(10**400) raises OverflowError: a 500 for a client's schema (response_format or a forced tool's
+    parameters). Integer bounds past ±2**63 are refused: their range regex would grow with their digits."""
+    with pytest.raises(InvalidGrammar, match=message):
+        grammars.json_schema(schema)
+
+
+def test_a_number_bound_past_float_range_is_outlines_cores_400(grammars):
+    with pytest.raises(InvalidGrammar):
+        grammars.json_schema({"type": "number", "minimum": 10**400})
+
+
+def nested(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def test_a_deep_schema_is_refused_by_its_depth(grammars):
+    """250 objects deep ran past Python's recursion limit in the server (a 500); the depth is measured first,
+    without recursion, and the tool-call wrapper (tool_choice "required") counts too."""
+    for schema in (nested(250), nested(5000), required_schema({"f": nested(31)})):
+        with pytest.raises(InvalidGrammar, match="nested more than 64 levels deep"):
+            grammars.json_schema(schema)
+    assert grammars.json_schema(nested(20)) is not None
+
+
+def test_a_huge_schema_compiles_without_holding_the_server(info):
+    """150 optional properties of any value: outlines-core builds a 147-million-character regex (quadratic in the
+    properties) before the size limit can refuse it. That build ran in the server's process holding the GIL
+    (10 000 properties stalled /health for 12-22 s and kept 1.5 GB); now it runs in the compile's process. A thread
+    that wakes every 10 ms meanwhile is never held up for a quarter of the compile's time."""
+    import threading
+    grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=120)
+    schema = {"type": "object", "properties": {f"p{i}": {} for i in range(150)}}
+    gaps, done = [], threading.Event()
+
+    def tick():
+        last = time.monotonic()
+        while not done.is_set():
+            time.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    t0 = time.monotonic()
+    with pytest.raises(InvalidGrammar, match="too large: its regex has 1[0-9]{8} characters"):
+        grammars.json_schema(schema)
+    took = time.monotonic() - t0
+    done.set()
+    ticker.join(5)
+    assert max(gaps) < took / 4, (max(gaps), took)
+
+
+# ------------------------------------------------------------------------------------------ tokenizer families
+@pytest.fixture(scope="module")
+def byte_level_dir(tmp_path_factory):
+    """A byte-level BPE tokenizer (GPT-2's alphabet, as Llama 3's and Qwen's), trained here on a little JSON-ish
+    text to a 420-token vocabulary, saved as a checkpoint's tokenizer."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+    bpe = ByteLevelBPETokenizer()
+    corpus = [json.dumps({"name": f"Ada {i}", "age": i, "ok": i % 2 == 0, "note": "ünï 🤖 \t\n"}) for i in range(300)]
+    bpe.train_from_iterator(corpus, vocab_size=420, min_frequency=1, special_tokens=["<eos>"])
+    out = tmp_path_factory.mktemp("byte_level")
+    PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<eos>").save_pretrained(out)
+    return out
+
+
+def test_a_byte_level_tokenizers_tokens_write_their_bytes(byte_level_dir):
+    """Each token's bytes are what the tokenizer decodes it to (before: read as SentencePiece, 'Ġ{' wrote 'Ġ{'
+    instead of ' {', and the bytes 0x00-0x1F as characters past U+0100)."""
+    info = TokenizerInfo.load(byte_level_dir)
+    tok = info.prompt_tokenizer
+    assert info.family == "byte_level"
+    got = {i: b for b, ids in token_bytes(tok, info.hidden_ids | info.stop_ids, info.family).items() for i in ids}
+    assert len(got) == len(tok) - 1
+    whole = [i for i, b in got.items() if not b.decode(errors="replace").count("\ufffd")]
+    assert len(whole) > 250
+    for i in whole:
+        assert tok.decode([i]).encode() == got[i], i
+    joined = b"".join(got[i] for i in tok.encode('{"name": "ünï 🤖"}'))     # split bytes join into characters
+    assert joined.decode() == '{"name": "ünï 🤖"}'
+
+
+def test_forced_json_is_json_with_a_byte_level_tokenizer(byte_level_dir):
+    """Random walks through the grammar (every step any token the mask allows, until the stop token) decode to
+    JSON valid for the schema, without control characters: the mask speaks the tokenizer's bytes (read as
+    SentencePiece, most walks wrote raw control characters or U+FFFD)."""
+    from serving.structured import Matcher
+    info = TokenizerInfo.load(byte_level_dir)
+    grammar = Grammars(info, len(info.prompt_tokenizer)).json_schema(
+        {"type": "object", "properties": {"a": {"type": "string", "maxLength": 5},
+                                          "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+         "required": ["a", "b"]})
+    rng, bad = np.random.default_rng(0), []
+    for _ in range(40):
+        m, ids = Matcher(grammar), []
+        while not m.done and len(ids) < 200:
+            token = int(rng.choice(np.flatnonzero(np.unpackbits(m.allowed().view(np.uint8), bitorder="little"))))
+            m.accept(token)
+            ids.append(token)
+        text = info.prompt_tokenizer.decode(ids[:-1])
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not (isinstance(value, dict) and set(value) == {"a", "b"} and len(value["a"]) <= 5
+                and 0 <= value["b"] <= 99) or any(c < " " or c == "\ufffd" for c in text):
+            bad.append(text)
+    assert not bad, bad
+
+
+def test_a_tokenizer_no_grammar_can_speak_for_is_refused_at_start(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    t = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1, "##b": 2}, unk_token="[UNK]"))
+    t.pre_tokenizer, t.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece()
+    PreTrainedTokenizerFast(tokenizer_object=t, unk_token="[UNK]").save_pretrained(tmp_path)
+    with pytest.raises(ValueError) as e:
+        TokenizerInfo.load(tmp_path)
+    assert str(e.value) == (f"{tmp_path / 'tokenizer.json'}: its decoder (WordPiece) is neither byte-level BPE nor "
+                            f"SentencePiece's, so structured output could not be constrained over it")
+
+
+def test_too_many_optional_properties_are_refused_before_any_regex(grammars):
+    """Past 160 optional properties in one object the regex is over the limit whatever they are: refused at once,
+    before a compile (10 000 took 12-22 s and 1.5 GB to learn that)."""
+    many = {f"p{i}": {"type": "integer"} for i in range(10_000)}
+    cached = len(grammars._cache)
+    with pytest.raises(InvalidGrammar, match="too large: 10000 optional properties in one object"):
+        grammars.json_schema({"type": "object", "properties": many})
+    with pytest.raises(InvalidGrammar, match="too large: 9839 optional properties"):
+        grammars.json_schema({"type": "array", "items": {"type": "object", "properties": many,
+                                                         "required": [f"p{i}" for i in range(161)]}})
+    assert len(grammars._cache) == cached        # no compile was started
+    assert grammars.json_schema({"type": "object", "properties": {f"p{i}": {"type": "boolean"} for i in range(50)},
+                                 "required": [f"p{i}" for i in range(50)]}) is not None

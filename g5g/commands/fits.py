@@ -19,7 +19,7 @@ def run(args) -> int:
     if args.runtime not in servable:
         raise UserError(f"fits --runtime {args.runtime}: not a serving runtime (one of {', '.join(servable)})")
     gpu = mp.GPUS[args.gpu]
-    kw = dict(gpu_mib=gpu, overhead_mib=args.overhead_mib)
+    kw = dict(gpu_mib=gpu, overhead_mib=args.overhead_mib, lm_head=args.lm_head)
     try:
         if args.model:
             if not (Path(args.model) / "config.json").is_file():
