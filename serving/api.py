@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP API over any serving.engine.Engine (FastAPI + uvicorn): the app, its scheduler, shutdown.
+"""OpenAI-compatible HTTP API over any serving.engine.Engine (FastAPI + uvicorn): the app, its start-up, shutdown.
 
 Generation runs in one engine thread (the event loop stays free to accept, stream and answer /health and
 /metrics; tokenisation and the chat template run in other threads), continuously batched over the runtime's
@@ -6,15 +6,15 @@ slots, behind a FIFO queue with a bound: requests take free slots in order of ar
 gets a 429 at once. A client that goes away (mid-stream or while queued) frees its slot: its generation stops at
 the next token.
 
-The endpoints live by family: serving/openai_text.py (chat and completions), serving/tokenization.py; this module
-holds what they share (Context, Scheduler, Metrics) and the small ones (health, models, version, metrics,
-embeddings: refused, as vLLM refuses them for a generate model).
+The engine thread and its queue are serving/scheduler.py's, the Prometheus metrics serving/metrics.py's. The
+endpoints live by family: serving/openai_text.py (chat and completions), serving/tokenization.py; this module holds
+what they share (Context) and the small ones (health, models, version, metrics, embeddings: refused, as vLLM
+refuses them for a generate model).
 Every error is an OpenAI error body {"error": {"message", "type", "param", "code"}} (serving/protocol.py).
 """
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import functools
 import gc
@@ -22,8 +22,6 @@ import logging
 import signal
 import threading
 import time
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -32,263 +30,20 @@ from typing import Callable
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
-                               disable_created_metrics, generate_latest)
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from serving import openai_text, tokenization
 from serving.engine import Engine
-from serving.generation import Batch, Finish, SamplingParams, TokenizerInfo
+from serving.generation import SamplingParams, TokenizerInfo
+from serving.metrics import Metrics
 from serving.middleware import Guard, http_protocol
 from serving.protocol import APIError, unavailable
-from serving.scheduler import Job, QueueFull
+from serving.scheduler import Scheduler
 from serving.structured import Grammars
 
 log = logging.getLogger("serving.api")
-disable_created_metrics()
-
-# ----------------------------------------------------------------------------------------------- metrics
-class Metrics:
-    """vLLM's names and label, so dashboards and the bench's `gauge` mode read us like a vLLM server."""
-
-    def __init__(self, model_name: str):
-        self.registry = CollectorRegistry()
-        r, ln = self.registry, ["model_name"]
-        lat = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-               20.0, 40.0, 80.0, 160.0, 640.0)
-        tok = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
-               0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token (from arrival).", ln,
-                              buckets=lat, registry=r).labels(model_name)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.", ln,
-                             buckets=tok, registry=r).labels(model_name)
-        self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
-                              "Per request: (e2e latency - TTFT) / (output tokens - 1).", ln, buckets=tok,
-                              registry=r).labels(model_name)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", ln,
-                             buckets=lat, registry=r).labels(model_name)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", ln,
-                                         registry=r).labels(model_name)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefilled prompt tokens.", ln,
-                                     registry=r).labels(model_name)
-        self.success = Counter("vllm:request_success", "Finished requests.", ln + ["finished_reason"], registry=r)
-        self.running = Gauge("vllm:num_requests_running", "Requests generating now.", ln,
-                             registry=r).labels(model_name)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests queued.", ln, registry=r).labels(model_name)
-        counts = tuple(float(m * 10 ** e) for e in range(7) for m in (1, 2, 5))      # vLLM's 1-2-5 series
-        self.request_prompt = Histogram("vllm:request_prompt_tokens", "Prompt tokens per finished request.", ln,
-                                        buckets=counts, registry=r).labels(model_name)
-        self.request_generation = Histogram("vllm:request_generation_tokens", "Generated tokens per finished "
-                                            "request.", ln, buckets=counts, registry=r).labels(model_name)
-        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Arrival to prefill.", ln, buckets=lat,
-                                    registry=r).labels(model_name)
-        # Never incremented: a slot holds its request's whole context, so no request is ever preempted.
-        self.preemptions = Counter("vllm:num_preemptions", "Requests preempted.", ln, registry=r).labels(model_name)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of the KV cache (slots x context) the running "
-                              "requests' tokens fill, 0 to 1.", ln, registry=r).labels(model_name)
-        self.model_name = model_name
-        self.lock = threading.Lock()
-
-    # Updates and scrapes hold one lock, so a scrape never sees a request both running and finished:
-    # running + waiting + request_success_total (all reasons) = requests accepted so far.
-    def set_queue(self, waiting: int, running: int | None = None) -> None:
-        with self.lock:
-            self.waiting.set(waiting)
-            if running is not None:
-                self.running.set(running)
-
-    def finished(self, arrival: float, fin: Finish, running: int) -> None:
-        """A request ended; `running` is how many still run, set in the same update (see above)."""
-        with self.lock:
-            self.running.set(running)
-            self.success.labels(self.model_name, fin.reason).inc()
-            prefilled = fin.completion_tokens > 0 or fin.reason != "abort"
-            self.prompt_tokens.inc(fin.prompt_tokens if prefilled else 0)
-            self.generation_tokens.inc(fin.completion_tokens)
-            self.request_prompt.observe(fin.prompt_tokens if prefilled else 0)
-            self.request_generation.observe(fin.completion_tokens)
-            times = fin.token_times
-            if fin.reason == "abort" or not times:
-                return
-            ttft, e2e = times[0] - arrival, times[-1] - arrival
-            self.ttft.observe(ttft)
-            self.e2e.observe(e2e)
-            for a, b in zip(times, times[1:]):
-                self.itl.observe(b - a)
-            if len(times) > 1:
-                self.tpot.observe((e2e - ttft) / (len(times) - 1))
-
-    def scrape(self) -> bytes:
-        with self.lock:
-            return generate_latest(self.registry)
-
-
-# ------------------------------------------------------------------------------------------- scheduling
-class Scheduler:
-    """A FIFO of jobs and the engine thread that runs them, continuously batched over the runtime's slots:
-    between two decode steps, waiting jobs join free slots in order of arrival and finished ones leave.
-
-    The bound (`--max-waiting`): a request is admitted while fewer than `slots + max_waiting` admitted requests
-    are unfinished, counting the ones running and the ones waiting whose client is still there. So
-    `max_waiting` is exactly how many requests may wait while every slot is busy, whatever their arrival timing;
-    0 means no queue (a request is admitted only when a slot is free).
-
-    The wait (`--max-queue-wait`, seconds; 0: none): a job still waiting for a slot that long after it arrived is
-    answered 429 (its stream too: a stream's headers wait for its first event), rather than waiting on for minutes
-    (a CPU server with one slot).
-    """
-
-    def __init__(self, metrics: Metrics, max_waiting: int, max_queue_wait: float = 0.0):
-        if max_waiting < 0:
-            raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
-        self.metrics = metrics
-        self.max_waiting, self.max_queue_wait = max_waiting, max_queue_wait
-        self.queued: deque[Job] = deque()   # waiting for a slot, in arrival order
-        self.wake = threading.Condition()   # guards queued
-        self.pending = 0                    # taken from the queue by the engine thread, not in the batch yet
-        self.joining: list[Job] = []        # those jobs (abort_all ends them too)
-        self.stopping = threading.Event()
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self.engine: Engine | None = None
-        self.batch: Batch | None = None
-        self.info: TokenizerInfo | None = None
-
-    @property
-    def slots(self) -> int:
-        return self.engine.slots if self.engine is not None else 1
-
-    def _live(self) -> int:
-        # Clients that left while queued stay in the FIFO until the engine thread drops them; they hold no slot.
-        return sum(not j.cancelled.is_set() for j in self.queued)
-
-    def _running(self) -> int:
-        # A job joins the batch before it stops being pending: a race can only over-count (refuse), never admit more.
-        return (len(self.batch.live) if self.batch else 0) + self.pending
-
-    def busy(self) -> bool:
-        with self.wake:
-            return self._running() > 0 or self._live() > 0
-
-    @property
-    def capacity(self) -> int:
-        """The most jobs admitted at once (running or waiting)."""
-        return self.slots + self.max_waiting
-
-    def submit(self, *jobs: Job) -> None:
-        """Admit all of `jobs` (a request's n choices) or none."""
-        with self.wake:
-            if self._running() + self._live() + len(jobs) > self.capacity:
-                raise QueueFull
-            self.queued.extend(jobs)
-            self.metrics.set_queue(self._live())
-            self.wake.notify()
-
-    def abort_all(self) -> int:
-        """Shutdown past its grace period: end every queued job now and the running ones at their next token.
-        Returns how many requests were aborted."""
-        with self.wake:
-            dropped, self.queued = list(self.queued), deque()
-            # taken from the queue but not started (a long prefill holds the engine thread), and running
-            running = list(self.batch.live.values()) if self.batch else []
-            started = [*self.joining, *(live.job for live in running)]
-        n = 0
-        for job in dropped:
-            n += not job.cancelled.is_set()
-            job.shutdown = True
-            job.cancelled.set()
-            fin = Finish("abort", len(job.prompt_ids), 0, [])
-            self.metrics.finished(job.arrival, fin, running=self._running())
-            job.send(fin)
-        for job in {id(j): j for j in started}.values():
-            if not job.cancelled.is_set():
-                job.shutdown = True
-                job.cancelled.set()
-                n += 1
-        self.metrics.set_queue(0)
-        return n
-
-    async def run(self) -> None:
-        self.batch = Batch(self.engine, self.info)
-        await asyncio.get_running_loop().run_in_executor(self.executor, self._loop)
-
-    def cancel_all(self) -> None:
-        """Server shutdown: every job ends (live ones when the engine thread sees the flag)."""
-        self.stopping.set()
-        with self.wake:
-            for job in self.queued:
-                job.cancelled.set()
-            self.wake.notify()
-
-    def _loop(self) -> None:
-        """Engine thread: admit, step, hand every event to its request's coroutine, until the server stops."""
-        batch = self.batch
-        while not self.stopping.is_set():
-            self._expire()
-            with self.wake:
-                while not self.queued and not batch.live and not self.stopping.is_set():
-                    self.wake.wait(timeout=1.0)
-                joining = [self.queued.popleft() for _ in range(min(batch.free, len(self.queued)))]
-                self.pending, self.joining = len(joining), joining
-                self.metrics.set_queue(self._live(), running=len(batch.live) + len(joining))
-            for i, job in enumerate(joining):
-                pending = len(joining) - i - 1          # admitted, not joined yet: they count as running
-                self.metrics.queue_time.observe(time.monotonic() - job.arrival)
-                try:
-                    self._emit(batch.join(job), pending)
-                except Exception as e:    # a runtime bug must not kill the engine thread: report it to this request
-                    self._fail([job], e, pending)
-                self.pending = pending
-            with self.wake:
-                self.joining = []
-            try:
-                self._emit(batch.step())
-            except Exception as e:
-                self._fail(batch.drop_all(), e)
-            self.metrics.set_queue(self._live(), running=len(batch.live))
-            self._kv_usage()
-        for job in batch.drop_all():
-            job.cancelled.set()
-
-    def _expire(self) -> None:
-        """Engine thread: a 429 for each job that waited past max_queue_wait (the FIFO's oldest come first)."""
-        if not self.max_queue_wait:
-            return
-        too_old = time.monotonic() - self.max_queue_wait
-        with self.wake:
-            expired = []
-            while self.queued and self.queued[0].arrival < too_old:
-                expired.append(self.queued.popleft())
-        for job in expired:
-            job.cancelled.set()
-            self.metrics.finished(job.arrival, Finish("abort", len(job.prompt_ids), 0, []), running=self._running())
-            job.send(APIError(429, f"server busy: no slot came free within {self.max_queue_wait:g} s "
-                                   f"(--max-queue-wait); retry later", "rate_limit_error", code="rate_limit_exceeded"))
-        if expired:
-            self.metrics.set_queue(self._live())
-
-    def _kv_usage(self) -> None:
-        filled = sum(live.gen.prompt_tokens + len(live.gen.times) for live in self.batch.live.values())
-        self.metrics.kv_usage.set(filled / (self.slots * self.engine.max_context))
-
-    def _emit(self, events, pending: int = 0) -> None:
-        for job, ev in events:
-            if isinstance(ev, Finish):           # before the client can see the end
-                self.metrics.finished(job.arrival, ev, running=len(self.batch.live) + pending)
-                self._kv_usage()
-            job.send(ev)
-
-    def _fail(self, jobs: list[Job], e: Exception, pending: int = 0) -> None:
-        log.exception("generation failed")
-        self._kv_usage()
-        for job in jobs:
-            self.metrics.finished(job.arrival, Finish("abort", len(job.prompt_ids), 0, []),
-                                  running=len(self.batch.live) + pending)
-            job.send(APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error"))
-
-    def call(self, fn: Callable, *args):
-        return asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-
 
 # ---------------------------------------------------------------------------------------------- context
 @dataclass

@@ -1,14 +1,23 @@
-"""A request's work as the engine thread sees it (Job) and the refusal of one more than the queue holds
-(QueueFull): shared by serving/api.py's Scheduler and the endpoints that submit jobs (serving/openai_text.py)."""
+"""The engine thread and its queue (Scheduler), a request's work as that thread sees it (Job), and the refusal of
+one more than the queue holds (QueueFull). serving/api.py runs the Scheduler; the endpoints (serving/openai_text.py)
+submit Jobs to it."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from serving.generation import SamplingParams
+from serving.engine import Engine
+from serving.generation import Batch, Finish, SamplingParams, TokenizerInfo
+from serving.metrics import Metrics
+from serving.protocol import APIError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,3 +44,168 @@ class Job:
 
 class QueueFull(Exception):
     pass
+
+
+class Scheduler:
+    """A FIFO of jobs and the engine thread that runs them, continuously batched over the runtime's slots:
+    between two decode steps, waiting jobs join free slots in order of arrival and finished ones leave.
+
+    The bound (`--max-waiting`): a request is admitted while fewer than `slots + max_waiting` admitted requests
+    are unfinished, counting the ones running and the ones waiting whose client is still there. So
+    `max_waiting` is exactly how many requests may wait while every slot is busy, whatever their arrival timing;
+    0 means no queue (a request is admitted only when a slot is free).
+
+    The wait (`--max-queue-wait`, seconds; 0: none): a job still waiting for a slot that long after it arrived is
+    answered 429 (its stream too: a stream's headers wait for its first event), rather than waiting on for minutes
+    (a CPU server with one slot).
+    """
+
+    def __init__(self, metrics: Metrics, max_waiting: int, max_queue_wait: float = 0.0):
+        if max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+        self.metrics = metrics
+        self.max_waiting, self.max_queue_wait = max_waiting, max_queue_wait
+        self.queued: deque[Job] = deque()   # waiting for a slot, in arrival order
+        self.wake = threading.Condition()   # guards queued
+        self.pending = 0                    # taken from the queue by the engine thread, not in the batch yet
+        self.joining: list[Job] = []        # those jobs (abort_all ends them too)
+        self.stopping = threading.Event()
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.engine: Engine | None = None
+        self.batch: Batch | None = None
+        self.info: TokenizerInfo | None = None
+
+    @property
+    def slots(self) -> int:
+        return self.engine.slots if self.engine is not None else 1
+
+    def _live(self) -> int:
+        # Clients that left while queued stay in the FIFO until the engine thread drops them; they hold no slot.
+        return sum(not j.cancelled.is_set() for j in self.queued)
+
+    def _running(self) -> int:
+        # A job joins the batch before it stops being pending: a race can only over-count (refuse), never admit more.
+        return (len(self.batch.live) if self.batch else 0) + self.pending
+
+    def busy(self) -> bool:
+        with self.wake:
+            return self._running() > 0 or self._live() > 0
+
+    @property
+    def capacity(self) -> int:
+        """The most jobs admitted at once (running or waiting)."""
+        return self.slots + self.max_waiting
+
+    def submit(self, *jobs: Job) -> None:
+        """Admit all of `jobs` (a request's n choices) or none."""
+        with self.wake:
+            if self._running() + self._live() + len(jobs) > self.capacity:
+                raise QueueFull
+            self.queued.extend(jobs)
+            self.metrics.set_queue(self._live())
+            self.wake.notify()
+
+    def abort_all(self) -> int:
+        """Shutdown past its grace period: end every queued job now and the running ones at their next token.
+        Returns how many requests were aborted."""
+        with self.wake:
+            dropped, self.queued = list(self.queued), deque()
+            # taken from the queue but not started (a long prefill holds the engine thread), and running
+            running = list(self.batch.live.values()) if self.batch else []
+            started = [*self.joining, *(live.job for live in running)]
+        n = 0
+        for job in dropped:
+            n += not job.cancelled.is_set()
+            job.shutdown = True
+            job.cancelled.set()
+            fin = Finish("abort", len(job.prompt_ids), 0, [])
+            self.metrics.finished(job.arrival, fin, running=self._running())
+            job.send(fin)
+        for job in {id(j): j for j in started}.values():
+            if not job.cancelled.is_set():
+                job.shutdown = True
+                job.cancelled.set()
+                n += 1
+        self.metrics.set_queue(0)
+        return n
+
+    async def run(self) -> None:
+        self.batch = Batch(self.engine, self.info)
+        await asyncio.get_running_loop().run_in_executor(self.executor, self._loop)
+
+    def cancel_all(self) -> None:
+        """Server shutdown: every job ends (live ones when the engine thread sees the flag)."""
+        self.stopping.set()
+        with self.wake:
+            for job in self.queued:
+                job.cancelled.set()
+            self.wake.notify()
+
+    def _loop(self) -> None:
+        """Engine thread: admit, step, hand every event to its request's coroutine, until the server stops."""
+        batch = self.batch
+        while not self.stopping.is_set():
+            self._expire()
+            with self.wake:
+                while not self.queued and not batch.live and not self.stopping.is_set():
+                    self.wake.wait(timeout=1.0)
+                joining = [self.queued.popleft() for _ in range(min(batch.free, len(self.queued)))]
+                self.pending, self.joining = len(joining), joining
+                self.metrics.set_queue(self._live(), running=len(batch.live) + len(joining))
+            for i, job in enumerate(joining):
+                pending = len(joining) - i - 1          # admitted, not joined yet: they count as running
+                self.metrics.queue_time.observe(time.monotonic() - job.arrival)
+                try:
+                    self._emit(batch.join(job), pending)
+                except Exception as e:    # a runtime bug must not kill the engine thread: report it to this request
+                    self._fail([job], e, pending)
+                self.pending = pending
+            with self.wake:
+                self.joining = []
+            try:
+                self._emit(batch.step())
+            except Exception as e:
+                self._fail(batch.drop_all(), e)
+            self.metrics.set_queue(self._live(), running=len(batch.live))
+            self._kv_usage()
+        for job in batch.drop_all():
+            job.cancelled.set()
+
+    def _expire(self) -> None:
+        """Engine thread: a 429 for each job that waited past max_queue_wait (the FIFO's oldest come first)."""
+        if not self.max_queue_wait:
+            return
+        too_old = time.monotonic() - self.max_queue_wait
+        with self.wake:
+            expired = []
+            while self.queued and self.queued[0].arrival < too_old:
+                expired.append(self.queued.popleft())
+        for job in expired:
+            job.cancelled.set()
+            self.metrics.finished(job.arrival, Finish("abort", len(job.prompt_ids), 0, []), running=self._running())
+            job.send(APIError(429, f"server busy: no slot came free within {self.max_queue_wait:g} s "
+                                   f"(--max-queue-wait); retry later", "rate_limit_error", code="rate_limit_exceeded"))
+        if expired:
+            self.metrics.set_queue(self._live())
+
+    def _kv_usage(self) -> None:
+        filled = sum(live.gen.prompt_tokens + len(live.gen.times) for live in self.batch.live.values())
+        self.metrics.kv_usage.set(filled / (self.slots * self.engine.max_context))
+
+    def _emit(self, events, pending: int = 0) -> None:
+        for job, ev in events:
+            if isinstance(ev, Finish):           # before the client can see the end
+                self.metrics.finished(job.arrival, ev, running=len(self.batch.live) + pending)
+                self._kv_usage()
+            job.send(ev)
+
+    def _fail(self, jobs: list[Job], e: Exception, pending: int = 0) -> None:
+        log.exception("generation failed")
+        self._kv_usage()
+        for job in jobs:
+            self.metrics.finished(job.arrival, Finish("abort", len(job.prompt_ids), 0, []),
+                                  running=len(self.batch.live) + pending)
+            job.send(APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error"))
+
+    def call(self, fn: Callable, *args):
+        return asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)

@@ -231,8 +231,8 @@ def test_abort_all_ends_requests_taken_from_the_queue_but_not_started(tiny_gemma
     turn; abort_all must end those too (they ran on to `length`), not only the queued and the running ones."""
     import asyncio
 
-    from serving.api import Metrics, Scheduler
-    from serving.scheduler import Job
+    from serving.metrics import Metrics
+    from serving.scheduler import Job, Scheduler
     from serving.generation import Finish, SamplingParams, TokenizerInfo
 
     info = TokenizerInfo.load(tiny_gemma4)
