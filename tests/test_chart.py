@@ -328,8 +328,8 @@ def test_autoscaling_scrapes_the_metric_its_scaler_queries(helm):  # noqa: F811
     pod_re = re.search(r'pod=~"([^"]+)"', trigger["metadata"]["query"]).group(1)
     assert re.fullmatch(pod_re, f"{dep['metadata']['name']}-7c9d8f6b5-x2k4q")
     assert 'namespace="team-a"' in trigger["metadata"]["query"]
-    # the metric exists on our servers under that name (serving/api.py registers it)
-    assert '"vllm:num_requests_waiting"' in (REPO / "serving" / "api.py").read_text()
+    # the metric exists on our servers under that name (serving/metrics.py registers it)
+    assert '"vllm:num_requests_waiting"' in (REPO / "serving" / "metrics.py").read_text()
 
 
 @pytest.mark.parametrize("runtime", ["vllm", "jax", "pytorch"])
