@@ -17,6 +17,7 @@ ARG MAX_JOBS=auto
 ARG NVCC_THREADS=1
 ARG CPU_BASELINE=neoverse-n1
 ARG CMAKE_VERSION=3.31.10
+ARG NINJA_VERSION=1.13.2
 # Install steps run as root; every image ends with USER 1000 (DL3002 also flags root in build stages).
 # hadolint ignore=DL3002
 USER 0:0
@@ -72,7 +73,7 @@ RUN cudnn=$(python3 -c "import nvidia.cudnn; print(nvidia.cudnn.__path__[0])"); 
  && ls -l "$CUDA_HOME"/include/cudnn.h "$CUDA_HOME"/include/nccl.h "$CUDA_HOME"/lib64/libcudnn.so "$CUDA_HOME"/lib64/libnccl.so
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
-    pip install "cmake==${CMAKE_VERSION}" \
+    pip install "cmake==${CMAKE_VERSION}" "ninja==${NINJA_VERSION}" \
  && pip download --no-deps --only-binary=:all: --dest /tmp/torch-wheel "torch==${TORCH_VERSION}" \
  && python3 -c "import glob, zipfile; z = zipfile.ZipFile(glob.glob('/tmp/torch-wheel/torch-*.whl')[0]); \
 z.extractall('/opt/torch-cmake', [n for n in z.namelist() if n.startswith('torch/share/cmake/')])" \
@@ -93,7 +94,7 @@ RUN --mount=type=bind,source=torch-discovery,target=/tmp/torch-discovery \
       PYTORCH_EXTRA_INSTALL_REQUIREMENTS="$requires" \
       CFLAGS="-mcpu=${CPU_BASELINE}" CXXFLAGS="-mcpu=${CPU_BASELINE}" TORCH_NVCC_FLAGS="--threads=${NVCC_THREADS}"; \
     mkdir -p /report \
- && cmake -S /tmp/torch-discovery -B /tmp/discovery-build -DTORCH_CMAKE=/opt/torch-cmake/torch/share/cmake 2>&1 \
+ && cmake -G Ninja -S /tmp/torch-discovery -B /tmp/discovery-build -DTORCH_CMAKE=/opt/torch-cmake/torch/share/cmake 2>&1 \
     | tee /report/torch-discovery.log \
  && if grep -nE "Could NOT find|Cannot find|[Tt]urning the option off|CUDA cannot be found|NCCL_VERSION_CODE - not found" \
       /report/torch-discovery.log; then echo "torch discovery: the lines above" >&2; exit 1; fi \
