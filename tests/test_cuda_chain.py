@@ -78,6 +78,25 @@ def test_triton_is_pinned_to_torchs_tested_release(profile):
     assert '"triton==${TRITON_VERSION}"' in runs(final)
 
 
+
+def _requirement_names(text: str) -> set[str]:
+    return {re.match(r"[A-Za-z0-9_.-]+", r)[0].lower() for r in text.split()}
+
+
+def test_what_the_source_built_torch_leaves_out_of_pypis_requirements_is_what_the_docs_say():
+    """PyPI's torch 2.14.0 requirements (docs/FACTS.md) are the source-built torch's declared wheels
+    (TORCH_CUDA_WHEELS) plus exactly the ones docs/building.md names as not declared: cuda-bindings and triton."""
+    facts = (REPO / "docs/FACTS.md").read_text()
+    bullet = facts[facts.index("- PyPI's torch 2.14.0 requires"):].split("; every one has", 1)[0]
+    pypi = _requirement_names(" ".join(re.findall(r"`([a-z][\w.-]*(?:\[[\w,\s]+\])?[=<>~!][^`]*)`",
+                                                      bullet.replace("\n  ", ""))))
+    declared = _requirement_names(arg(stages("g5g", "torch-base")["torch-build"], "TORCH_CUDA_WHEELS").strip('"'))
+    building = (REPO / "docs/building.md").read_text()
+    said = re.search(r"PyPI's torch also requires `([^`]+)` and `([^`]+)`, which ours does not declare", building)
+    assert said, "docs/building.md says what the source-built torch leaves out of PyPI's requirements"
+    assert pypi - declared == _requirement_names(" ".join(said.groups())) == {"cuda-bindings", "triton"}
+    assert declared <= pypi
+
 def test_torch_from_source_skips_flash_attention_and_runs_on_the_wheels_pypis_torch_requires():
     s = stages("g5g", "torch-base")
     build, final = s["torch-build"], s["torch-base"]

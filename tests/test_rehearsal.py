@@ -198,7 +198,9 @@ def test_the_rehearsal_runs_torchs_cuda_discovery_in_the_compiles_environment(pr
     compile_step = next(r for r in build if "pip wheel" in r)
     env = compile_step[compile_step.index('if [ "$MAX_JOBS" = auto ]'):compile_step.index('echo "building torch')]
     assert any(env in r for r in disc), "the discovery runs with the compile step's environment"
-    cmake = next(r for r in disc if "cmake -S /tmp/torch-discovery" in r)
+    # its own generator: the stage (as torch-build) has no make, and CMake stops at once without a build program
+    cmake = next(r for r in disc if "cmake -G Ninja -S /tmp/torch-discovery" in r)
+    assert any('"ninja==${NINJA_VERSION}"' in r for r in disc) and "ARG NINJA_VERSION=1.13.2" in text
     assert "-DTORCH_CMAKE=/opt/torch-cmake/torch/share/cmake" in cmake
     for pattern in ("Could NOT find", "Cannot find", "[Tt]urning the option off", "NCCL_VERSION_CODE - not found"):
         assert pattern in cmake
