@@ -210,18 +210,9 @@ def _(x, packed, scale, bits):
     return x.new_empty((x.shape[0], packed.shape[0]))
 
 
-_KERNEL = None
-_GEMV = None
-
-
+@functools.cache
 def _gemv_kernel():
-    global _GEMV
-    if _GEMV is None:
-        _GEMV = _define_gemv()
-    return _GEMV
-
-
-def _define_gemv():
+    """The GEMV kernel, defined on first use, as `_kernel`."""
     import triton
     import triton.language as tl
 
@@ -275,15 +266,9 @@ def _define_gemv():
     return gemv_kernel
 
 
+@functools.cache
 def _kernel():
     """The Triton kernel, defined on first use (TRITON_INTERPRET, read when a kernel is defined, then applies)."""
-    global _KERNEL
-    if _KERNEL is None:
-        _KERNEL = _define()
-    return _KERNEL
-
-
-def _define():
     import triton
     import triton.language as tl
 
