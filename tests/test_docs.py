@@ -41,13 +41,14 @@ def test_every_cited_markdown_file_is_in_the_repository():
 
 def _row(text: str, name: str) -> tuple[str, ...]:
     m = re.search(rf"^\| {re.escape(name)} \|(.+)\|$", text, re.M)
-    assert m, f"docs/serving.md has no row {name!r}"
+    assert m, f"benchmarks/RESULTS.md has no row {name!r}"
     return tuple(c.strip() for c in m[1].split("|"))
 
 
 def test_serving_cpu_figures_are_the_committed_results():
-    """One source: docs/serving.md's CPU figures are read off benchmarks/results/, and no other figures for them."""
-    readme = (REPO / "docs/serving.md").read_text()
+    """One source: the CPU serving figures in benchmarks/RESULTS.md are read off benchmarks/results/, and no other
+    figures for them there or in the docs (which link to them)."""
+    readme = (REPO / "benchmarks/RESULTS.md").read_text()
     res = REPO / "benchmarks/results"
     pt, jx = (json.loads((res / f"serving_cpu/{rt}.json").read_text()) for rt in ("pytorch", "jax"))
     assert _row(readme, "median TTFT (ms)")[:2] == (f"{pt['median_ttft_ms']:.1f}", f"{jx['median_ttft_ms']:.1f}")
@@ -64,6 +65,7 @@ def test_serving_cpu_figures_are_the_committed_results():
                                f"healthy after {r['boot']['health_s']:.1f} s"), cell
     # no second set of figures for the same benchmark anywhere in that page
     quoted = set(re.findall(r"median TPOT ([\d.]+) ms", readme))
+    assert not any(re.search(r"median TPOT [\d.]+ ms", d.read_text()) for d in _docs())
     assert quoted == {f"{r['median_tpot_ms']:.2f}" for r in (pt, jx)}, quoted
     engine = json.loads((res / "jax_vs_pytorch_cpu.json").read_text())
     decode = _row(readme, "tiny fixture, CPU, decode in the engine")
