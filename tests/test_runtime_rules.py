@@ -131,7 +131,7 @@ def test_fits_leaves_the_towers_out_for_a_runtime_whose_manifest_says_text_only(
     try:
         def planned(runtime: str) -> str:
             fits.run(argparse.Namespace(runtime=runtime, gpu="t4g", overhead_mib=1024, model=str(tiny_gemma4),
-                                        scheme=None, max_model_len=64, slots=1, shape=None))
+                                        scheme=None, max_model_len=64, slots=1, shape=None, lm_head="fp16"))
             return capsys.readouterr().out
 
         assert "towers" not in planned("tiny") and "vision/audio towers" in planned("vllm")

@@ -338,7 +338,9 @@ def test_non_streaming_client_that_gives_up_frees_the_slot(paced_server):
 
 def test_disconnect_while_queued_is_skipped(paced_server):
     c = client(paced_server)
-    t = threading.Thread(target=lambda: c.chat.completions.create(model="tiny-gemma4", messages=ASK, max_tokens=30))
+    # 100 paced tokens (3 s) outlast the second request's 1 s wait: it is still queued when its client hangs up
+    t = threading.Thread(target=lambda: c.chat.completions.create(model="tiny-gemma4", messages=ASK, max_tokens=100,
+                                                                  extra_body={"ignore_eos": True}))
     t.start()
     wait_until(lambda: _in_flight(paced_server) >= 1, what="first request running")
     assert hangs_up_waiting(paced_server, {"messages": ASK, "stream": True, "max_tokens": 50})    # queued, gone
@@ -346,7 +348,7 @@ def test_disconnect_while_queued_is_skipped(paced_server):
     wait_until(lambda: _in_flight(paced_server) == 0, what="queue to drain")
     # Only the first request generated anything; the second is counted as aborted.
     m = metrics(paced_server)
-    assert m["vllm:generation_tokens_total"] == 30
+    assert m["vllm:generation_tokens_total"] == 100
     assert m["vllm:request_success_total{finished_reason=abort}"] == 1
 
 
