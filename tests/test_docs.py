@@ -79,8 +79,9 @@ def _docs() -> list[Path]:
     return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
+# the repository's own top-level folders: a path under one of them in the docs must exist
 TOP = sorted(p.name for p in REPO.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != "build"
-             and p.name.endswith(".egg-info") is False) + [".github", ".ci"]
+             and not p.name.endswith(".egg-info")) + [".github", ".ci"]
 LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
 CODE = re.compile(r"`([^`\n]+)`")
 PATH = re.compile(rf"(?<![\w./-])((?:{'|'.join(map(re.escape, TOP))})/[\w./{{}},*-]*[\w}}*])")
