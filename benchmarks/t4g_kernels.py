@@ -1,0 +1,176 @@
+"""Single operations on the code paths sm_75 takes, beside the path they replace, on whatever NVIDIA GPU is at hand:
+what each moves through DRAM against the least it must (ncu, cold L2 as on a T4G's 4 MB), its time here, and its
+time predicted on a T4G by benchmarks/t4g_model.py's MODEL (max of DRAM bytes at 277 GB/s, warp instructions at
+the T4G's issue rate, the time here).
+
+    python benchmarks/t4g_kernels.py OUT_DIR [--cases NAME,...] [--tiny] [--no-ncu]
+
+Cases (CASES; E2B's shapes, 8 rows, random data), each with its peer in the same run:
+- attention-S: one decode step's attention of a full layer (8 query heads over 1 KV head of 512) over S keys,
+  through serving/torch_attention.py's `attend` (each K/V read once) against transformers' own SDPA path (which
+  copies K/V per query head whenever a mask is passed); the SDPA backends sm_75 has (memory-efficient, math).
+- packed-BITS-ROWS: a packed int8/int4 product in the JAX runtime with XLA's Triton GEMM off (sm_75 has none):
+  the path the runtime picks there against the fp16 dot of the same shape (cuBLAS) and the packed dot.
+Writes OUT_DIR/t4g_kernels.json, one row per case and path.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.t4g_model import METRICS, MODEL, TURING, parse_ncu  # noqa: E402
+
+ROWS, HEADS, KV_HEADS, HEAD_DIM = 8, 8, 1, 512       # E2B's full-attention layers
+WIDTHS = {"e2b": (1536, 6144)}                       # hidden, mlp (gate|up fused: 2 x mlp outputs)
+
+
+# ------------------------------------------------------------------------------------------------ the cases
+def attention(keys: int, tiny: bool) -> dict:
+    """{path: (call, bytes it must move)}: one decode step's attention of a full layer over `keys` keys."""
+    import types
+
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from serving import torch_attention
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dt = torch.float16 if dev == "cuda" else torch.float32
+    d, s = (64, 128) if tiny else (HEAD_DIM, keys)
+    q = torch.randn(ROWS, HEADS, 1, d, device=dev, dtype=dt)
+    k, v = (torch.randn(ROWS, KV_HEADS, s, d, device=dev, dtype=dt) for _ in range(2))
+    mask = torch.arange(s, device=dev).view(1, 1, 1, s) <= torch.randint(s // 2, s, (ROWS, 1, 1, 1), device=dev)
+    layer = types.SimpleNamespace(num_key_value_groups=HEADS // KV_HEADS, is_causal=True, layer_idx=0)
+    least = (k.numel() + v.numel() + 2 * q.numel()) * k.element_size()
+    return {"ours": (lambda: torch_attention.attend(layer, q, k, v, mask, scaling=1.0), least),
+            "transformers_sdpa": (lambda: sdpa_attention_forward(layer, q, k, v, mask, scaling=1.0), least)}
+
+
+CASES = {
+    "attention-1024": ("torch", lambda tiny: attention(1024, tiny)),
+    "attention-4096": ("torch", lambda tiny: attention(4096, tiny)),
+}
+
+
+# ------------------------------------------------------------------------------------------------ the child
+def sync(framework: str, out) -> None:
+    if framework == "torch":
+        import torch
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    else:
+        import jax
+        jax.block_until_ready(out)
+
+
+def child(case: str, path: str | None, tiny: bool, result: Path | None) -> None:
+    """Time every path of `case` (median of 20 calls after 3), or under ncu (path given) profile one call of it."""
+    import torch
+
+    framework, build = CASES[case]
+    paths = build(tiny)
+    gpu = torch.cuda.is_available()
+    if gpu and framework == "torch":
+        from serving import torch_attention
+        torch_attention.turing_backends()
+    if path is not None:            # ncu profiles between cudaProfilerStart and Stop (process-wide: JAX's too)
+        call, _ = paths[path]
+        for _ in range(3):
+            sync(framework, call())
+        if gpu:
+            torch.cuda.profiler.start()
+        sync(framework, call())
+        if gpu:
+            torch.cuda.profiler.stop()
+        return
+    res = {}
+    for name, (call, least) in paths.items():
+        for _ in range(3):
+            sync(framework, call())
+        times = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            sync(framework, call())
+            times.append((time.perf_counter() - t0) * 1e3)
+        res[name] = {"ms_here": round(statistics.median(times), 4), "least_bytes": least}
+    result.write_text(json.dumps(res))
+
+
+# ----------------------------------------------------------------------------------------------- the parent
+def t4g_ms(kernels: list[dict]) -> float:
+    """MODEL's per-kernel time on a T4G, summed (benchmarks/t4g_model.py's predict, kernels only)."""
+    bw, issue = MODEL["t4g_read_bandwidth_Bps"], MODEL["t4g_warp_issue_per_s"]
+    return sum(max((k["dram__bytes_read.sum"] + k["dram__bytes_write.sum"]) / bw, k["smsp__inst_executed.sum"] / issue,
+                   k["gpu__time_duration.sum"] / 1e9) for k in kernels) * 1e3
+
+
+def run_case(case: str, out: Path, args, ncu: str | None) -> dict:
+    env = {**os.environ, **TURING, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    me = [sys.executable, __file__, "--child", case] + ["--tiny"] * args.tiny
+    result = out / f"{case}.json"
+    r = subprocess.run([*me, "--result", str(result)], env=env, capture_output=True, text=True, timeout=args.timeout)
+    if r.returncode:
+        return {"error": (r.stdout + r.stderr)[-1500:]}
+    rows = json.loads(result.read_text())
+    for path in rows if ncu else ():
+        log = out / f"{case}-{path}.csv"
+        r = subprocess.run([ncu, "--profile-from-start", "off", "--clock-control", "none", "--cache-control", "all",
+                            "--metrics", ",".join(METRICS), "--csv", "--page", "raw", "--print-units", "base",
+                            "--log-file", str(log), *me, "--path", path], env=env, capture_output=True, text=True,
+                           timeout=args.timeout)
+        kernels = parse_ncu(log.read_text()) if log.exists() else []
+        if r.returncode or not kernels:
+            rows[path]["ncu_error"] = (r.stdout + r.stderr)[-800:]
+            continue
+        dram = sum(k["dram__bytes_read.sum"] + k["dram__bytes_write.sum"] for k in kernels)
+        rows[path].update(kernels=len(kernels), dram_bytes=int(dram),
+                          dram_over_least=round(dram / rows[path]["least_bytes"], 2), t4g_ms=round(t4g_ms(kernels), 4))
+    first = next(iter(rows.values()))     # the path the runtime takes; the others are its peers
+    for row in rows.values():
+        for key in ("ms_here", "t4g_ms"):
+            if key in row and key in first:
+                row[f"{key}_over_ours"] = round(row[key] / first[key], 2)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out", type=Path, nargs="?")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU run of the code paths")
+    ap.add_argument("--no-ncu", action="store_true")
+    ap.add_argument("--timeout", type=int, default=120)
+    ap.add_argument("--child")
+    ap.add_argument("--path")
+    ap.add_argument("--result", type=Path)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child, args.path, args.tiny, args.result)
+        return 0
+    if args.out is None:
+        ap.error("OUT_DIR is required")
+    cases = args.cases.split(",")
+    if unknown := [c for c in cases if c not in CASES]:
+        ap.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    ncu = None if args.no_ncu else __import__("shutil").which("ncu")
+    report = {"model": MODEL, "turing_env": TURING, "ncu": bool(ncu), "cases": {}}
+    for case in cases:
+        report["cases"][case] = run_case(case, args.out, args, ncu)
+        (args.out / "t4g_kernels.json").write_text(json.dumps(report, indent=1))
+        print(case, json.dumps(report["cases"][case]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
