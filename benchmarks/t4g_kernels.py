@@ -28,7 +28,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.t4g_model import METRICS, MODEL, TURING, parse_ncu  # noqa: E402
+from benchmarks.t4g_model import METRICS, MODEL, TURING, parse_ncu, t4g_seconds  # noqa: E402
 
 ROWS, HEADS, KV_HEADS, HEAD_DIM = 8, 8, 1, 512       # E2B's full-attention layers
 WIDTHS = {"e2b": (1536, 6144)}                       # hidden, mlp (gate|up fused: 2 x mlp outputs)
@@ -73,6 +73,12 @@ def sync(framework: str, out) -> None:
         jax.block_until_ready(out)
 
 
+def as_numpy(out):
+    import numpy as np
+    out = out[0] if isinstance(out, tuple) else out       # transformers' attention functions: (output, weights)
+    return np.asarray(out.float().cpu() if hasattr(out, "cpu") else out, dtype=np.float32)
+
+
 def child(case: str, path: str | None, tiny: bool, result: Path | None) -> None:
     """Time every path of `case` (median of 20 calls after 3), or under ncu (path given) profile one call of it."""
     import torch
@@ -93,8 +99,10 @@ def child(case: str, path: str | None, tiny: bool, result: Path | None) -> None:
         if gpu:
             torch.cuda.profiler.stop()
         return
-    res = {}
+    res, first = {}, None
     for name, (call, least) in paths.items():
+        got = as_numpy(call())                      # every path computes the same thing: checked, not assumed
+        first = got if first is None else first
         for _ in range(3):
             sync(framework, call())
         times = []
@@ -102,18 +110,12 @@ def child(case: str, path: str | None, tiny: bool, result: Path | None) -> None:
             t0 = time.perf_counter()
             sync(framework, call())
             times.append((time.perf_counter() - t0) * 1e3)
-        res[name] = {"ms_here": round(statistics.median(times), 4), "least_bytes": least}
+        res[name] = {"ms_here": round(statistics.median(times), 4), "least_bytes": least,
+                     "max_abs_diff_vs_first": float(abs(got - first).max())}
     result.write_text(json.dumps(res))
 
 
 # ----------------------------------------------------------------------------------------------- the parent
-def t4g_ms(kernels: list[dict]) -> float:
-    """MODEL's per-kernel time on a T4G, summed (benchmarks/t4g_model.py's predict, kernels only)."""
-    bw, issue = MODEL["t4g_read_bandwidth_Bps"], MODEL["t4g_warp_issue_per_s"]
-    return sum(max((k["dram__bytes_read.sum"] + k["dram__bytes_write.sum"]) / bw, k["smsp__inst_executed.sum"] / issue,
-                   k["gpu__time_duration.sum"] / 1e9) for k in kernels) * 1e3
-
-
 def run_case(case: str, out: Path, args, ncu: str | None) -> dict:
     env = {**os.environ, **TURING, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     me = [sys.executable, __file__, "--child", case] + ["--tiny"] * args.tiny
@@ -134,7 +136,7 @@ def run_case(case: str, out: Path, args, ncu: str | None) -> dict:
             continue
         dram = sum(k["dram__bytes_read.sum"] + k["dram__bytes_write.sum"] for k in kernels)
         rows[path].update(kernels=len(kernels), dram_bytes=int(dram),
-                          dram_over_least=round(dram / rows[path]["least_bytes"], 2), t4g_ms=round(t4g_ms(kernels), 4))
+                          dram_over_least=round(dram / rows[path]["least_bytes"], 2), t4g_ms=round(sum(map(t4g_seconds, kernels)) * 1e3, 4))
     first = next(iter(rows.values()))     # the path the runtime takes; the others are its peers
     for row in rows.values():
         for key in ("ms_here", "t4g_ms"):

@@ -144,14 +144,19 @@ def parse_ncu(text: str) -> list[dict]:
     return out
 
 
+def t4g_seconds(kernel: dict) -> float:
+    """MODEL's time for one kernel on a T4G: its slowest of DRAM bytes, warp instructions and its duration here."""
+    return max((kernel["dram__bytes_read.sum"] + kernel["dram__bytes_write.sum"]) / MODEL["t4g_read_bandwidth_Bps"],
+               kernel["smsp__inst_executed.sum"] / MODEL["t4g_warp_issue_per_s"], kernel["gpu__time_duration.sum"] / 1e9)
+
+
 def predict(kernels: list[dict], wall_ms: float, rows: int) -> dict:
     """The T4G prediction for one step's kernels (MODEL) and this GPU's wall time per step."""
     bw, issue = MODEL["t4g_read_bandwidth_Bps"], MODEL["t4g_warp_issue_per_s"]
     dram = sum(k["dram__bytes_read.sum"] + k["dram__bytes_write.sum"] for k in kernels)
     l2 = sum(k["lts__t_bytes.sum"] for k in kernels)
     here_ms = sum(k["gpu__time_duration.sum"] for k in kernels) / 1e6
-    per = [max((k["dram__bytes_read.sum"] + k["dram__bytes_write.sum"]) / bw, k["smsp__inst_executed.sum"] / issue,
-               k["gpu__time_duration.sum"] / 1e9) for k in kernels]
+    per = [t4g_seconds(k) for k in kernels]
     per_l2 = [max(k["lts__t_bytes.sum"] / bw, p) for k, p in zip(kernels, per)]
     host_ms = max(0.0, wall_ms - here_ms) * MODEL["host_factor"]
     gpu_ms = sum(per) * 1e3

@@ -38,3 +38,21 @@ def test_each_kernel_takes_its_slowest_bound_and_the_host_gap_is_scaled():
     assert p["predicted_tok_s"] == pytest.approx(1e3 / p["t4g_step_ms"], rel=1e-3)
     assert t4g_model.predict([weights, tiny], wall_ms=2.0, rows=8)["predicted_tok_s"] == \
         pytest.approx(8 * p["predicted_tok_s"], rel=1e-3)
+
+
+def test_t4g_kernels_runs_a_case_beside_its_peer_on_cpu(tmp_path):
+    """benchmarks/t4g_kernels.py on CPU (tiny shapes, no ncu): each path of a case timed, and checked to compute what
+    the runtime's own path computes (transformers' SDPA attention against serving/torch_attention.py's)."""
+    import json
+    import subprocess
+
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "t4g_kernels.py"), str(tmp_path), "--tiny",
+                        "--no-ncu", "--cases", "attention-1024"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads((tmp_path / "t4g_kernels.json").read_text())["cases"]["attention-1024"]
+    assert list(rows) == ["ours", "transformers_sdpa"]
+    assert rows["transformers_sdpa"]["max_abs_diff_vs_first"] < 1e-4
+    assert rows["ours"]["ms_here_over_ours"] == 1.0 and rows["transformers_sdpa"]["ms_here"] > 0
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "t4g_kernels.py"), str(tmp_path), "--cases",
+                          "attention-7"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown case(s) attention-7" in bad.stderr
