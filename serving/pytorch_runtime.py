@@ -72,7 +72,8 @@ class TorchEngine:
         # the next decode step, dispatched before this one's tokens reach the host (serving/torch_pipeline.py)
         self.pipeline = pipeline_from_env(os.environ, device.type)
         self._ahead: Run | None = None
-        self.ahead_taken = self.ahead_dropped = 0   # steps dispatched ahead that were the next one asked / were not
+        # steps dispatched ahead that the next call took, and those thrown away (as the JAX runtime's)
+        self.speculation = {"used": 0, "replaced": 0}
         self._logits: dict[int, torch.Tensor] = {}
         self._logprobs: dict[int, TokenLogprobs] = {}
         self._prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
@@ -170,7 +171,7 @@ class TorchEngine:
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead.matches(tokens, masks):
             run = ahead
-            self.ahead_taken += 1
+            self.speculation["used"] += 1
         else:
             if ahead is not None:
                 self._drop(ahead)
@@ -222,7 +223,7 @@ class TorchEngine:
 
     def _drop(self, ahead: Run) -> None:
         ahead.undo(self.sampler)
-        self.ahead_dropped += 1
+        self.speculation["replaced"] += 1
 
     def _drop_ahead(self) -> None:
         if self._ahead is not None:

@@ -55,7 +55,7 @@ def _summary(events):
 
 
 def _counts(engine) -> tuple[int, int]:
-    return engine.ahead_taken, engine.ahead_dropped
+    return engine.speculation["used"], engine.speculation["replaced"]
 
 
 def _batch(engine, info, jobs):
