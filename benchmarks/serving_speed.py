@@ -10,8 +10,10 @@ Each server runs as `python -m serving` and is measured by `build.py bench` (the
 - prefill of a ~512-token prompt: TTFT of 1-token requests.
 The peer, in-process, on the same checkpoint, prompts and lengths: decode tok/s of `generate(...,
 cache_implementation="static")` (greedy) as (N - 1) / (t(N tokens) - t(1 token)), batch 1 and 8, and prefill.
-Then an in-process profile of JAX decode: executable time vs engine.step time (host gap), a device trace; and the
-PyTorch server again with G5G_TORCH_SLOTS=8 (continuous batching, phase pytorch_batched).
+Then an in-process profile of JAX decode: executable time vs engine.step time (host gap), a device trace; the
+PyTorch server again with G5G_TORCH_SLOTS=8 (continuous batching, phase pytorch_batched), and once more with
+G5G_TORCH_PIPELINE=0 (each step waits for the last one's tokens: pytorch_batched_waiting); and the PyTorch engine
+in-process, engine.step time with and without the step dispatched ahead (profile_torch).
 
     python benchmarks/serving_speed.py OUTDIR [--runs 5] [--layers 35] [--tiny] [--ckpt DIR] [--only PHASES]
 Writes OUTDIR/serving_speed.json (every figure, with spread) and prints a summary.
@@ -105,13 +107,14 @@ def bench(url: str, out: Path, name: str, *, requests_n: int, concurrency: int, 
     return res
 
 
-def measure_server(runtime: str, ckpt: Path, work: Path, runs: int, p: dict, torch_slots: int = 1) -> dict:
+def measure_server(runtime: str, ckpt: Path, work: Path, runs: int, p: dict, torch_slots: int = 1,
+                   **extra: str) -> dict:
     from devtools.server import serving, serving_env
 
     env = serving_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"), G5G_JAX_CACHE_DIR=str(work / "jaxcache"),
                       G5G_JAX_BUCKETS=BUCKETS, G5G_JAX_SLOTS=str(SLOTS), XLA_PYTHON_CLIENT_MEM_FRACTION="0.5",
                       G5G_TORCH_SLOTS=str(torch_slots),
-                      G5G_TORCH_CACHE_DIR=str(work / f"torchcache{torch_slots}"))
+                      G5G_TORCH_CACHE_DIR=str(work / f"torchcache{torch_slots}"), **extra)
     # --max-queue-wait 0: the concurrent runs queue on a one-slot runtime by design (throughput, not latency)
     flags = ("--max-model-len", "1024", "--served-model-name", "e2b", "--max-waiting", "64", "--max-queue-wait", "0",
              "--log-level", "warning")
@@ -182,6 +185,40 @@ def measure_peer(ckpt: Path, runs: int, p: dict) -> dict:
 
 
 # --------------------------------------------------------------------------------------------- profile
+def profile_torch(ckpt: Path, p: dict) -> dict:
+    """The PyTorch engine in-process with SLOTS slots: wall time per engine.step with 1 and SLOTS live greedy
+    sequences, waiting for each step's tokens (G5G_TORCH_PIPELINE=0) and with the next step dispatched ahead (=1),
+    and how many steps ahead were used and thrown away."""
+    import torch
+    from serving.engine import SamplingParams
+    from serving.pytorch_runtime import load
+
+    eng = load(ckpt, max_context=1024, slots=SLOTS)
+    greedy = SamplingParams(temperature=0.0, max_tokens=1 << 20)      # no row ends: every step has one ahead
+    sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+    res: dict = {}
+    n = min(200, eng.max_context - len(p["short"]["ids"]) - 10)
+    for piped in (False, True):
+        eng.pipeline = piped
+        for live in (1, SLOTS):
+            toks = {s: eng.start(s, p["short"]["ids"], greedy) for s in range(live)}
+            for _ in range(5):
+                toks = eng.step(toks)
+            sync()
+            before = dict(eng.speculation)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                toks = eng.step(toks)
+            res[f"{'pipelined' if piped else 'waiting'}_live{live}_engine_step_ms"] = \
+                round((time.perf_counter() - t0) / n * 1000, 3)
+            if piped:
+                res[f"pipelined_live{live}_speculation"] = {k: v - before[k] for k, v in eng.speculation.items()}
+    del eng
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return res
+
+
 def _trace_summary(path: Path, steps: int) -> dict:
     """Per device line of a jax.profiler trace: kernels per step, their busy time per step, the span covered,
     and the kernels that take the most time."""
@@ -276,7 +313,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--layers", type=int, default=35)
     ap.add_argument("--tiny", action="store_true", help="shrink the widths (smoke-run the script on CPU)")
-    ap.add_argument("--only", default="peer,jax,profile,pytorch,pytorch_batched", help="phases, in this order")
+    ap.add_argument("--only", default="peer,jax,profile,pytorch,pytorch_batched,pytorch_batched_waiting,profile_torch",
+                    help="phases, in this order")
     ap.add_argument("--profile-buckets", default=BUCKETS, help="JAX length ladder of the profile (default: the "
                     "server's, whose executables the jax phase left in the persistent cache)")
     ap.add_argument("--ckpt", type=Path, help="reuse (or build here) the checkpoint in this directory")
@@ -298,7 +336,12 @@ def main() -> int:
               "profile": ("jax_profile", lambda: profile_jax(ckpt, work, p, args.profile_buckets)),
               "pytorch": ("pytorch", lambda: measure_server("pytorch", ckpt, work, args.runs, p)),
               "pytorch_batched": ("pytorch_batched",
-                                  lambda: measure_server("pytorch", ckpt, work, args.runs, p, torch_slots=SLOTS))}
+                                  lambda: measure_server("pytorch", ckpt, work, args.runs, p, torch_slots=SLOTS)),
+              # the same server waiting for each step's tokens before dispatching the next (the pipeline's baseline)
+              "pytorch_batched_waiting": ("pytorch_batched_waiting",
+                                          lambda: measure_server("pytorch", ckpt, work, args.runs, p, torch_slots=SLOTS,
+                                                                 G5G_TORCH_PIPELINE="0")),
+              "profile_torch": ("pytorch_profile", lambda: profile_torch(ckpt, p))}
     for phase in args.only.split(","):
         key, run = phases[phase]
         try:

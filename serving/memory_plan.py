@@ -31,11 +31,12 @@ LM_HEADS = ("fp16", "int8")
 # serving/torch_sampler.py): a prompt's queries are attended ATTENTION_QUERY_CHUNK at a time, each query head's row of
 # keys costing its boolean mask, SDPA's fp16 additive mask and the math backend's float32 scores and probabilities;
 # per slot and vocabulary entry the sampler keeps bias, counts (float32, int32) and held, seen (bool), and a step's
-# logits, their adjusted copies, the noise's int64 hash words and the top-k values and ids stay under 64 bytes.
+# logits, their adjusted copies, the noise's int64 hash words and the top-k values and ids stay under 64 bytes,
+# plus the float32 logits of the step dispatched ahead (serving/torch_pipeline.py), alive beside this one's.
 ATTENTION_QUERY_CHUNK = 256
 PREFILL_BYTES_PER_SCORE = 1 + 2 + 4 + 4
 SAMPLER_STATE_BYTES = 4 + 4 + 1 + 1
-SAMPLER_STEP_BYTES = 64
+SAMPLER_STEP_BYTES = 64 + 4
 PREFIXES = ("model.language_model.", "model.")
 # Linear weights the quantiser packs: attention, MLP and the per-layer-input gate/projection of every layer.
 # Left in 16-bit (the quantisation_config's `ignore`): the tied embedding/LM head, the per-layer embedding table

@@ -18,6 +18,7 @@ import torch
 from serving import memory_plan, packed_matmul, quantized, torch_attention
 from serving.engine import DeviceRow, SamplingParams, TokenLogprobs
 from serving.torch_attention import SlotKV, span
+from serving.torch_pipeline import INPUTS, Run, Stager, pipeline_from_env
 from serving.torch_sampler import Sampler
 
 log = logging.getLogger("serving.pytorch")
@@ -66,9 +67,13 @@ class TorchEngine:
         self._params = [SamplingParams(temperature=0.0)] * slots
         self.sampler = Sampler(slots, vocab, device)
         self._rows = torch.arange(slots, device=device)
-        # a step's host inputs (token, position, counted, holding per slot) cross in one copy, from pinned memory
-        # on a GPU so that it does not wait
-        self._staged = torch.zeros((4, slots), dtype=torch.int64, pin_memory=device.type == "cuda")
+        # a step's host inputs cross in one copy, from pinned memory on a GPU so that it does not wait
+        self._stager = Stager(slots, device)
+        # the next decode step, dispatched before this one's tokens reach the host (serving/torch_pipeline.py)
+        self.pipeline = pipeline_from_env(os.environ, device.type)
+        self._ahead: Run | None = None
+        # steps dispatched ahead that the next call took, and those thrown away (as the JAX runtime's)
+        self.speculation = {"used": 0, "replaced": 0}
         self._logits: dict[int, torch.Tensor] = {}
         self._logprobs: dict[int, TokenLogprobs] = {}
         self._prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
@@ -120,6 +125,7 @@ class TorchEngine:
             raise ValueError("empty prompt")
         if n > self.max_context:
             raise ValueError(f"sequence of {n} tokens exceeds the PyTorch runtime's max_context {self.max_context}")
+        self._drop_ahead()                  # a new sequence: the step ahead ran without it (its counts first)
         self._params[slot] = params
         self.sampler.set(slot, DeviceRow.of(params, self.vocab_size), params.seed64(), prompt_ids)
         self._out[slot] = 0
@@ -156,30 +162,73 @@ class TorchEngine:
             if self._pos[slot] >= self.max_context:
                 raise ValueError(f"sequence of {self._pos[slot] + 1} tokens exceeds the PyTorch runtime's "
                                  f"max_context {self.max_context}")
-        staged = self._staged.numpy()         # written only after the last step's copy is done (its tokens came back)
-        staged[:] = 0
-        for slot, token in tokens.items():
+        live = list(tokens)
+        for slot in live:
             self._out[slot] += 1
-            staged[:, slot] = token, self._pos[slot], self.sampler.rows[slot].penalised, self._holds(slot)
             self._pos[slot] += 1
         for slot in set(range(self.slots)) - set(tokens):
             self._pos[slot] = 0                  # a slot left out is free from now on
-        live = list(tokens)
-        span_ = span([self._pos[s] - 1 for s in live], self.max_context)
-        ids, positions, counted, holding = self._staged.to(self.device, non_blocking=True)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.matches(tokens, masks):
+            run = ahead
+            self.speculation["used"] += 1
+        else:
+            if ahead is not None:
+                self._drop(ahead)
+            run = self._dispatch(self._inputs(live, tokens), live, masks)
+        # The step after this one, unless a mask (the grammar moves on the host) or every row ends here (its
+        # max_tokens; a row at max_context cannot go on and is left out: its slot can only be started again).
+        # A row past its max_tokens still goes at its next position: a caller may step it on, and a row left out
+        # would be written as a free one, at position 0.
+        going = [s for s in live if self._pos[s] < self.max_context]
+        if self.pipeline and not masks and any(self._out[s] + 1 < self._params[s].max_tokens for s in going):
+            self._ahead = self._dispatch(self._inputs(going), going, None, after=run)
+        chosen = run.tokens()                    # the step's one wait: its tokens, to the host
+        if self._ahead is not None:
+            self._ahead.fed = {s: chosen[s] for s in going}
+        for slot in live:
+            self._logits[slot] = run.logits[slot]
+            if (k := self._params[slot].logprobs) is not None:
+                self._logprobs[slot] = run.logprobs(slot, k)
+        return {s: chosen[s] for s in live}
+
+    def _inputs(self, live: list[int], tokens: Mapping[int, int] | None = None) -> np.ndarray:
+        """Host inputs [INPUTS, slots] of the step just counted in _out/_pos (feeding `tokens`), or with `tokens`
+        None of the step after it (its tokens fed on the device): token, position, counted, holding, live."""
+        x = np.zeros((INPUTS, self.slots), np.int64)
+        ahead = tokens is None
+        for slot in live:
+            p = self._params[slot]
+            x[:, slot] = (0 if ahead else tokens[slot], self._pos[slot] - (not ahead),
+                          self.sampler.rows[slot].penalised, self._out[slot] + ahead < p.min_tokens, 1)
+        return x
+
+    def _dispatch(self, inputs: np.ndarray, live: list[int], masks, after: Run | None = None) -> Run:
+        """Dispatch a decode step of `inputs` (_inputs'), fed after's chosen tokens if given; nothing waits."""
+        ids, positions, counted, holding, alive = self._stager.send(inputs)
+        if after is not None:
+            ids = torch.where(alive.bool(), after.chosen, 0)
         self.sampler.count(self._rows, ids, counted)
-        logits = self._decode_call(ids[:, None], self._kv.decode(positions, span_))
+        logits = self._decode_call(ids[:, None], self._kv.decode(positions, span(inputs[1, live].tolist(),
+                                                                                self.max_context)))
         allowed = None
         if masks:
             allowed = np.full((self.slots, (self.vocab_size + 31) // 32), -1, np.int32)
             for slot, m in masks.items():
                 allowed[slot] = m
-        holds = any(self._holds(s) for s in live)
-        chosen = self.sampler.choose(logits, self._rows, live, positions + 1, holding.bool() if holds else None,
-                                     allowed).tolist()        # the step's one wait: the tokens, to the host
-        for slot in live:
-            self._logits[slot] = logits[slot]
-        return {s: self._took(s, chosen[s]) for s in live}
+        chosen = self.sampler.choose(logits, self._rows, live, positions + 1,
+                                     holding.bool() if inputs[3].any() else None, allowed)
+        top = [self._params[s].logprobs for s in live if self._params[s].logprobs is not None]
+        return Run(live, ids, counted, logits, chosen).send(max(top) if top else None)
+
+    def _drop(self, ahead: Run) -> None:
+        ahead.undo(self.sampler)
+        self.speculation["replaced"] += 1
+
+    def _drop_ahead(self) -> None:
+        if self._ahead is not None:
+            self._drop(self._ahead)
+            self._ahead = None
 
     def logits(self, slot: int) -> np.ndarray:
         return self._logits[slot].cpu().numpy()

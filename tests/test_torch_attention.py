@@ -109,7 +109,7 @@ def test_a_decode_step_reads_the_cache_where_it_lies(engines, monkeypatch):
     read.clear()
     engine.step({1: token})
     layers = len(engine.model.model.layers)
-    assert len(read) == layers
+    assert len(read) == layers * (1 + engine.pipeline)      # G5G_TORCH_PIPELINE=1: the step ahead reads alike
     assert all(k in buffers and v in buffers and kv_heads == q_heads for k, v, kv_heads, q_heads in read)
 
 

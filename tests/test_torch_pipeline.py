@@ -1,0 +1,173 @@
+"""The PyTorch runtime's step dispatched ahead (serving/torch_pipeline.py, G5G_TORCH_PIPELINE=1, forced on here: on
+a CPU the step ahead just runs early), against the same engine waiting for each step's tokens: the same tokens,
+logprobs and finishes, whoever joins, finishes or is fed something else; and how many steps ahead were thrown
+away where none must be and where some must."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from serving.engine import SamplingParams
+from serving.generation import Delta, Finish, TokenizerInfo, generate
+from tests.fixtures.batching import Job, run_in_batch
+from devtools.tiny_gemma4 import ANSWER, QUESTION
+
+SLOTS = 3
+CONTEXT = 256
+
+
+@pytest.fixture(scope="module")
+def info(tiny_gemma4) -> TokenizerInfo:
+    return TokenizerInfo.load(tiny_gemma4)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_gemma4):
+    """{(slots, pipelined): engine} over the fixture, the pipeline set through the environment."""
+    import torch
+    from serving.pytorch_runtime import load
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    mp = pytest.MonkeyPatch()
+    out = {}
+    for slots in (1, SLOTS):
+        for piped in (False, True):
+            mp.setenv("G5G_TORCH_PIPELINE", "1" if piped else "0")
+            out[slots, piped] = load(tiny_gemma4, max_context=CONTEXT, slots=slots)
+            assert out[slots, piped].pipeline is piped
+    mp.undo()
+    yield out
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def prompts(info) -> tuple[list[int], list[int]]:
+    return (info.chat_prompt([{"role": "user", "content": QUESTION}]),
+            info.chat_prompt([{"role": "user", "content": "What is a stop string? " * 3}]))
+
+
+def _summary(events):
+    deltas = [e for e in events if isinstance(e, Delta)]
+    fin = next(e for e in events if isinstance(e, Finish))
+    lps = [(d.logprob.token, round(d.logprob.logprob, 4), [t for t, _ in d.logprob.top]) if d.logprob else None
+           for d in deltas]
+    return "".join(d.text for d in deltas), fin.reason, fin.completion_tokens, lps
+
+
+def _counts(engine) -> tuple[int, int]:
+    return engine.speculation["used"], engine.speculation["replaced"]
+
+
+def _batch(engine, info, jobs):
+    return [_summary(ev) for ev in run_in_batch(engine, info, [Job(j.prompt_ids, j.params) for j in jobs])]
+
+
+def test_the_setting_is_on_on_a_gpu_off_on_a_cpu_and_the_variable_wins():
+    from serving.torch_pipeline import pipeline_from_env
+    assert pipeline_from_env({}, "cuda") and not pipeline_from_env({}, "cpu")
+    assert pipeline_from_env({"G5G_TORCH_PIPELINE": "1"}, "cpu")
+    assert not pipeline_from_env({"G5G_TORCH_PIPELINE": "0"}, "cuda")
+    with pytest.raises(ValueError, match="G5G_TORCH_PIPELINE: 'yes' is not 0 or 1"):
+        pipeline_from_env({"G5G_TORCH_PIPELINE": "yes"})
+
+
+def test_sequences_that_start_together_take_every_step_ahead(engines, info, prompts):
+    """Three greedy sequences in three slots, ending one by one (two at max_tokens, one at its stop token): the
+    same as alone and as without the pipeline, and no step ahead thrown away (one that finished is left out)."""
+    ask, other = prompts
+    jobs = [Job(ask, SamplingParams(temperature=0.0, max_tokens=200)),
+            Job(other, SamplingParams(temperature=0.0, max_tokens=7)),
+            Job(ask, SamplingParams(temperature=0.0, max_tokens=23))]
+    piped, plain = engines[SLOTS, True], engines[SLOTS, False]
+    alone = [_summary(list(generate(plain, info, j.prompt_ids, j.params))) for j in jobs]
+    before = _counts(piped)
+    got = _batch(piped, info, jobs)
+    taken, dropped = (a - b for a, b in zip(_counts(piped), before))
+    assert got == _batch(plain, info, jobs) == alone
+    assert got[0][:2] == (ANSWER, "stop") and [g[1] for g in got[1:]] == ["length", "length"]
+    assert dropped == 0 and taken == got[0][2] - 2            # every step but the first
+
+
+def test_one_stream_on_the_static_cache_takes_every_step_ahead(engines, info, prompts):
+    piped, plain = engines[1, True], engines[1, False]
+    p = SamplingParams(temperature=0.7, seed=3, max_tokens=40, ignore_eos=True, logprobs=2)
+    before = _counts(piped)
+    got = _summary(list(generate(piped, info, prompts[1], p)))
+    assert got == _summary(list(generate(plain, info, prompts[1], p)))
+    assert _counts(piped) == (before[0] + 38, before[1])
+
+
+def test_joins_and_every_sampling_parameter_match_the_engine_that_waits(engines, info, prompts):
+    """Five requests over three slots (two join as others leave: the step ahead, run without them, is thrown away),
+    seeded, penalised, min_tokens, logit_bias, logprobs: the same as without the pipeline and as alone."""
+    ask, other = prompts
+    stop_ids = tuple(info.stop_ids)
+    jobs = [Job(ask, SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.4, logprobs=2)),
+            Job(other, SamplingParams(temperature=1.0, seed=4, max_tokens=30, min_p=0.2, frequency_penalty=0.5)),
+            Job(ask, SamplingParams(temperature=0.0, max_tokens=50, min_tokens=45, eos_token_ids=stop_ids)),
+            Job(other, SamplingParams(temperature=0.8, seed=9, max_tokens=25, logit_bias=((30, 5.0),), logprobs=0,
+                                       presence_penalty=-0.5)),
+            Job(ask, SamplingParams(temperature=1.0, seed=2, top_k=5, top_p=0.9, max_tokens=30,
+                                    frequency_penalty=0.8))]
+    piped, plain = engines[SLOTS, True], engines[SLOTS, False]
+    before = _counts(piped)
+    got = _batch(piped, info, jobs)
+    taken, dropped = (a - b for a, b in zip(_counts(piped), before))
+    assert got == _batch(plain, info, jobs)
+    assert got == [_summary(list(generate(piped, info, j.prompt_ids, j.params))) for j in jobs]
+    assert dropped >= 1 and taken > 40
+
+
+def test_a_token_other_than_the_one_chosen_and_a_mask_throw_the_step_ahead_away(engines, prompts):
+    """Fed another token than it chose (penalised: the step ahead's counts are taken back out), then a mask, then
+    a new sequence in the slot: each time the engine computes what the waiting one does."""
+    from serving.structured import mask_words
+    ask = prompts[0]
+    p = SamplingParams(temperature=0.0, frequency_penalty=1.5, presence_penalty=0.5, max_tokens=100)
+    piped, plain = engines[SLOTS, True], engines[SLOTS, False]
+    allow = np.zeros(mask_words(piped.vocab_size) * 32, np.uint8)
+    allow[[77, 78]] = 1
+    mask = np.packbits(allow, bitorder="little").view("<i4")
+
+    def play(engine):
+        out = [engine.start(2, ask, p)]
+        for i in range(12):
+            fed = out[-1] if i != 4 else (out[-1] + 1) % engine.vocab_size        # step 4 feeds another token
+            masks = {2: mask} if i == 8 else None
+            out.append(engine.step({2: fed}, masks)[2])
+            if i == 8:
+                assert out[-1] in (77, 78)
+                counts = engine.sampler.counts[2].clone()   # what the penalties read (a step ahead counted too)
+        out.append(engine.start(2, ask[:-3], p))
+        for _ in range(2):
+            out.append(engine.step({2: out[-1]})[2])
+        logits = engine.logits(2)
+        engine.start(0, ask[:5], p)         # a sequence in another slot: the step ahead (slot 2's) is taken back
+        return out, logits, (counts, engine.sampler.counts[2].clone())
+
+    before = _counts(piped)
+    (got, logits, counts), (want, want_logits, want_counts) = play(piped), play(plain)
+    assert got == want
+    assert [c.sum() for c in counts] == [9, 2] and all((a == b).all() for a, b in zip(counts, want_counts))
+    np.testing.assert_allclose(logits, want_logits, atol=1e-5)
+    taken, dropped = (a - b for a, b in zip(_counts(piped), before))
+    assert dropped == 4 and taken == 12 - 1 - 3 + 1      # fed other, mask, 2 starts; after the mask: none ahead
+
+
+def test_a_sequence_stepped_past_its_max_tokens_keeps_its_cache(engines, prompts):
+    """max_tokens is the generation loop's to enforce: a caller may step a sequence on past it. The step ahead
+    (dispatched for the other sequence, which goes on) feeds it at its next position too, not as a free row."""
+    piped, plain = engines[SLOTS, True], engines[SLOTS, False]
+
+    def play(engine):
+        live = {0: engine.start(0, prompts[0], SamplingParams(temperature=0.0, max_tokens=3)),
+                1: engine.start(1, prompts[1], SamplingParams(temperature=0.0, max_tokens=100))}
+        seen = []
+        for _ in range(10):
+            live = engine.step(live)
+            seen.append((dict(live), engine.logits(0)))
+        return seen
+
+    for (got, got_logits), (want, want_logits) in zip(play(piped), play(plain)):
+        assert got == want
+        np.testing.assert_allclose(got_logits, want_logits, atol=1e-5)
