@@ -17,7 +17,7 @@ import torch
 
 from serving import memory_plan, packed_matmul, quantized, torch_attention
 from serving.engine import DeviceRow, SamplingParams, TokenLogprobs
-from serving.torch_attention import SlotKV, span
+from serving.torch_attention import SlotKV, ladder, rows, span
 from serving.torch_pipeline import INPUTS, Run, Stager, pipeline_from_env
 from serving.torch_sampler import Sampler
 
@@ -44,15 +44,16 @@ class _StaticKV:
         positions = torch.arange(n, device=self.device)
         return dict(position_ids=positions[None], cache_position=positions, past_key_values=self.cache)
 
-    def decode(self, positions: torch.Tensor, span: int) -> dict:
-        return dict(position_ids=positions[:, None], cache_position=positions, past_key_values=self.cache)
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, span: int) -> dict:
+        return dict(input_ids=input_ids, position_ids=positions[:, None], cache_position=positions,
+                    past_key_values=self.cache)
 
 
 class TorchEngine:
     """serving.engine.Engine over a transformers causal LM, next tokens chosen on the device (serving/torch_sampler.py,
     every slot in one pass). One slot: transformers' StaticCache (sequences run one after another). More
     (G5G_TORCH_SLOTS; 8 on a GPU by default): continuous batching over SlotKV (serving/torch_attention.py), every
-    live sequence decoded in one forward."""
+    live sequence decoded in one forward, over the first rows() slots only (torch_attention.ROWS)."""
 
     def __init__(self, model, text_config, device: torch.device, max_context: int, slots: int = 1):
         self.model = model
@@ -67,6 +68,8 @@ class TorchEngine:
         self._params = [SamplingParams(temperature=0.0)] * slots
         self.sampler = Sampler(slots, vocab, device)
         self._rows = torch.arange(slots, device=device)
+        # a boot's warm-up (serving/api.py) decodes a lone sequence in each of these: every row count rows() gives
+        self.warm_slots = tuple(b - 1 for b in ladder(slots))
         # a step's host inputs cross in one copy, from pinned memory on a GPU so that it does not wait
         self._stager = Stager(slots, device)
         # the next decode step, dispatched before this one's tokens reach the host (serving/torch_pipeline.py)
@@ -90,20 +93,20 @@ class TorchEngine:
         if not 0 <= slot < self.slots:
             raise ValueError(f"slot {slot} is not one of the PyTorch runtime's {self.slots} slots")
 
-    def _forward(self, call, input_ids: torch.Tensor, kw: dict) -> torch.Tensor:
-        out = call(input_ids=input_ids, use_cache=True, logits_to_keep=1, **kw)
+    def _forward(self, call, kw: dict) -> torch.Tensor:
+        out = call(use_cache=True, logits_to_keep=1, **kw)
         # a copy (float32, off the CUDA graph's output buffer, which the next replay overwrites)
         return out.logits[:, -1].float().clone()
 
-    def _decode_call(self, input_ids: torch.Tensor, kw: dict) -> torch.Tensor:
+    def _decode_call(self, kw: dict) -> torch.Tensor:
         if self._decode_checked:
-            return self._forward(self._decode, input_ids, kw)
+            return self._forward(self._decode, kw)
         try:                                   # first compiled step: fall back to eager if compiling fails
-            out = self._forward(self._decode, input_ids, kw)
+            out = self._forward(self._decode, kw)
         except Exception as e:
             log.warning("compiled decode failed (%s: %s); decoding eagerly", type(e).__name__, e)
             self._decode = self.model.__call__
-            out = self._forward(self._decode, input_ids, kw)
+            out = self._forward(self._decode, kw)
         self._decode_checked = True
         return out
 
@@ -133,7 +136,7 @@ class TorchEngine:
         kw = self._kv.prefill(slot, n)
         ids = torch.tensor([list(prompt_ids)], device=self.device)
         if params.prompt_logprobs is None:
-            logits = self._forward(self.model.__call__, ids, kw)
+            logits = self._forward(self.model.__call__, dict(input_ids=ids, **kw))
         else:      # the model's head over every prompt position (the last one's logits as the call above makes them)
             h = self.model.model(input_ids=ids, use_cache=True, **kw).last_hidden_state[0]
             self._prompt_logprobs[slot] = prompt_logprobs(self._head, h[:-1], prompt_ids[1:], params.prompt_logprobs)
@@ -193,9 +196,10 @@ class TorchEngine:
         return {s: chosen[s] for s in live}
 
     def _inputs(self, live: list[int], tokens: Mapping[int, int] | None = None) -> np.ndarray:
-        """Host inputs [INPUTS, slots] of the step just counted in _out/_pos (feeding `tokens`), or with `tokens`
-        None of the step after it (its tokens fed on the device): token, position, counted, holding, live."""
-        x = np.zeros((INPUTS, self.slots), np.int64)
+        """Host inputs [INPUTS, rows] of the step just counted in _out/_pos (feeding `tokens`), or with `tokens`
+        None of the step after it (its tokens fed on the device): token, position, counted, holding, live. rows:
+        rows(live), the first slots, the only ones the step decodes."""
+        x = np.zeros((INPUTS, rows(live, self.slots)), np.int64)
         ahead = tokens is None
         for slot in live:
             p = self._params[slot]
@@ -206,17 +210,19 @@ class TorchEngine:
     def _dispatch(self, inputs: np.ndarray, live: list[int], masks, after: Run | None = None) -> Run:
         """Dispatch a decode step of `inputs` (_inputs'), fed after's chosen tokens if given; nothing waits."""
         ids, positions, counted, holding, alive = self._stager.send(inputs)
-        if after is not None:
-            ids = torch.where(alive.bool(), after.chosen, 0)
-        self.sampler.count(self._rows, ids, counted)
-        logits = self._decode_call(ids[:, None], self._kv.decode(positions, span(inputs[1, live].tolist(),
+        b = inputs.shape[1]
+        if after is not None:        # after decoded as many rows or more (its live slots include these)
+            ids = torch.where(alive.bool(), after.chosen[:b], 0)
+        row_ids = self._rows[:b]
+        self.sampler.count(row_ids, ids, counted)
+        logits = self._decode_call(self._kv.decode(ids[:, None], positions, span(inputs[1, live].tolist(),
                                                                                 self.max_context)))
         allowed = None
         if masks:
-            allowed = np.full((self.slots, (self.vocab_size + 31) // 32), -1, np.int32)
+            allowed = np.full((b, (self.vocab_size + 31) // 32), -1, np.int32)
             for slot, m in masks.items():
                 allowed[slot] = m
-        chosen = self.sampler.choose(logits, self._rows, live, positions + 1,
+        chosen = self.sampler.choose(logits, row_ids, live, positions + 1,
                                      holding.bool() if inputs[3].any() else None, allowed)
         top = [self._params[s].logprobs for s in live if self._params[s].logprobs is not None]
         return Run(live, ids, counted, logits, chosen).send(max(top) if top else None)

@@ -52,6 +52,24 @@ def turing_backends() -> None:
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+# Rows a decode step may take (capped at the slot count, which is always one): a step decodes rows [:b] for the
+# smallest b that covers its highest live slot, so a lone stream (Batch.join fills the lowest free slot) decodes one
+# row, not every slot's. Each b is one more CUDA graph; b = 1 is a compile of its own (sizes 1 are specialised).
+ROWS = (1, 2, 4, 8)
+
+
+def rows(live, slots: int, ladder=ROWS) -> int:
+    """Rows a decode step of the slots `live` decodes: the smallest of `ladder` below `slots` above every live slot,
+    else `slots`."""
+    top = max(live) + 1
+    return next((b for b in ladder if top <= b < slots), slots)
+
+
+def ladder(slots: int, steps=ROWS) -> tuple[int, ...]:
+    """Every row count rows() gives for `slots`, smallest first (what a warm-up visits)."""
+    return tuple(b for b in steps if b < slots) + (slots,)
+
+
 def span(positions: list[int], max_context: int) -> int:
     """Keys a decode step attends over on full layers: a power of two (one compiled graph per size) covering every
     position, at least 64."""
@@ -65,7 +83,8 @@ class SlotKV:
     `update` call and takes {layer type: mask} as attention_mask. A decode step attends over the first
     span(positions) keys of full layers, the length of their mask (marked dynamic: one compiled graph serves every
     span), and over the whole ring of sliding ones: keys are stored rotated, so a ring's order does not matter, and
-    entry j is written exactly when j <= p, the same mask as a full layer's prefix."""
+    entry j is written exactly when j <= p, the same mask as a full layer's prefix. A decode step may take the first
+    rows only (rows()): it reads and writes views of those rows, its rows dimension marked dynamic as the span is."""
 
     def __init__(self, model, slots: int, max_context: int, device: torch.device, dtype):
         self.window = min(model.config.sliding_window, max_context)
@@ -96,8 +115,9 @@ class SlotKV:
         return dict(position_ids=q[None], past_key_values=self,
                     attention_mask={"full_attention": full[None, None], "sliding_attention": sliding[None, None]})
 
-    def decode(self, positions: torch.Tensor, span: int) -> dict:
-        """One token per row at positions [rows] (on the device); span: span() of them, from the host."""
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, span: int) -> dict:
+        """The compiled call's arguments for one token per row: input_ids [rows, 1] at positions [rows] (on the
+        device; rows: the first rows() slots); span: span() of them, from the host."""
         self._pos, self._ring_pos = positions, positions % self.window
         at = positions.view(-1, 1, 1, 1)
         # tensors of their own, not views of one: the compiler sees a view's base, and the span's mark with it
@@ -105,7 +125,10 @@ class SlotKV:
         torch._dynamo.maybe_mark_dynamic(self._full, 3)
         masks = {"full_attention": self._full,
                  "sliding_attention": torch.arange(self.window, device=self.device).view(1, 1, 1, -1) <= at}
-        return dict(position_ids=positions[:, None], attention_mask=masks, past_key_values=self)
+        kw = dict(input_ids=input_ids, position_ids=positions[:, None], attention_mask=masks, past_key_values=self)
+        for t in (input_ids, kw["position_ids"], self._pos, self._ring_pos, *masks.values()):
+            torch._dynamo.maybe_mark_dynamic(t, 0)    # rows: one compile serves every count above 1
+        return kw
 
     def update(self, key, value, layer_idx, cache_kwargs=None):
         """Write the new entries (key/value [rows, kv_heads, T, head_dim]) and return what the layer attends over."""
@@ -120,10 +143,11 @@ class SlotKV:
             else:
                 k[s, :, :n], v[s, :, :n] = key[0], value[0]
             return key, value
-        rows = torch.arange(key.shape[0], device=key.device)
+        b = key.shape[0]                        # the step's rows: the first b slots
+        rows = torch.arange(b, device=key.device)
         at = self._ring_pos if ring else self._pos
         k[rows, :, at], v[rows, :, at] = key[:, :, 0], value[:, :, 0]
         if ring:
-            return k, v
+            return k[:b], v[:b]
         n = self._full.shape[-1]
-        return k[:, :, :n], v[:, :, :n]
+        return k[:b, :, :n], v[:b, :, :n]

@@ -38,14 +38,14 @@ def pipeline_from_env(env=os.environ, device_type: str = "cpu") -> bool:
 
 
 class Stager:
-    """A step's host inputs (int64 [INPUTS, slots]) to the device in one copy. On CUDA from pinned memory, over a
-    ring of buffers, each written again only after the copy out of it is done (its event): never while one may
-    be in flight, even with a step dispatched ahead."""
+    """A step's host inputs (int64 [INPUTS, rows], rows up to `slots`) to the device in one copy. On CUDA from
+    pinned memory, over a ring of buffers, each written again only after the copy out of it is done (its event):
+    never while one may be in flight, even with a step dispatched ahead."""
 
     def __init__(self, slots: int, device: torch.device, depth: int = 4):
         self.device, self.cuda = device, device.type == "cuda"
         n = depth if self.cuda else 0
-        self.bufs = [torch.zeros((INPUTS, slots), dtype=torch.int64, pin_memory=True) for _ in range(n)]
+        self.bufs = [torch.zeros(INPUTS * slots, dtype=torch.int64, pin_memory=True) for _ in range(n)]
         self.events = [torch.cuda.Event() for _ in range(n)]
         self.next = 0
 
@@ -54,8 +54,9 @@ class Stager:
             return torch.from_numpy(inputs)
         i, self.next = self.next, (self.next + 1) % len(self.bufs)
         self.events[i].synchronize()            # done long ago unless the ring is shorter than the steps in flight
-        self.bufs[i].numpy()[:] = inputs
-        out = self.bufs[i].to(self.device, non_blocking=True)
+        buf = self.bufs[i][:inputs.size].view(inputs.shape)        # contiguous: one pinned copy of that many rows
+        buf.numpy()[:] = inputs
+        out = buf.to(self.device, non_blocking=True)
         self.events[i].record()
         return out
 
@@ -75,12 +76,12 @@ class Run:
     """One dispatched decode step: what it was fed, its logits and chosen tokens on the device, their copies on
     their way to the host, and `fed`: for a step dispatched ahead, the tokens it was fed as the host learns them."""
     live: list[int]
-    ids: torch.Tensor               # [slots] tokens fed
-    counted: torch.Tensor           # [slots] 1 where the fed token entered the penalty counts
-    logits: torch.Tensor            # [slots, vocab] float32, a copy of its own
-    chosen: torch.Tensor            # [slots]
+    ids: torch.Tensor               # [rows] tokens fed to the first rows slots (torch_attention.rows())
+    counted: torch.Tensor           # [rows] 1 where the fed token entered the penalty counts
+    logits: torch.Tensor            # [rows, vocab] float32, a copy of its own
+    chosen: torch.Tensor            # [rows]
     host: torch.Tensor = None
-    lp: tuple | None = None         # on the host: (chosen's raw logprob [slots], top values [slots, k], ids)
+    lp: tuple | None = None         # on the host: (chosen's raw logprob [rows], top values [rows, k], ids)
     done: object = None             # torch.cuda.Event behind the copies (None on CPU)
     fed: dict[int, int] | None = field(default=None)
 
@@ -99,7 +100,7 @@ class Run:
         return self
 
     def tokens(self) -> list[int]:
-        """The chosen tokens, per slot (waits for this step only: a step dispatched after it runs on)."""
+        """The chosen tokens, per row (= slot; waits for this step only: a step dispatched after it runs on)."""
         if self.done is not None:
             self.done.synchronize()
         return self.host.tolist()

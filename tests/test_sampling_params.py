@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from serving.engine import SamplingParams
-from serving.generation import Delta, Finish, TokenizerInfo, generate
-from tests.fixtures.batching import Job, run_in_batch
+from serving.generation import Delta, TokenizerInfo, generate
+from tests.fixtures.batching import Job, run_in_batch, summary
 from devtools.tiny_gemma4 import ANSWER, QUESTION
 
 RUNTIMES = ["pytorch", "jax"]
@@ -215,14 +215,6 @@ def test_jax_and_pytorch_agree_on_greedy_and_logprobs(engines, ask):
 
 
 # ------------------------------------------------------------------------------------------------ batches
-def _summary(events):
-    deltas = [e for e in events if isinstance(e, Delta)]
-    fin = next(e for e in events if isinstance(e, Finish))
-    lps = [(d.logprob.token, round(d.logprob.logprob, 4), [t for t, _ in d.logprob.top]) if d.logprob else None
-           for d in deltas]
-    return "".join(d.text for d in deltas), fin.reason, fin.completion_tokens, lps
-
-
 @pytest.mark.parametrize("batched", ["jax", "pytorch_batched"])
 def test_batch_gives_each_request_with_these_parameters_what_it_gets_alone(engines, info, ask, batched):
     """Five requests over three slots (two join as others leave), alone and in the batch."""
@@ -237,8 +229,8 @@ def test_batch_gives_each_request_with_these_parameters_what_it_gets_alone(engin
             Job(other, SamplingParams(temperature=0.8, seed=9, max_tokens=25, logit_bias=((30, 5.0),), logprobs=0,
                                        presence_penalty=-0.5)),
             Job(ask, SamplingParams(temperature=0.0, max_tokens=30))]
-    alone = [_summary(list(generate(eng, info, j.prompt_ids, j.params))) for j in jobs]
-    assert [_summary(events) for events in run_in_batch(eng, info, jobs)] == alone
+    alone = [summary(list(generate(eng, info, j.prompt_ids, j.params))) for j in jobs]
+    assert [summary(events) for events in run_in_batch(eng, info, jobs)] == alone
     assert alone[2][2] >= 45 and alone[4][0] == ANSWER[:len(alone[4][0])]
 
 

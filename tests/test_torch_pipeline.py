@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from serving.engine import SamplingParams
-from serving.generation import Delta, Finish, TokenizerInfo, generate
-from tests.fixtures.batching import Job, run_in_batch
+from serving.generation import TokenizerInfo, generate
+from tests.fixtures.batching import Job, run_in_batch, summary
 from devtools.tiny_gemma4 import ANSWER, QUESTION
 
 SLOTS = 3
@@ -46,20 +46,12 @@ def prompts(info) -> tuple[list[int], list[int]]:
             info.chat_prompt([{"role": "user", "content": "What is a stop string? " * 3}]))
 
 
-def _summary(events):
-    deltas = [e for e in events if isinstance(e, Delta)]
-    fin = next(e for e in events if isinstance(e, Finish))
-    lps = [(d.logprob.token, round(d.logprob.logprob, 4), [t for t, _ in d.logprob.top]) if d.logprob else None
-           for d in deltas]
-    return "".join(d.text for d in deltas), fin.reason, fin.completion_tokens, lps
-
-
 def _counts(engine) -> tuple[int, int]:
     return engine.speculation["used"], engine.speculation["replaced"]
 
 
 def _batch(engine, info, jobs):
-    return [_summary(ev) for ev in run_in_batch(engine, info, [Job(j.prompt_ids, j.params) for j in jobs])]
+    return [summary(ev) for ev in run_in_batch(engine, info, [Job(j.prompt_ids, j.params) for j in jobs])]
 
 
 def test_the_setting_is_on_on_a_gpu_off_on_a_cpu_and_the_variable_wins():
@@ -79,7 +71,7 @@ def test_sequences_that_start_together_take_every_step_ahead(engines, info, prom
             Job(other, SamplingParams(temperature=0.0, max_tokens=7)),
             Job(ask, SamplingParams(temperature=0.0, max_tokens=23))]
     piped, plain = engines[SLOTS, True], engines[SLOTS, False]
-    alone = [_summary(list(generate(plain, info, j.prompt_ids, j.params))) for j in jobs]
+    alone = [summary(list(generate(plain, info, j.prompt_ids, j.params))) for j in jobs]
     before = _counts(piped)
     got = _batch(piped, info, jobs)
     taken, dropped = (a - b for a, b in zip(_counts(piped), before))
@@ -92,8 +84,8 @@ def test_one_stream_on_the_static_cache_takes_every_step_ahead(engines, info, pr
     piped, plain = engines[1, True], engines[1, False]
     p = SamplingParams(temperature=0.7, seed=3, max_tokens=40, ignore_eos=True, logprobs=2)
     before = _counts(piped)
-    got = _summary(list(generate(piped, info, prompts[1], p)))
-    assert got == _summary(list(generate(plain, info, prompts[1], p)))
+    got = summary(list(generate(piped, info, prompts[1], p)))
+    assert got == summary(list(generate(plain, info, prompts[1], p)))
     assert _counts(piped) == (before[0] + 38, before[1])
 
 
@@ -114,7 +106,7 @@ def test_joins_and_every_sampling_parameter_match_the_engine_that_waits(engines,
     got = _batch(piped, info, jobs)
     taken, dropped = (a - b for a, b in zip(_counts(piped), before))
     assert got == _batch(plain, info, jobs)
-    assert got == [_summary(list(generate(piped, info, j.prompt_ids, j.params))) for j in jobs]
+    assert got == [summary(list(generate(piped, info, j.prompt_ids, j.params))) for j in jobs]
     assert dropped >= 1 and taken > 40
 
 

@@ -1,0 +1,208 @@
+"""The PyTorch runtime decodes the live rows only: a step takes the first rows() slots (torch_attention.ROWS), so a
+lone stream on an 8-slot engine decodes one row, not eight. Observed at the model's compiled call (the rows it is
+fed), at SlotKV.update (the K/V rows each layer writes and reads) and at the sampler (the logits' rows), with the
+step dispatched ahead on and off; the answers are those of the same requests alone."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from serving.engine import SamplingParams  # noqa: E402
+from serving.generation import TokenizerInfo, generate  # noqa: E402
+from serving.torch_attention import ladder, rows  # noqa: E402
+from tests.fixtures.batching import Job, run_in_batch, summary  # noqa: E402
+from devtools.tiny_gemma4 import ANSWER, QUESTION  # noqa: E402
+
+SLOTS = 8
+CONTEXT = 128
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def test_a_step_takes_the_smallest_rung_above_its_highest_live_slot():
+    assert [rows([s], 8) for s in range(8)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert rows([0, 3], 8) == 4 and rows([2, 0], 8) == 4 and rows([0, 1, 2, 3, 4], 8) == 8
+    assert [rows([s], 3) for s in range(3)] == [1, 2, 3]           # capped at the slots, the top rung
+    assert [rows([s], 12) for s in (7, 8, 11)] == [8, 12, 12]
+    assert rows([0], 1) == 1
+    assert ladder(8) == (1, 2, 4, 8) and ladder(3) == (1, 2, 3) and ladder(12) == (1, 2, 4, 8, 12) and ladder(1) == (1,)
+    assert {rows([s], n) for n in (1, 3, 8, 12) for s in range(n)} <= {b for n in (1, 3, 8, 12) for b in ladder(n)}
+
+
+@pytest.fixture(scope="module")
+def info(tiny_gemma4) -> TokenizerInfo:
+    return TokenizerInfo.load(tiny_gemma4)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_gemma4):
+    """{pipelined: an 8-slot engine}, the step ahead set through the environment."""
+    from serving.pytorch_runtime import load
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    mp = pytest.MonkeyPatch()
+    out = {}
+    for piped in (False, True):
+        mp.setenv("G5G_TORCH_PIPELINE", "1" if piped else "0")
+        out[piped] = load(tiny_gemma4, max_context=CONTEXT, slots=SLOTS)
+    mp.undo()
+    yield out
+    torch.set_num_threads(n)
+
+
+class Rows:
+    """What each decode step of `engine` took, per step dispatched: the rows fed to the model, the rows of K/V each
+    layer wrote and attended over, the rows of logits the sampler chose from."""
+
+    def __init__(self, engine, mp: pytest.MonkeyPatch):
+        self.fed, self.kv, self.sampled = [], set(), []
+        decode, update, choose = engine._decode, engine._kv.update, engine.sampler.choose
+
+        def fed(**kw):
+            self.fed.append(kw["input_ids"].shape[0])
+            return decode(**kw)
+
+        def kv(key, value, layer, *a):
+            k, v = update(key, value, layer, *a)
+            if engine._kv._pos is not None:           # a decode step (a prompt writes one slot)
+                self.kv.add((len(self.fed), key.shape[0], k.shape[0], v.shape[0]))
+            return k, v
+
+        def sampled(logits, *a, **kw):
+            self.sampled.append(logits.shape[0])
+            return choose(logits, *a, **kw)
+
+        mp.setattr(engine, "_decode", fed)
+        mp.setattr(engine._kv, "update", kv)
+        mp.setattr(engine.sampler, "choose", sampled)
+
+    def steps(self) -> list[int]:
+        """Rows per decode step dispatched, checked the same at the model, K/V and the sampler."""
+        assert self.kv == {(i + 1, b, b, b) for i, b in enumerate(self.fed)}
+        assert [b for b in self.sampled if b > 1] == [b for b in self.fed if b > 1]    # prompts sample 1 row
+        return self.fed
+
+
+@pytest.mark.parametrize("piped", [False, True])
+def test_a_lone_stream_decodes_one_row(engines, info, piped, monkeypatch):
+    engine = engines[piped]
+    seen = Rows(engine, monkeypatch)
+    ask = info.chat_prompt([{"role": "user", "content": QUESTION}])
+    got = summary(run_in_batch(engine, info, [Job(ask, SamplingParams(temperature=0.0, max_tokens=200))])[0])
+    assert got[:2] == (ANSWER, "stop")
+    steps = seen.steps()
+    assert steps == [1] * len(steps) and len(steps) == got[2] - 1 + piped         # + the step ahead not taken
+    assert engine._kv.k[0].shape[0] == SLOTS                                        # the cache keeps every slot
+
+
+@pytest.mark.parametrize("piped", [False, True])
+def test_streams_in_slots_0_and_3_decode_4_rows_and_get_what_they_get_alone(engines, piped, monkeypatch):
+    """Two sequences in slots 0 and 3 (the rows between are free, fed at position 0): four rows a step, then one
+    once slot 3 leaves; every step's logits and tokens those of each sequence decoded alone in slot 0."""
+    engine = engines[piped]
+    prompts = {0: [2, 5, 6, 7, 9, 11], 3: [2, 40, 41, 42]}
+
+    def alone(slot):
+        tokens = [engine.start(0, prompts[slot], GREEDY)]
+        logits = [engine.logits(0)]
+        for _ in range(12 if slot == 0 else 5):
+            tokens.append(engine.step({0: tokens[-1]})[0])
+            logits.append(engine.logits(0))
+        return tokens, logits
+
+    want = {s: alone(s) for s in prompts}
+    seen = Rows(engine, monkeypatch)
+    live = {s: engine.start(s, p, GREEDY) for s, p in prompts.items()}
+    got = {s: ([t], [engine.logits(s)]) for s, t in live.items()}
+    for i in range(12):
+        if i == 5:
+            del live[3]                                      # slot 3 leaves: its slot is free from here
+        live = engine.step(live)
+        for s, t in live.items():
+            got[s][0].append(t)
+            got[s][1].append(engine.logits(s))
+    for s in prompts:
+        assert got[s][0] == want[s][0]
+        np.testing.assert_allclose(np.stack(got[s][1]), np.stack(want[s][1]), atol=1e-5)
+    # with the step ahead: the one dispatched at 4 rows before slot 3 left is taken, then 1 row
+    assert seen.steps() == [4] * (5 + piped) + [1] * 7
+
+
+def test_a_stream_that_joins_throws_the_step_ahead_at_one_row_away(engines, info):
+    """A lone stream decodes one row with a step dispatched ahead; a second joins in slot 1: that step ahead is
+    thrown away and counted, the next steps take two rows, and both answers are those of the engine that waits."""
+    ask = info.chat_prompt([{"role": "user", "content": QUESTION}])
+    jobs = [Job(ask, SamplingParams(temperature=0.0, max_tokens=12)),
+            Job(ask, SamplingParams(temperature=0.9, seed=5, max_tokens=8, logprobs=1))]
+
+    def play(engine):
+        seen = Rows(engine, mp)
+        first = engine.start(0, jobs[0].prompt_ids, jobs[0].params)
+        out = {0: [first]}
+        for _ in range(3):
+            out[0].append(engine.step({0: out[0][-1]})[0])
+        before = dict(engine.speculation)
+        out[1] = [engine.start(1, jobs[1].prompt_ids, jobs[1].params)]
+        dropped = engine.speculation["replaced"] - before["replaced"]
+        live = {0: out[0][-1], 1: out[1][-1]}
+        for _ in range(6):
+            live = engine.step(live)
+            for s, t in live.items():
+                out[s].append(t)
+        return out, dropped, seen.steps()
+
+    mp = pytest.MonkeyPatch()
+    try:
+        got, dropped, steps = play(engines[True])
+        want, none, waited = play(engines[False])
+    finally:
+        mp.undo()
+    assert got == want and (dropped, none) == (1, 0)
+    assert waited == [1] * 3 + [2] * 6 and steps == [1] * 4 + [2] * 7      # + a step ahead thrown away, one left
+    alone = [summary(list(generate(engines[True], info, j.prompt_ids, j.params))) for j in jobs]
+    assert [summary(ev) for ev in run_in_batch(engines[True], info, jobs)] == alone
+
+
+def test_the_boot_warm_up_decodes_every_row_count(engines, tiny_gemma4):
+    """serving/api.py's warm-up steps a lone sequence in each of the engine's warm_slots: every rung of the ladder,
+    so no row count reaches the compiled step first under traffic."""
+    from devtools.server import in_thread, wait_ready
+    from serving.api import create_app
+
+    engine = engines[True]
+    assert engine.warm_slots == (0, 1, 3, 7)
+    mp = pytest.MonkeyPatch()
+    seen = Rows(engine, mp)
+    try:
+        with in_thread(create_app(lambda: engine, tiny_gemma4)) as url:
+            assert wait_ready(f"{url}/health", timeout=60) is not None
+    finally:
+        mp.undo()
+    assert sorted(set(seen.steps())) == list(ladder(SLOTS))
+
+
+@pytest.mark.slow
+def test_two_compiles_serve_every_row_count(engines):
+    """The rows dimension reaches the compiled step marked dynamic: one compile for a single row (torch.compile
+    specialises sizes of 1) and one for every other count, whichever comes first; then none, at any span."""
+    from torch._dynamo.testing import CompileCounter
+
+    engine = engines[False]
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    engine._decode, engine._decode_checked = torch.compile(engine.model.__call__, backend=counter), True
+    try:
+        counts = []
+        for slot in (7, 3, 1, 0, 1, 7):
+            engine.step({slot: engine.start(slot, [2, 5, 6], GREEDY)})
+            counts.append(counter.frame_count)
+        assert counts == [1, 1, 1, 2, 2, 2]
+        prompt = np.random.default_rng(3).integers(0, 512, 62).tolist()
+        live = {s: engine.start(s, prompt, GREEDY) for s in (0, 2)}      # 4 rows, past a span of 64
+        for _ in range(4):
+            live = engine.step(live)
+        assert counter.frame_count == 2
+    finally:
+        engine._decode = engine.model.__call__
+        torch._dynamo.reset()
