@@ -187,11 +187,12 @@ def measure_peer(ckpt: Path, runs: int, p: dict) -> dict:
 # --------------------------------------------------------------------------------------------- profile
 def profile_torch(ckpt: Path, p: dict) -> dict:
     """The PyTorch engine in-process with SLOTS slots: wall time per engine.step with 1 and SLOTS live greedy
-    sequences, waiting for each step's tokens (G5G_TORCH_PIPELINE=0) and with the next step dispatched ahead (=1),
+    sequences (in the first slots: the rows a step decodes, torch_attention.rows()), waiting for each step's tokens (G5G_TORCH_PIPELINE=0) and with the next step dispatched ahead (=1),
     and how many steps ahead were used and thrown away."""
     import torch
     from serving.engine import SamplingParams
     from serving.pytorch_runtime import load
+    from serving.torch_attention import rows
 
     eng = load(ckpt, max_context=1024, slots=SLOTS)
     greedy = SamplingParams(temperature=0.0, max_tokens=1 << 20)      # no row ends: every step has one ahead
@@ -211,6 +212,7 @@ def profile_torch(ckpt: Path, p: dict) -> dict:
                 toks = eng.step(toks)
             res[f"{'pipelined' if piped else 'waiting'}_live{live}_engine_step_ms"] = \
                 round((time.perf_counter() - t0) / n * 1000, 3)
+            res[f"live{live}_rows_decoded"] = rows(list(toks), SLOTS)
             if piped:
                 res[f"pipelined_live{live}_speculation"] = {k: v - before[k] for k, v in eng.speculation.items()}
     del eng

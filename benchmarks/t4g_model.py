@@ -11,11 +11,12 @@ the PATH:
    memory-efficient and math backends remain), our packed kernels as sm_75 chooses them, on a T4G's grid
    (G5G_PACKED_ARCH=75, G5G_PACKED_SMS=40).
 2. Wall time per engine.step with 1 and 8 live sequences (greedy, no HTTP), --steps steps after a warm-up.
-3. In a second child under ncu (ncu slows every launch, so it never times): one decode step with 8 live
-   sequences, profiled (--cache-control all: every kernel starts from a cold L2, as on a T4G whose 4 MB L2 keeps
-   almost nothing between kernels): per kernel its DRAM bytes read + written, its L2 traffic, its warp
-   instructions and its duration here. The one-stream prediction reuses that step's kernels (exact for PyTorch,
-   which decodes all its slots every step; for JAX's batch-1 executable an upper bound of its bytes).
+3. In a second child under ncu (ncu slows every launch, so it never times): one decode step with 1 live
+   sequence and one with 8, profiled (--cache-control all: every kernel starts from a cold L2, as on a T4G whose
+   4 MB L2 keeps almost nothing between kernels): per kernel its DRAM bytes read + written, its L2 traffic, its
+   warp instructions and its duration here. Each prediction has its own step's kernels: one stream is what a lone
+   sequence runs (PyTorch's one-row step, torch_attention.rows(); JAX's batch-1 executable), a marker kernel
+   (MARKER) between the two steps tells them apart in ncu's rows.
 The model (MODEL below; every constant stated there): a kernel takes on a T4G
     t = max(DRAM bytes / 277 GB/s, warp instructions / the T4G's issue rate, its duration here)
 (a T4G is slower than any GPU this runs on in each respect), a step the sum of its kernels plus the host time
@@ -63,6 +64,8 @@ TURING = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false", "G5G_PACKED_SMS": s
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_bytes.sum", "smsp__inst_executed.sum",
            "gpu__time_duration.sum")
 SLOTS, CONTEXT = 8, 1024
+LIVE = (1, SLOTS)               # live sequences per step timed and profiled
+MARKER = "spin_kernel"          # torch.cuda._sleep's kernel, launched between the profiled steps
 RESULT: dict = {}
 
 
@@ -75,7 +78,7 @@ def note(out: Path, **kw) -> None:
 # ------------------------------------------------------------------------------------------------- child
 def child(runtime: str, ckpt: Path, steps: int, result: Path, profile: bool) -> None:
     """In this process: load the engine the sm_75 way; then either time its steps (1 and 8 live sequences) or,
-    under ncu, run one profiled step with 8 live sequences (ncu slows every launch: the two never share a process)."""
+    under ncu, run one profiled step with each (ncu slows every launch: the two never share a process)."""
     import torch
 
     from serving.engine import SamplingParams
@@ -94,7 +97,7 @@ def child(runtime: str, ckpt: Path, steps: int, result: Path, profile: bool) -> 
     res: dict = {"load_s": round(time.perf_counter() - t0, 1)}
     greedy = SamplingParams(temperature=0.0, ignore_eos=True)
     prompt = [2] + list(range(100, 131))
-    for live in ((SLOTS,) if profile else (1, SLOTS)):
+    for live in LIVE:
         # a first pass over the positions the timed one reaches: the runtimes compile per length bucket (PyTorch's
         # attention span, JAX's ladder), and the 2026-12-02 run timed 1 live sequence through those compiles
         for warm in (True, False):
@@ -112,13 +115,16 @@ def child(runtime: str, ckpt: Path, steps: int, result: Path, profile: bool) -> 
     if profile:
         if hasattr(engine, "pipeline"):     # one dispatch inside the profiled range
             engine.pipeline = False
-        toks = engine.step(toks)
-        if gpu:
-            torch.cuda.synchronize()
-            torch.cuda.profiler.start()
-            engine.step(toks)
-            torch.cuda.synchronize()
-            torch.cuda.profiler.stop()
+        for i, live in enumerate(LIVE):    # a lone sequence in slot 0: the rows a lone stream decodes
+            toks = engine.step({s: engine.start(s, prompt, greedy) for s in range(live)})
+            if gpu:
+                torch.cuda.synchronize()
+                torch.cuda.profiler.start()
+                if i:
+                    torch.cuda._sleep(1)    # MARKER: the kernels after it are this step's
+                engine.step(toks)
+                torch.cuda.synchronize()
+                torch.cuda.profiler.stop()
     result.write_text(json.dumps(res))
 
 
@@ -142,6 +148,19 @@ def parse_ncu(text: str) -> list[dict]:
             k[m] = float(v) if v not in ("", "n/a") else 0.0
         out.append(k)
     return out
+
+
+def split_steps(kernels: list[dict]) -> dict[int, list[dict]]:
+    """The profiled child's kernels per step, {live sequences: kernels}: LIVE's steps in order, MARKER between."""
+    steps: list[list[dict]] = [[]]
+    for k in kernels:
+        if MARKER in k["name"]:
+            steps.append([])
+        else:
+            steps[-1].append(k)
+    if len(steps) != len(LIVE):
+        raise ValueError(f"{len(steps)} profiled steps in ncu's rows, not {len(LIVE)} (one {MARKER} between each)")
+    return dict(zip(LIVE, steps))
 
 
 def t4g_seconds(kernel: dict) -> float:
@@ -271,13 +290,19 @@ def main() -> int:
                 res = {**timed, "wall_s": round(time.perf_counter() - t0, 1),
                        "plan_streamed_bytes": plan.streamed_per_token}
                 kernels = parse_ncu(text) if text else []
+                steps = None
                 if kernels and "step_ms_1" in timed:
-                    for rows in (1, SLOTS):
-                        p = predict(kernels, timed[f"step_ms_{rows}"], rows)
+                    try:
+                        steps = split_steps(kernels)
+                    except ValueError as e:
+                        res["error"] = str(e)
+                if steps:
+                    for rows, step in steps.items():
+                        p = predict(step, timed[f"step_ms_{rows}"], rows)
                         res[f"step{rows}"] = p
                         res[f"predicted_tok_s_{rows}"] = p["predicted_tok_s"]
                     res["bytes_per_token"] = res["step1"]["dram_bytes"]
-                elif ncu and "error" not in timed:
+                elif ncu and "error" not in res:
                     res["error"] = "no profiled steps in ncu's output: " + text[-1500:]
                 RESULT["runtimes"].setdefault(runtime, {})[key] = res
                 note(a.out, **{"runtimes": RESULT["runtimes"]})

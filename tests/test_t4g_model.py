@@ -56,3 +56,16 @@ def test_t4g_kernels_runs_a_case_beside_its_peer_on_cpu(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "t4g_kernels.py"), str(tmp_path), "--cases",
                           "attention-7"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown case(s) attention-7" in bad.stderr
+
+
+def test_the_profiled_steps_are_told_apart_by_the_marker():
+    """One profiled child runs a step with 1 live sequence, the marker kernel, then a step with 8: each prediction
+    gets its own step's kernels (a lone PyTorch stream decodes one row, not 8)."""
+    kernel = dict.fromkeys(t4g_model.METRICS, 0.0)
+    marker = "void at::cuda::(anonymous namespace)::spin_kernel(long)"
+    rows = [{**kernel, "name": n} for n in ("gemv_1", "head_1", marker, "gemm_8", "head_8", "sample_8")]
+    steps = t4g_model.split_steps(rows)
+    assert {n: [k["name"] for k in ks] for n, ks in steps.items()} == {1: ["gemv_1", "head_1"],
+                                                                       8: ["gemm_8", "head_8", "sample_8"]}
+    with pytest.raises(ValueError, match="1 profiled steps in ncu's rows, not 2"):
+        t4g_model.split_steps(rows[:2])
