@@ -52,17 +52,17 @@ def turing_backends() -> None:
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
-# Rows a decode step may take (capped at the slot count, which is always one): a step decodes rows [:b] for the
+# Rows a decode step may take (below the slot count, itself always a rung): a step decodes rows [:b] for the
 # smallest b that covers its highest live slot, so a lone stream (Batch.join fills the lowest free slot) decodes one
 # row, not every slot's. Each b is one more CUDA graph; b = 1 is a compile of its own (sizes 1 are specialised).
 ROWS = (1, 2, 4, 8)
 
 
-def rows(live, slots: int, ladder=ROWS) -> int:
-    """Rows a decode step of the slots `live` decodes: the smallest of `ladder` below `slots` above every live slot,
+def rows(live, slots: int, steps=ROWS) -> int:
+    """Rows a decode step of the slots `live` decodes: the smallest of `steps` below `slots` above every live slot,
     else `slots`."""
     top = max(live) + 1
-    return next((b for b in ladder if top <= b < slots), slots)
+    return next((b for b in steps if top <= b < slots), slots)
 
 
 def ladder(slots: int, steps=ROWS) -> tuple[int, ...]:
@@ -144,9 +144,9 @@ class SlotKV:
                 k[s, :, :n], v[s, :, :n] = key[0], value[0]
             return key, value
         b = key.shape[0]                        # the step's rows: the first b slots
-        rows = torch.arange(b, device=key.device)
+        row = torch.arange(b, device=key.device)
         at = self._ring_pos if ring else self._pos
-        k[rows, :, at], v[rows, :, at] = key[:, :, 0], value[:, :, 0]
+        k[row, :, at], v[row, :, at] = key[:, :, 0], value[:, :, 0]
         if ring:
             return k[:b], v[:b]
         n = self._full.shape[-1]

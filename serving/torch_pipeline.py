@@ -11,6 +11,9 @@ holds):
   prompt started after it runs after it on the stream;
 - penalty counts: `Run.undo` takes its fed tokens back out;
 - sampling: draws are keyed by (seed, position), so the step ahead draws what the requested one would.
+A step decodes the first rows (torch_attention.rows()) that hold its live slots: a step ahead is never wider than
+the step it follows (its slots are among that step's), and a `start`, the one way a wider step can be asked for,
+throws the step ahead away first.
 """
 from __future__ import annotations
 
