@@ -7,38 +7,32 @@ import re
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("compressed_tensors")
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import ml_dtypes  # noqa: E402
-from compressed_tensors.compressors import PackedQuantizationCompressor  # noqa: E402
-from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme  # noqa: E402
-
-from serving import quantized  # noqa: E402
-from serving.jax_runtime import engine, model, xla  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import quantize  # noqa: E402  (tools/quantize.py)
+from serving import quantized
+from serving.jax_runtime import engine, model, xla
 
 ROWS = 16          # the engine's PACKED_REDUCE_ROWS, spelled here so a change of it is a change of this test too
 
 
-def _args(bits: int, group: int | None) -> QuantizationArgs:
-    return QuantizationArgs(num_bits=bits, type="int", symmetric=True, dynamic=False,
-                            strategy="group" if group else "channel", group_size=group)
-
-
 def _packed(k: int, n: int, bits: int, group: int | None, seed: int = 0):
     """(model.Packed as checkpoint.py loads it, compressed-tensors' decompressed weight [in, out] float64) of a
-    random [n, k] weight whose output channels span four decades of scale."""
+    random [n, k] weight whose output channels span three decades of scale, packed by tools/quantize.py."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import quantize  # tools/quantize.py
+
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen) * torch.logspace(-2, 1, n)[:, None] / k ** 0.5
-    args = _args(bits, group)
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=True, dynamic=False,
+                            strategy="group" if group else "channel", group_size=group)
     p = quantize.pack(w, args)
     ref = PackedQuantizationCompressor.decompress({**p, "weight_scale": p["weight_scale"].float()},
                                                   QuantizationScheme(targets=["Linear"], weights=args))["weight"]
@@ -73,7 +67,7 @@ def test_reduce_path_equals_the_product_with_compressed_tensors_weights(bits, gr
 
 
 def test_rows_beyond_reduce_rows_take_the_dot():
-    w, ref_w = _packed(256, 32, 8, None)
+    w = model.Packed(jax.ShapeDtypeStruct((256, 32), jnp.int8), jax.ShapeDtypeStruct((1, 32), jnp.float16), ROWS)
     for rows, dot in [(1, False), (ROWS, False), (ROWS + 1, True), (64, True)]:
         x = jax.ShapeDtypeStruct((rows, 256), jnp.float32)
         assert _ops(jax.jit(model.matmul).lower(x, w).compile().as_text())[1] == dot, rows

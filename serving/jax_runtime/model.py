@@ -84,10 +84,11 @@ def _k_parts(k: int) -> int:
 
 
 def _reduce_matmul(x, w: Packed):
-    """x @ w as an elementwise product [K, out, rows] summed over K in float32: XLA compiles it as reductions whose
-    input fusion reads each packed byte once for all rows (rows minor: the threads of a row of K share its bytes) and
-    writes only the [out, rows] sums. Nothing is left for cuBLAS and no dequantised weight is written. Memory-bound
-    decode only: every row costs a multiply per weight, so prefill's hundreds of rows keep the dot."""
+    """x @ w as an elementwise product [K, out, rows] summed over K in float32: XLA compiles it as reductions over K
+    whose input fusion converts (and scales) the packed weight as it reads it, one pass for all rows (rows minor, so
+    a row of K's bytes serves every row at once), and writes only the [out, rows] sums: nothing for cuBLAS, no
+    dequantised weight. For memory-bound decode only: each row costs a multiply per weight, so prefill keeps the dot.
+    (benchmarks/quantized_decode.py --phase kernels times it against the float16 dot and a tiled layout.)"""
     k, out = w.q.shape
     groups = w.scale.shape[0]
     rows = x.reshape(-1, k).astype(F32).T                       # [K, R]
