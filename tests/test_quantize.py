@@ -225,10 +225,8 @@ def test_e2b_shaped_quantised_logits(e2b_shaped):
     ids = np.random.default_rng(1).integers(3, 4096, 64).tolist()
     logits = {(rt, name): _runtime_logits(rt, d, ids) for rt in ("pytorch", "jax")
               for name, d in [("fp16", src), *outs.items()]}
-    logits |= {("jax-reduce", name): _runtime_logits("jax-reduce", d, ids) for name, d in outs.items()}
     for scheme in outs:
         np.testing.assert_allclose(logits["jax", scheme], logits["pytorch", scheme], atol=2e-3, rtol=0)
-        np.testing.assert_allclose(logits["jax-reduce", scheme], logits["pytorch", scheme], atol=2e-3, rtol=0)
         for rt in ("pytorch", "jax"):
             ref, got = logits[rt, "fp16"], logits[rt, scheme]
             kl, top1 = _kl_top1(ref, got)
