@@ -6,7 +6,10 @@ shapes with random weights (no download), beside transformers.
 kernels: every distinct packed linear of the shapes, 1 and 8 rows. PyTorch: cuBLAS fp16 (F.linear) against
   serving/packed_matmul.py's GEMV (its own config for this GPU, a T4G's grid, and the GEMV_SWEEP around it) and
   its dot kernel (KERNEL_CONFIG); the device's copy bandwidth first, each kernel's packed GB/s as a share of it;
-  JAX (unless --kernel-runtimes torch): an fp16 dot against model.matmul on Packed int8/int4. Time per matmul
+  JAX (unless --kernel-runtimes torch): an fp16 dot against model.matmul on Packed int8/int4, as a dot and as the
+  multiply-reduce (G5G_JAX_PACKED_DOT), each as a ratio to the fp16 dot (vs_fp16) and a share of JAX's own copy
+  bandwidth; run it with XLA_FLAGS=--xla_gpu_enable_triton_gemm=false for sm_75's cuBLAS dots; --kernel-runtimes jax
+  --tiny runs it on a CPU. Time per matmul
   over enough distinct weights to overflow L2 (so the bytes come from HBM), PyTorch
   replayed from a CUDA graph (kernel time, launch excluded); effective GB/s of the bytes a matmul must read; the
   largest error against the dequantised weight.
@@ -171,7 +174,51 @@ def kernels_torch(n: int, k: int, rows: int, copy_bw: float) -> dict:
     return res
 
 
-def kernels_jax(n: int, k: int, rows: int) -> dict:
+def copy_bandwidth_jax(nbytes: int) -> float:
+    """JAX's copy bandwidth on its default device, bytes read + written per second (an elementwise pass over
+    nbytes of float16: the bandwidth a memory-bound fusion gets)."""
+    import jax
+    import jax.numpy as jnp
+    a = jnp.zeros(nbytes // 2, jnp.float16)
+    f = jax.jit(lambda a: a + jnp.float16(1))
+    f(a).block_until_ready()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        f(a).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / statistics.median(times)
+
+
+def reduce_tiled(x, w, tile: int = 32):
+    """model.matmul's multiply-reduce with another layout, for comparison: rows between tiles of `tile` outputs
+    ([K, out/tile, rows, tile]: the threads of a row of K read `tile` neighbouring bytes of one row each) where
+    the model puts rows minor ([K, out, rows])."""
+    import jax.numpy as jnp
+    from serving.jax_runtime import model
+    f32 = jnp.float32
+    k, out = w.q.shape
+    groups = w.scale.shape[0]
+    q = w.q.astype(f32)
+    if groups > 1:
+        q = (q.reshape(groups, -1, out) * w.scale.astype(f32)[:, None, :]).reshape(k, out)
+    parts = model._k_parts(k)
+    xr = x.astype(f32).T
+    sums = jnp.sum(q.reshape(parts, k // parts, out // tile, 1, tile) * xr.reshape(parts, k // parts, 1, -1, 1), 1)
+    y = sums[0]
+    for i in range(1, parts):
+        y = y + sums[i]
+    y = y.transpose(1, 0, 2).reshape(-1, out)
+    if groups == 1:
+        y = y * w.scale[0].astype(f32)
+    return y.astype(x.dtype)
+
+
+def kernels_jax(n: int, k: int, rows: int, copy_bw: float) -> dict:
+    """fp16 dot against each packed path of model.matmul, in one process (so under the same XLA_FLAGS: with
+    --xla_gpu_enable_triton_gemm=false every dot is a cuBLAS call, as on sm_75): "dot" (today's: on cuBLAS a
+    dequantised copy first), "reduce" (the multiply-reduce G5G_JAX_PACKED_DOT=reduce runs) and "reduce_tiled"
+    (reduce_tiled's layout). Each copy of a weight gets its own rows, so XLA cannot merge the timed dots into one."""
     import jax
     import jax.numpy as jnp
     import ml_dtypes
@@ -180,7 +227,8 @@ def kernels_jax(n: int, k: int, rows: int) -> dict:
     import quantize
     import torch
     from serving import quantized
-    from serving.jax_runtime.model import Packed, matmul
+    from serving.jax_runtime.engine import PACKED_REDUCE_ROWS
+    from serving.jax_runtime.model import Packed, matmul, with_reduce_rows
 
     rng = np.random.default_rng(0)
     w = (rng.standard_normal((n, k), np.float32) / k ** 0.5)
@@ -194,19 +242,25 @@ def kernels_jax(n: int, k: int, rows: int) -> dict:
         return (part * w.scale.astype(jnp.float32)[None]).sum(1).astype(x.dtype)
 
     def timed(weights, mm=matmul) -> float:
-        f = jax.jit(lambda x, ws: sum(mm(x, wi).astype(jnp.float32) for wi in ws))
-        f(x, weights).block_until_ready()
+        xs = jnp.stack([x * (1 + i / 1024) for i in range(len(weights))])
+        f = jax.jit(lambda xs, ws: sum(mm(xs[i], wi).astype(jnp.float32) for i, wi in enumerate(ws)))
+        f(xs, weights).block_until_ready()
         times = []
         for _ in range(5):
             t0 = time.perf_counter()
-            f(x, weights).block_until_ready()
+            f(xs, weights).block_until_ready()
             times.append((time.perf_counter() - t0) * 1e6 / len(weights))
         return statistics.median(times)
 
+    def row(us: float, nbytes: int, fp16_us: float | None = None) -> dict:
+        out = {"us": round(us, 2), "GB_s": round(nbytes / us / 1e3, 1),
+               "of_copy_bw": round(nbytes / us / 1e-6 / copy_bw, 3)}
+        return out if fp16_us is None else {**out, "vs_fp16": round(fp16_us / us, 2)}
+
     w16 = jnp.asarray(w.T, jnp.float16)
     c = _copies(n * k * 2)
-    us = timed([w16 + 0 for _ in range(c)])
-    res["fp16"] = {"us": round(us, 2), "GB_s": round(n * k * 2 / us / 1e3, 1)}
+    fp16_us = timed([w16 + 0 for _ in range(c)])
+    res["fp16"] = row(fp16_us, n * k * 2)
     for scheme in ("w8a16", "w4a16"):
         args = quantize.scheme_args(scheme, None)
         p = quantize.pack(torch.from_numpy(w), args)
@@ -216,22 +270,36 @@ def kernels_jax(n: int, k: int, rows: int) -> dict:
         packed = Packed(jnp.asarray(np.ascontiguousarray(q)), jnp.asarray(np.ascontiguousarray(scale)))
         ref = np.asarray(x, np.float32) @ quantized.dequantise(p["weight_packed"].numpy(), p["weight_scale"].numpy(),
                                                                p["weight_shape"].numpy(), args.num_bits).T
-        y = np.asarray(jax.jit(matmul)(x, packed), np.float32)
         nbytes = n * k * args.num_bits // 8 + scale.size * 2
         c = _copies(nbytes)
-        us = timed([Packed(packed.q + 0 if args.num_bits == 8 else jnp.array(packed.q), packed.scale + 0)
-                    for _ in range(c)])
-        res[scheme] = {"us": round(us, 2), "GB_s": round(nbytes / us / 1e3, 1), "vs_fp16": round(res["fp16"]["us"] / us, 2),
-                       "rel_err": round(float(np.abs(y - ref).max() / np.abs(ref).max()), 5)}
+        copies = [Packed(jnp.array(packed.q), packed.scale + 0) for _ in range(c)]
+        paths = {"dot": (0, matmul), "reduce": (PACKED_REDUCE_ROWS, matmul)}
+        if n % 32 == 0:
+            paths["reduce_tiled"] = (0, reduce_tiled)
         if args.num_bits == 4:
-            alt = timed([Packed(jnp.array(packed.q), packed.scale + 0) for _ in range(c)], grouped_after)
-            res[scheme]["grouped_after_us"] = round(alt, 2)
+            paths["grouped_after"] = (0, grouped_after)
+        res[scheme] = {"bytes": nbytes}
+        for name, (reduce_rows, mm) in paths.items():
+            y = np.asarray(jax.jit(mm)(x, with_reduce_rows(packed, reduce_rows)), np.float32)
+            us = timed([with_reduce_rows(cp, reduce_rows) for cp in copies], mm)
+            res[scheme][name] = {**row(us, nbytes, fp16_us),
+                                 "rel_err": round(float(np.abs(y - ref).max() / np.abs(ref).max()), 5)}
     return res
 
 
 def run_kernels(out: Path, shapes: list[str], tiny: bool, runtimes: list[str]) -> None:
-    copy_bw = copy_bandwidth()
-    note(out, **{"kernels.copy_bandwidth_GB_s": round(copy_bw / 1e9, 1)})
+    if "torch" in runtimes:
+        copy_bw = copy_bandwidth()
+        note(out, **{"kernels.copy_bandwidth_GB_s": round(copy_bw / 1e9, 1)})
+    if "jax" in runtimes:
+        import jax
+        from serving.jax_runtime import engine
+        jax_bw = copy_bandwidth_jax((64 if tiny else 1024) << 20)
+        cap = engine._gpu_capability()
+        flags = os.environ.get("XLA_FLAGS", "")
+        note(out, **{"kernels.jax": {"copy_bandwidth_GB_s": round(jax_bw / 1e9, 1), "backend": jax.default_backend(),
+                                     "device": str(jax.devices()[0].device_kind), "xla_flags": flags,
+                                     "packed_dot_auto": engine.Settings().resolve_packed_dot(cap, flags)}})
     seen = set()
     for shape in shapes:      # the shapes that carry most of a token's packed bytes (each model's top TOP_SHAPES)
         ranked = sorted(linear_shapes(shape, tiny).items(), key=lambda kv: -kv[1] * kv[0][0] * kv[0][1])
@@ -241,9 +309,10 @@ def run_kernels(out: Path, shapes: list[str], tiny: bool, runtimes: list[str]) -
             seen.add((n, k))
             for rows in (1, 8):
                 key = f"{n}x{k}/rows{rows}"
-                note(out, **{f"kernels.torch.{key}": kernels_torch(n, k, rows, copy_bw)})
+                if "torch" in runtimes:
+                    note(out, **{f"kernels.torch.{key}": kernels_torch(n, k, rows, copy_bw)})
                 if "jax" in runtimes:
-                    note(out, **{f"kernels.jax.{key}": kernels_jax(n, k, rows)})
+                    note(out, **{f"kernels.jax.{key}": kernels_jax(n, k, rows, jax_bw)})
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -293,13 +362,15 @@ def measure_engine(runtime: str, ckpt: Path, steps: int) -> dict:
     else:
         import jax
         from serving.jax_runtime import Settings, load
-        engine = load(ckpt, Settings(buckets=(64, context), cache_dir=None, slots=slots, batches=(1, slots)))
+        engine = load(ckpt, Settings(buckets=(64, context), cache_dir=None, slots=slots, batches=(1, slots),
+                                     packed_dot=Settings.from_env().packed_dot))     # G5G_JAX_PACKED_DOT
         stats = jax.devices()[0].memory_stats() or {}
         held, peak = stats.get("bytes_in_use"), stats.get("peak_bytes_in_use")
     # the plan the runtime refuses on (JAX: rings, and the LM head's copy that XLA's GEMM autotuning holds at boot)
     own = memory_plan.plan_checkpoint(ckpt, None, context, slots, text_only=True, rings=True,
                                       **({"attention": True} if runtime == "pytorch" else {"autotuned": True}))
     res = {"load_s": round(time.perf_counter() - t0, 1), "held_bytes": held, "peak_bytes": peak,
+           **({"packed_dot": engine.boot["packed_dot"]} if runtime == "jax" else {}),
            "plan_weights_bytes": plan.weights, "plan_kv_bytes": plan.kv, "plan_weights_plus_kv": plan.weights + plan.kv,
            "runtime_plan_total_bytes": own.total, "runtime_plan_tuning_bytes": own.tuning}
     greedy = SamplingParams(temperature=0.0, ignore_eos=True)

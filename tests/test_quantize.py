@@ -122,7 +122,9 @@ def test_written_config_is_what_compressed_tensors_and_our_plan_read(tiny_quanti
 
 
 def _runtime_logits(runtime: str, model_dir: Path, ids: list[int]) -> np.ndarray:
-    """float32 logits [len(ids), V] of each position, teacher-forced, from the runtime as it serves."""
+    """float32 logits [len(ids), V] of each position, teacher-forced, from the runtime as it serves. "jax-reduce": JAX
+    with packed weights multiplied as on a GPU without Triton GEMM (G5G_JAX_PACKED_DOT=reduce: the decode steps'
+    products are model.matmul's multiply-reduce, the prefill's a dot)."""
     if runtime == "pytorch":
         from serving import pytorch_runtime
         engine = pytorch_runtime.load(model_dir, device="cpu", slots=1)
@@ -130,7 +132,8 @@ def _runtime_logits(runtime: str, model_dir: Path, ids: list[int]) -> np.ndarray
             return engine.model(torch.tensor([ids])).logits[0].float().numpy()
     from serving.engine import SamplingParams
     from serving.jax_runtime import Settings, load
-    engine = load(model_dir, Settings(buckets=(64, 128), dtype="float32", cache_dir=None, slots=1, batches=(1,)))
+    engine = load(model_dir, Settings(buckets=(64, 128), dtype="float32", cache_dir=None, slots=1, batches=(1,),
+                                      packed_dot="reduce" if runtime == "jax-reduce" else "dot"))
     engine.start(0, ids[:1], SamplingParams(temperature=0.0))
     out = [engine.logits(0)]
     for t in ids[1:]:
@@ -159,7 +162,7 @@ def _kl_top1(ref: np.ndarray, got: np.ndarray) -> tuple[float, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("runtime", ["pytorch", "jax"])
+@pytest.mark.parametrize("runtime", ["pytorch", "jax", "jax-reduce"])
 def test_tiny_quantised_logits_and_greedy_answer(tiny_quantised, runtime):
     """The trained tiny checkpoint: its chat answer (teacher-forced) under each scheme, against the bf16 original."""
     from transformers import AutoTokenizer
@@ -280,6 +283,31 @@ def test_servers_answer_from_the_int8_checkpoint(tiny_quantised, runtime):
         r = requests.post(f"{srv.url}/v1/chat/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == ANSWER
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", sorted(BOUNDS))
+def test_jax_packed_paths_give_the_same_greedy_tokens_in_a_batch(tiny_quantised, scheme):
+    """Four sequences decoded together (rows 0-3 of a 4-row step) with packed weights as dots and as the
+    multiply-reduce (G5G_JAX_PACKED_DOT): the same greedy tokens, and logits equal to float32 rounding."""
+    from serving.engine import SamplingParams
+    from serving.jax_runtime import Settings, load
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+    prompts = [[2] + list(range(100 + 7 * s, 110 + 9 * s)) for s in range(4)]
+    runs = {}
+    for how in ("dot", "reduce"):
+        engine = load(tiny_quantised[1][scheme], Settings(buckets=(64,), dtype="float32", cache_dir=None, slots=4,
+                                                          packed_dot=how))
+        assert engine.boot["packed_dot"] == how
+        toks = {s: engine.start(s, p, greedy) for s, p in enumerate(prompts)}
+        seqs, logits = [list(toks.values())], []
+        for _ in range(24):
+            toks = engine.step(toks)
+            seqs.append(list(toks.values()))
+            logits.append(np.stack([engine.logits(s) for s in range(4)]))
+        runs[how] = (seqs, np.stack(logits))
+    assert runs["dot"][0] == runs["reduce"][0]
+    np.testing.assert_allclose(runs["reduce"][1], runs["dot"][1], atol=1e-4 * np.abs(runs["dot"][1]).max(), rtol=0)
 
 
 @pytest.mark.parametrize("scheme", sorted(BOUNDS))

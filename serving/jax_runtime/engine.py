@@ -45,6 +45,12 @@ log = logging.getLogger("serving.jax")
 
 # Precision dtypes a GPU runs only from a compute capability on: Turing (sm_75) has no bfloat16 datapath.
 MIN_CAPABILITY = {"bfloat16": (8, 0)}
+# How a packed (int8/int4) weight multiplies a few rows (model.matmul): "dot" (its convert fuses into a Triton GEMM;
+# before a cuBLAS call XLA writes a dequantised copy of the weight every step) or "reduce" (a multiply-reduce that
+# reads the packed bytes once) for products of up to PACKED_REDUCE_ROWS rows: decode batches, not prefill's buckets.
+# "auto": reduce on a GPU where XLA has no Triton GEMM (xla.triton_gemm), else dot (CPU included).
+PACKED_DOTS = ("auto", "reduce", "dot")
+PACKED_REDUCE_ROWS = 16
 
 
 def parse_buckets(text: str, where: str = "G5G_JAX_BUCKETS") -> tuple[int, ...]:
@@ -66,6 +72,7 @@ class Settings:
     batches: tuple[int, ...] = ()      # decode batch ladder; () = (slots,): see batch_ladder
     pipeline: bool = True              # dispatch decode step t+1 before reading step t's tokens (module doc)
     xla_defaults: bool = True          # add DEFAULT_XLA_FLAGS to XLA_FLAGS at load
+    packed_dot: str = "auto"           # PACKED_DOTS
 
     @classmethod
     def from_env(cls, env=os.environ) -> "Settings":
@@ -84,9 +91,12 @@ class Settings:
             switches[name] = env.get(name, "1")
             if switches[name] not in ("0", "1"):
                 raise ValueError(f"{name}: {switches[name]!r} is not 0 or 1")
+        packed_dot = env.get("G5G_JAX_PACKED_DOT") or s.packed_dot
+        if packed_dot not in PACKED_DOTS:
+            raise ValueError(f"G5G_JAX_PACKED_DOT: {packed_dot!r} is not {', '.join(PACKED_DOTS)}")
         return cls(buckets=buckets, dtype=env.get("G5G_JAX_DTYPE", s.dtype), cache_dir=cache_dir or None,
                    slots=slots, batches=batches, pipeline=switches["G5G_JAX_PIPELINE"] == "1",
-                   xla_defaults=switches["G5G_JAX_XLA_DEFAULTS"] == "1")
+                   xla_defaults=switches["G5G_JAX_XLA_DEFAULTS"] == "1", packed_dot=packed_dot)
 
     def batch_ladder(self) -> tuple[int, ...]:
         """Decode batch sizes, the largest being the slot count. By default only that one: decode streams the
@@ -107,6 +117,12 @@ class Settings:
             raise ValueError(f"G5G_JAX_DTYPE: {name} needs a GPU of compute capability {need[0]}.{need[1]} or newer;"
                              f" this one is {capability[0]}.{capability[1]} (use float16)")
         return jnp.dtype(name)
+
+    def resolve_packed_dot(self, capability: tuple[int, int] | None, xla_flags: str) -> str:
+        """"reduce" or "dot" (PACKED_DOTS) for a GPU of this compute capability (None off a GPU) under XLA_FLAGS."""
+        if self.packed_dot != "auto":
+            return self.packed_dot
+        return "reduce" if capability is not None and not xla.triton_gemm(capability, xla_flags) else "dot"
 
 
 def compile_waves(keys: Sequence[tuple]) -> tuple[list[tuple], list[tuple]]:
@@ -161,6 +177,8 @@ class JaxEngine:
         self.batches = settings.batch_ladder()
         self.pipeline = settings.pipeline
         self.vocab_size = cfg.vocab_size
+        self.packed_dot = settings.resolve_packed_dot(_gpu_capability(), os.environ.get("XLA_FLAGS", ""))
+        params = model.with_reduce_rows(params, PACKED_REDUCE_ROWS if self.packed_dot == "reduce" else 0)
         t0 = time.perf_counter()
         self.params = jax.device_put(params)
         self._cache = model.empty_cache(cfg, self.slots, self.max_context, self.dtype)
@@ -171,7 +189,8 @@ class JaxEngine:
         after = compile_counts()
         self.boot = {"device_put_s": round(t_put, 3), "compile_s": round(time.perf_counter() - t0 - t_put, 3),
                      "executables": len(self._prefill) + len(self._decode), "slots": self.slots,
-                     "batches": list(self.batches), **{f"boot_{k}": after[k] - before[k] for k in after}}
+                     "batches": list(self.batches), "packed_dot": self.packed_dot,
+                     **{f"boot_{k}": after[k] - before[k] for k in after}}
         # per slot: next position, sampling row (temperature, top_k, top_p, threefry key); free slots are greedy
         self._pos = np.zeros(self.slots, np.int32)
         self._temp = np.zeros(self.slots, np.float32)
@@ -413,7 +432,7 @@ def load(model_dir: str | Path, settings: Settings | None = None, max_context: i
                         "xla_flags": xla_flags})
     b = engine.boot
     log.info("jax runtime ready in %.1fs on %s/%s: %d executables for %d slots, batches %s, buckets %s "
-             "(%d from the persistent cache), compile %.1fs, load %.1fs; XLA_FLAGS %s", b["boot_s"], b["backend"],
-             b["dtype"], b["executables"], b["slots"], b["batches"], b["buckets"], b["boot_cache_hits"],
-             b["compile_s"], b["load_s"], b["xla_flags"] or "(none)")
+             "(%d from the persistent cache), compile %.1fs, load %.1fs; packed weights: %s; XLA_FLAGS %s", b["boot_s"],
+             b["backend"], b["dtype"], b["executables"], b["slots"], b["batches"], b["buckets"], b["boot_cache_hits"],
+             b["compile_s"], b["load_s"], b["packed_dot"], b["xla_flags"] or "(none)")
     return engine

@@ -20,7 +20,8 @@ written yet (or a previous sequence's) are always masked.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,23 +32,78 @@ F32 = jnp.float32
 NEG = -1e30  # mask value (finite: a fully masked row must not produce NaNs in padded rows)
 
 
-class Packed(NamedTuple):
+# XLA's GPU backend reduces a column (the reduced dimension major, as K is here) in one pass up to 32 x 128 inputs;
+# a longer one becomes two reductions with an f32 partial sum of every output in between (its reduction_utils and
+# tree-reduction rewriter). The multiply-reduce path cuts K into parts no longer than this and adds the parts after.
+COLUMN_REDUCE_MAX = 4096
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "scale"], meta_fields=["reduce_rows"])
+@dataclasses.dataclass(frozen=True)
+class Packed:
     """A weight-only quantised linear weight (serving/quantized.py): q int8 or int4 [in, out], scale [groups, out]
-    (groups = 1: one scale per output channel; else one per `in // groups` inputs)."""
+    (groups = 1: one scale per output channel; else one per `in // groups` inputs).
+
+    reduce_rows (static: part of the compiled program, not an argument): a product of at most this many rows is a
+    multiply-reduce rather than a dot (matmul); 0: always a dot. The engine sets it at load (engine.packed_dot)."""
     q: jax.Array
     scale: jax.Array
+    reduce_rows: int = 0
+
+
+def with_reduce_rows(params, rows: int):
+    """params with every Packed weight's reduce_rows set to rows."""
+    return jax.tree.map(lambda w: dataclasses.replace(w, reduce_rows=rows) if isinstance(w, Packed) else w,
+                        params, is_leaf=lambda w: isinstance(w, Packed))
 
 
 def matmul(x, w):
-    """x @ w for a 16-bit weight or a Packed one. The packed weight is converted inside the product: XLA fuses the
-    convert (and the group scales) into the dot's operand, so the bytes read are the packed ones."""
+    """x @ w for a 16-bit weight or a Packed one.
+
+    Packed, as a dot: the weight is converted inside the product. A Triton GEMM fuses the convert (and the group
+    scales) into its operand, so the bytes read are the packed ones; a cuBLAS call cannot (every dot below Ampere, or
+    with XLA's Triton GEMM off): XLA then writes a dequantised 16-bit copy of the weight first, every step. Rows up to
+    w.reduce_rows take _reduce_matmul instead, which has no dot."""
     if not isinstance(w, Packed):
         return x @ w
+    if x.size // x.shape[-1] <= w.reduce_rows:
+        return _reduce_matmul(x, w)
     groups, out = w.scale.shape
     if groups == 1:                       # per channel: scale the product's columns
         return (x @ w.q.astype(x.dtype)) * w.scale[0].astype(x.dtype)
     deq = w.q.astype(x.dtype).reshape(groups, -1, out) * w.scale[:, None, :].astype(x.dtype)
     return x @ deq.reshape(w.q.shape)
+
+
+def _k_parts(k: int) -> int:
+    """The fewest equal parts of k inputs with none longer than COLUMN_REDUCE_MAX."""
+    parts = -(-k // COLUMN_REDUCE_MAX)
+    while k % parts:
+        parts += 1
+    return parts
+
+
+def _reduce_matmul(x, w: Packed):
+    """x @ w as an elementwise product [K, out, rows] summed over K in float32: XLA compiles it as reductions over K
+    whose input fusion converts (and scales) the packed weight as it reads it, one pass for all rows (rows minor, so
+    a row of K's bytes serves every row at once), and writes only the [out, rows] sums: nothing for cuBLAS, no
+    dequantised weight. For memory-bound decode only: each row costs a multiply per weight, so prefill keeps the dot.
+    (benchmarks/quantized_decode.py --phase kernels times it against the float16 dot and a tiled layout.)"""
+    k, out = w.q.shape
+    groups = w.scale.shape[0]
+    rows = x.reshape(-1, k).astype(F32).T                       # [K, R]
+    q = w.q.astype(F32)
+    if groups > 1:                                              # each group's scale on its inputs, in the fusion
+        q = (q.reshape(groups, -1, out) * w.scale.astype(F32)[:, None, :]).reshape(k, out)
+    parts = _k_parts(k)
+    prod = q.reshape(parts, k // parts, out, 1) * rows.reshape(parts, k // parts, 1, -1)
+    sums = jnp.sum(prod, axis=1)                                # [parts, out, R]
+    y = sums[0]
+    for i in range(1, parts):                                   # adds, not a reduce: XLA would merge two reduces
+        y = y + sums[i]
+    if groups == 1:
+        y = y * w.scale[0].astype(F32)[:, None]
+    return y.T.reshape(*x.shape[:-1], out).astype(x.dtype)
 
 
 def rms_norm(x, w, eps):

@@ -97,3 +97,28 @@ def apply_default_xla_flags(env=os.environ) -> str:
         return current
     env["XLA_FLAGS"] = wanted
     return wanted
+
+
+# -- the paths XLA's GPU compiler takes -----------------------------------------------------------------------
+# Dots become Triton GEMMs from this compute capability on (gpu_compiler.cc runs GemmFusion only when the GPU
+# IsAtLeast(kAmpere)) unless XLA_FLAGS turns them off; every other dot is a cuBLAS call, which cannot take a convert
+# of its operands (model.matmul's packed weights).
+TRITON_GEMM_FROM = (8, 0)
+TRITON_GEMM_FLAG = "--xla_gpu_enable_triton_gemm"
+
+
+def flag_value(xla_flags: str, flag: str) -> str | None:
+    """The value XLA takes for a flag in XLA_FLAGS (the last one named; a bare flag is true), None if not named."""
+    value = None
+    for item in xla_flags.split():
+        name, _, val = item.partition("=")
+        if name == flag:
+            value = val or "true"
+    return value
+
+
+def triton_gemm(capability: tuple[int, int] | None, xla_flags: str) -> bool:
+    """Whether XLA compiles dots as Triton GEMMs: on a GPU (capability not None) of TRITON_GEMM_FROM or newer whose
+    XLA_FLAGS do not turn them off (`--xla_gpu_enable_triton_gemm=false` reproduces sm_75's cuBLAS dots on an H200)."""
+    off = (flag_value(xla_flags, TRITON_GEMM_FLAG) or "true").lower() in ("false", "0", "no", "f", "n")
+    return capability is not None and tuple(capability) >= TRITON_GEMM_FROM and not off
