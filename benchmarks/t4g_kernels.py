@@ -9,8 +9,9 @@ Cases (CASES; E2B's shapes, 8 rows, random data), each with its peer in the same
 - attention-S: one decode step's attention of a full layer (8 query heads over 1 KV head of 512) over S keys,
   through serving/torch_attention.py's `attend` (each K/V read once) against transformers' own SDPA path (which
   copies K/V per query head whenever a mask is passed); the SDPA backends sm_75 has (memory-efficient, math).
-- packed-BITS-ROWS: a packed int8/int4 product in the JAX runtime with XLA's Triton GEMM off (sm_75 has none):
-  the path the runtime picks there against the fp16 dot of the same shape (cuBLAS) and the packed dot.
+- SCHEME-ROWS (w8a16, w4a16; 1 or 8 rows): E2B's gate|up product with packed weights in the JAX runtime, XLA's
+  Triton GEMM off (sm_75 has none): the multiply-reduce the runtime takes there, against the packed dot it
+  replaces (a dequantised copy first, on cuBLAS) and the fp16 dot of the same weight (cuBLAS).
 Writes OUT_DIR/t4g_kernels.json, one row per case and path.
 """
 from __future__ import annotations
@@ -56,9 +57,43 @@ def attention(keys: int, tiny: bool) -> dict:
             "transformers_sdpa": (lambda: sdpa_attention_forward(layer, q, k, v, mask, scaling=1.0), least)}
 
 
+def packed(scheme: str, rows: int, tiny: bool) -> dict:
+    """{path: (call, bytes it must move)}: E2B's gate|up product (its largest per layer) of `rows` decode rows with
+    the scheme's packed weight (serving/memory_plan.py's SCHEMES: bits, group), through the path the JAX runtime
+    takes without a Triton GEMM (multiply-reduce), the packed dot it replaces, and the fp16 dot of the same
+    weight dequantised (its own least bytes: 2 per weight)."""
+    import jax
+    import jax.numpy as jnp
+    import ml_dtypes
+    import numpy as np
+
+    from serving.jax_runtime.engine import PACKED_REDUCE_ROWS
+    from serving.jax_runtime.model import Packed, matmul, with_reduce_rows
+    from serving.memory_plan import SCHEMES
+
+    bits, group = SCHEMES[scheme]
+    hidden, mlp = WIDTHS["e2b"]
+    k, n = (256, 128) if tiny else (hidden, 2 * mlp)
+    rng = np.random.default_rng(0)
+    top = 1 << (bits - 1)
+    q = rng.integers(-top, top, (k, n), dtype=np.int8)
+    scale = (rng.random((k // group if group else 1, n), np.float32) / top).astype(np.float16)
+    w16 = jnp.asarray((q.reshape(scale.shape[0], -1, n) * scale[:, None].astype(np.float32)).reshape(k, n),
+                      jnp.float16)
+    w = Packed(jnp.asarray(q.astype(ml_dtypes.int4) if bits == 4 else q), jnp.asarray(scale))
+    x = jnp.asarray(rng.standard_normal((rows, k), np.float32), jnp.float16)
+    io = x.nbytes + rows * n * 2
+    f = jax.jit(matmul)
+    return {"reduce": (lambda: f(x, with_reduce_rows(w, PACKED_REDUCE_ROWS)), q.size * bits // 8 + scale.nbytes + io),
+            "packed_dot": (lambda: f(x, w), q.size * bits // 8 + scale.nbytes + io),
+            "fp16_dot": (lambda: f(x, w16), w16.nbytes + io)}
+
+
 CASES = {
     "attention-1024": ("torch", lambda tiny: attention(1024, tiny)),
     "attention-4096": ("torch", lambda tiny: attention(4096, tiny)),
+    **{f"{scheme}-{rows}": ("jax", lambda tiny, s=scheme, r=rows: packed(s, r, tiny))
+       for scheme in ("w8a16", "w4a16") for rows in (1, 8)},
 }
 
 
@@ -116,16 +151,16 @@ def child(case: str, path: str | None, tiny: bool, result: Path | None) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- the parent
-def run_case(case: str, out: Path, args, ncu: str | None) -> dict:
+def run_case(case: str, args, ncu: str | None) -> dict:
     env = {**os.environ, **TURING, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     me = [sys.executable, __file__, "--child", case] + ["--tiny"] * args.tiny
-    result = out / f"{case}.json"
+    result = args.work / f"{case}.json"
     r = subprocess.run([*me, "--result", str(result)], env=env, capture_output=True, text=True, timeout=args.timeout)
     if r.returncode:
         return {"error": (r.stdout + r.stderr)[-1500:]}
     rows = json.loads(result.read_text())
     for path in rows if ncu else ():
-        log = out / f"{case}-{path}.csv"
+        log = args.work / f"{case}-{path}.csv"
         r = subprocess.run([ncu, "--profile-from-start", "off", "--clock-control", "none", "--cache-control", "all",
                             "--metrics", ",".join(METRICS), "--csv", "--page", "raw", "--print-units", "base",
                             "--log-file", str(log), *me, "--path", path], env=env, capture_output=True, text=True,
@@ -151,6 +186,7 @@ def main() -> int:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU run of the code paths")
     ap.add_argument("--no-ncu", action="store_true")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/t4g_kernels"), help="each child's timings, ncu's CSV")
     ap.add_argument("--timeout", type=int, default=120)
     ap.add_argument("--child")
     ap.add_argument("--path")
@@ -165,10 +201,11 @@ def main() -> int:
     if unknown := [c for c in cases if c not in CASES]:
         ap.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
     args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
     ncu = None if args.no_ncu else __import__("shutil").which("ncu")
     report = {"model": MODEL, "turing_env": TURING, "ncu": bool(ncu), "cases": {}}
     for case in cases:
-        report["cases"][case] = run_case(case, args.out, args, ncu)
+        report["cases"][case] = run_case(case, args, ncu)
         (args.out / "t4g_kernels.json").write_text(json.dumps(report, indent=1))
         print(case, json.dumps(report["cases"][case]), flush=True)
     return 0

@@ -40,19 +40,25 @@ def test_each_kernel_takes_its_slowest_bound_and_the_host_gap_is_scaled():
         pytest.approx(8 * p["predicted_tok_s"], rel=1e-3)
 
 
-def test_t4g_kernels_runs_a_case_beside_its_peer_on_cpu(tmp_path):
+def test_t4g_kernels_runs_each_case_beside_its_peers_on_cpu(tmp_path):
     """benchmarks/t4g_kernels.py on CPU (tiny shapes, no ncu): each path of a case timed, and checked to compute what
-    the runtime's own path computes (transformers' SDPA attention against serving/torch_attention.py's)."""
+    the runtime's own path computes (transformers' SDPA attention against serving/torch_attention.py's; the packed
+    dot and the fp16 dot against the JAX runtime's multiply-reduce)."""
     import json
     import subprocess
 
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "t4g_kernels.py"), str(tmp_path), "--tiny",
-                        "--no-ncu", "--cases", "attention-1024"], capture_output=True, text=True, timeout=300)
+                        "--no-ncu", "--cases", "attention-1024,w4a16-8"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = json.loads((tmp_path / "t4g_kernels.json").read_text())["cases"]["attention-1024"]
+    cases = json.loads((tmp_path / "t4g_kernels.json").read_text())["cases"]
+    rows = cases["attention-1024"]
     assert list(rows) == ["ours", "transformers_sdpa"]
     assert rows["transformers_sdpa"]["max_abs_diff_vs_first"] < 1e-4
     assert rows["ours"]["ms_here_over_ours"] == 1.0 and rows["transformers_sdpa"]["ms_here"] > 0
+    rows = cases["w4a16-8"]
+    assert list(rows) == ["reduce", "packed_dot", "fp16_dot"]
+    assert all(r["max_abs_diff_vs_first"] < 0.05 for r in rows.values())      # fp16 outputs of size ~10
+    assert rows["fp16_dot"]["least_bytes"] > 2 * rows["reduce"]["least_bytes"]  # 2 bytes a weight against 1/2
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "t4g_kernels.py"), str(tmp_path), "--cases",
                           "attention-7"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown case(s) attention-7" in bad.stderr
