@@ -16,7 +16,8 @@ import pytest
 from serving import quantized
 from serving.jax_runtime import engine, model, xla
 
-ROWS = 16          # the engine's PACKED_REDUCE_ROWS, spelled here so a change of it is a change of this test too
+ROWS = 1           # the engine's PACKED_REDUCE_ROWS, spelled here so a change of it is a change of this test too
+UP_TO = 8          # model.matmul's multiply-reduce takes whatever rows reduce_rows lets in: tested up to 8
 
 
 def _packed(k: int, n: int, bits: int, group: int | None, seed: int = 0):
@@ -39,7 +40,7 @@ def _packed(k: int, n: int, bits: int, group: int | None, seed: int = 0):
     q = quantized.unpack(p["weight_packed"].numpy(), p["weight_shape"].numpy(), bits).T
     q = np.ascontiguousarray(q.astype(ml_dtypes.int4 if bits == 4 else np.int8))
     scale = np.ascontiguousarray(p["weight_scale"].numpy().T)
-    return model.Packed(jnp.asarray(q), jnp.asarray(scale), ROWS), ref.double().numpy().T
+    return model.Packed(jnp.asarray(q), jnp.asarray(scale), UP_TO), ref.double().numpy().T
 
 
 CASES = [(8, None), (8, 128), (4, None), (4, 32)]
@@ -98,7 +99,7 @@ def test_decode_shapes_compile_to_no_dot_and_no_dequantised_weight(bits, group, 
     bandwidth shows whether the reduction reads the int4 bytes); a 16-bit weight-sized output is never allowed."""
     n = 2048
     w = model.Packed(jax.ShapeDtypeStruct((k, n), jnp.int4 if bits == 4 else jnp.int8),
-                     jax.ShapeDtypeStruct((k // group if group else 1, n), jnp.float16), ROWS)
+                     jax.ShapeDtypeStruct((k // group if group else 1, n), jnp.float16), UP_TO)
     x = jax.ShapeDtypeStruct((rows, k), jnp.float16)
     hlo = jax.jit(model.matmul).lower(x, w).compile().as_text()
     ops, has_dot = _ops(hlo)
@@ -154,3 +155,15 @@ def test_with_reduce_rows_marks_every_packed_weight_and_nothing_else():
     assert out["embed"] is params["embed"] and params["layers"][0]["qkv"].reduce_rows == 0
     # static: the leaves are the arrays, the choice is in the tree's structure (so in the compiled program's key)
     assert len(jax.tree.leaves(out)) == 4 and jax.tree.structure(out) != jax.tree.structure(params)
+
+
+def test_the_reduce_adds_its_rows_to_the_batch_ladder_and_nothing_else():
+    """A lone stream reads packed weights once only in a batch of PACKED_REDUCE_ROWS rows: the engine asks the
+    ladder for it when packed weights take the reduce; an unpacked model's ladder stays the slots alone."""
+    s = engine.Settings(slots=8)
+    assert s.batch_ladder() == (8,) and s.batch_ladder((ROWS,)) == (ROWS, 8)
+    assert engine.Settings(slots=8, batches=(2, 8)).batch_ladder((ROWS,)) == (ROWS, 2, 8)
+    assert engine.Settings(slots=1).batch_ladder((ROWS,)) == (1,)
+    q = model.Packed(jnp.zeros((4, 4), jnp.int8), jnp.ones((1, 4), jnp.float16))
+    assert model.has_packed({"layers": [{"qkv": q}], "embed": jnp.zeros(3)})
+    assert not model.has_packed({"layers": [{"qkv": jnp.zeros((4, 4))}], "embed": jnp.zeros(3)})

@@ -288,8 +288,9 @@ def test_servers_answer_from_the_int8_checkpoint(tiny_quantised, runtime):
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", sorted(BOUNDS))
 def test_jax_packed_paths_give_the_same_greedy_tokens_in_a_batch(tiny_quantised, scheme):
-    """Four sequences decoded together (rows 0-3 of a 4-row step) with packed weights as dots and as the
-    multiply-reduce (G5G_JAX_PACKED_DOT): the same greedy tokens, and logits equal to float32 rounding."""
+    """Four sequences decoded together (a 4-row step: dots either way), then the first alone (the batch-1
+    executable: the multiply-reduce with G5G_JAX_PACKED_DOT=reduce), with packed weights as dots and as the
+    multiply-reduce: the same greedy tokens, and logits equal to float32 rounding."""
     from serving.engine import SamplingParams
     from serving.jax_runtime import Settings, load
     greedy = SamplingParams(temperature=0.0, ignore_eos=True)
@@ -299,15 +300,17 @@ def test_jax_packed_paths_give_the_same_greedy_tokens_in_a_batch(tiny_quantised,
         engine = load(tiny_quantised[1][scheme], Settings(buckets=(64,), dtype="float32", cache_dir=None, slots=4,
                                                           packed_dot=how))
         assert engine.boot["packed_dot"] == how
+        assert engine.batches == {"dot": (4,), "reduce": (1, 4)}[how]     # a lone stream: the reduce's one row
         toks = {s: engine.start(s, p, greedy) for s, p in enumerate(prompts)}
         seqs, logits = [list(toks.values())], []
-        for _ in range(24):
-            toks = engine.step(toks)
+        for i in range(24):
+            toks = engine.step(toks if i < 12 else {0: toks[0]})
             seqs.append(list(toks.values()))
-            logits.append(np.stack([engine.logits(s) for s in range(4)]))
-        runs[how] = (seqs, np.stack(logits))
+            logits.append(np.stack([engine.logits(s) for s in toks]))
+        runs[how] = (seqs, logits)
     assert runs["dot"][0] == runs["reduce"][0]
-    np.testing.assert_allclose(runs["reduce"][1], runs["dot"][1], atol=1e-4 * np.abs(runs["dot"][1]).max(), rtol=0)
+    for reduce, dot in zip(runs["reduce"][1], runs["dot"][1]):
+        np.testing.assert_allclose(reduce, dot, atol=1e-4 * np.abs(dot).max(), rtol=0)
 
 
 @pytest.mark.parametrize("scheme", sorted(BOUNDS))

@@ -50,7 +50,11 @@ MIN_CAPABILITY = {"bfloat16": (8, 0)}
 # reads the packed bytes once) for products of up to PACKED_REDUCE_ROWS rows: decode batches, not prefill's buckets.
 # "auto": reduce on a GPU where XLA has no Triton GEMM (xla.triton_gemm), else dot (CPU included).
 PACKED_DOTS = ("auto", "reduce", "dot")
-PACKED_REDUCE_ROWS = 16
+# One row: the batch-1 executable (a lone stream). Measured on an H200 with Triton GEMM off, E2B's gate|up under ncu
+# (benchmarks/t4g_kernels.py; benchmarks/RESULTS.md, issue 27): at 1 row the reduce reads the packed bytes once
+# (1.00x the least, the dot 3.66x) and is predicted 3.6x (int8) / 5.8x (int4) faster than the dot on a T4G; at 8
+# rows it moved 7.5x the least bytes, twice the dot's time.
+PACKED_REDUCE_ROWS = 1
 
 
 def parse_buckets(text: str, where: str = "G5G_JAX_BUCKETS") -> tuple[int, ...]:
@@ -98,11 +102,12 @@ class Settings:
                    slots=slots, batches=batches, pipeline=switches["G5G_JAX_PIPELINE"] == "1",
                    xla_defaults=switches["G5G_JAX_XLA_DEFAULTS"] == "1", packed_dot=packed_dot)
 
-    def batch_ladder(self) -> tuple[int, ...]:
+    def batch_ladder(self, also: tuple[int, ...] = ()) -> tuple[int, ...]:
         """Decode batch sizes, the largest being the slot count. By default only that one: decode streams the
         weights once per step whatever the batch, and on the H200 a step of 8 rows took less time than a step of
-        one (benchmarks/RESULTS.md), so smaller batches would only add executables to compile at boot."""
-        return tuple(sorted({b for b in self.batches if b < self.slots} | {self.slots}))
+        one (benchmarks/RESULTS.md), so smaller batches would only add executables to compile at boot. `also`:
+        sizes the engine adds (the packed multiply-reduce's rows: it pays only at those)."""
+        return tuple(sorted({b for b in (*self.batches, *also) if b < self.slots} | {self.slots}))
 
     def resolve_dtype(self, capability: tuple[int, int] | None = None):
         """The parameter dtype; capability: the GPU's compute capability (None off a GPU), which refuses a dtype
@@ -174,11 +179,13 @@ class JaxEngine:
         self.buckets = tuple(b for b in settings.buckets if b <= limit) or (min(settings.buckets[0], limit),)
         self.max_context = self.buckets[-1]
         self.slots = settings.slots
-        self.batches = settings.batch_ladder()
         self.pipeline = settings.pipeline
         self.vocab_size = cfg.vocab_size
         self.packed_dot = settings.resolve_packed_dot(_gpu_capability(), os.environ.get("XLA_FLAGS", ""))
-        params = model.with_reduce_rows(params, PACKED_REDUCE_ROWS if self.packed_dot == "reduce" else 0)
+        reduce = self.packed_dot == "reduce" and model.has_packed(params)
+        params = model.with_reduce_rows(params, PACKED_REDUCE_ROWS if reduce else 0)
+        # a lone stream gets the batch its packed weights are read once at
+        self.batches = settings.batch_ladder((PACKED_REDUCE_ROWS,) if reduce else ())
         t0 = time.perf_counter()
         self.params = jax.device_put(params)
         self._cache = model.empty_cache(cfg, self.slots, self.max_context, self.dtype)

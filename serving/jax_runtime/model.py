@@ -51,10 +51,18 @@ class Packed:
     reduce_rows: int = 0
 
 
+def _is_packed(w) -> bool:
+    return isinstance(w, Packed)
+
+
+def has_packed(params) -> bool:
+    return any(map(_is_packed, jax.tree.leaves(params, is_leaf=_is_packed)))
+
+
 def with_reduce_rows(params, rows: int):
     """params with every Packed weight's reduce_rows set to rows."""
-    return jax.tree.map(lambda w: dataclasses.replace(w, reduce_rows=rows) if isinstance(w, Packed) else w,
-                        params, is_leaf=lambda w: isinstance(w, Packed))
+    return jax.tree.map(lambda w: dataclasses.replace(w, reduce_rows=rows) if _is_packed(w) else w, params,
+                        is_leaf=_is_packed)
 
 
 def matmul(x, w):
