@@ -7,18 +7,13 @@ import numpy as np
 import pytest
 
 from serving.engine import SamplingParams
-from serving.generation import Delta, TokenizerInfo, generate
+from serving.generation import Delta, generate
 from tests.fixtures.batching import Job, run_in_batch, summary
 from devtools.tiny_gemma4 import ANSWER, QUESTION
 
 RUNTIMES = ["pytorch", "jax"]
 LP_ATOL = 1e-4          # logprobs against log_softmax of the same engine's logits (same float32 numbers)
 CROSS_ATOL = 2e-3       # the two runtimes' logprobs (their logits agree within 5e-4: tests/test_jax_runtime.py)
-
-
-@pytest.fixture(scope="module")
-def info(tiny_gemma4) -> TokenizerInfo:
-    return TokenizerInfo.load(tiny_gemma4)
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,9 @@ import numpy as np
 import pytest
 
 from serving.generation import (Batch, Delta, Detokenizer, Finish, SamplingParams, StopAutomaton, StopStrings,
-                                TokenizerInfo, generate)
+                                generate)
 from tests.fixtures.batching import Job, run_in_batch
 from devtools.tiny_gemma4 import ANSWER, QUESTION
-
-
-@pytest.fixture(scope="module")
-def info(tiny_gemma4) -> TokenizerInfo:
-    return TokenizerInfo.load(tiny_gemma4)
 
 
 @pytest.fixture(scope="module")

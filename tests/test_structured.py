@@ -57,11 +57,6 @@ def test_mask_keeps_exactly_the_allowed_logits(runtime):
 
 # --------------------------------------------------------------------------------------------- grammars
 @pytest.fixture(scope="module")
-def info(tiny_gemma4) -> TokenizerInfo:
-    return TokenizerInfo.load(tiny_gemma4)
-
-
-@pytest.fixture(scope="module")
 def grammars(info) -> Grammars:
     return Grammars(info, len(info.prompt_tokenizer))
 

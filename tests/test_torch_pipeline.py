@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from serving.engine import SamplingParams
-from serving.generation import TokenizerInfo, generate
-from tests.fixtures.batching import Job, run_in_batch, summary
+from serving.generation import generate
+from tests.fixtures.batching import Job, run_in_batch, summary, torch_engines
 from devtools.tiny_gemma4 import ANSWER, QUESTION
 
 SLOTS = 3
@@ -17,27 +17,11 @@ CONTEXT = 256
 
 
 @pytest.fixture(scope="module")
-def info(tiny_gemma4) -> TokenizerInfo:
-    return TokenizerInfo.load(tiny_gemma4)
-
-
-@pytest.fixture(scope="module")
 def engines(tiny_gemma4):
     """{(slots, pipelined): engine} over the fixture, the pipeline set through the environment."""
-    import torch
-    from serving.pytorch_runtime import load
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    mp = pytest.MonkeyPatch()
-    out = {}
-    for slots in (1, SLOTS):
-        for piped in (False, True):
-            mp.setenv("G5G_TORCH_PIPELINE", "1" if piped else "0")
-            out[slots, piped] = load(tiny_gemma4, max_context=CONTEXT, slots=slots)
-            assert out[slots, piped].pipeline is piped
-    mp.undo()
-    yield out
-    torch.set_num_threads(n)
+    variants = {(slots, piped): (slots, piped) for slots in (1, SLOTS) for piped in (False, True)}
+    with torch_engines(tiny_gemma4, variants, max_context=CONTEXT) as out:
+        yield out
 
 
 @pytest.fixture(scope="module")

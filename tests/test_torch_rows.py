@@ -10,9 +10,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from serving.engine import SamplingParams  # noqa: E402
-from serving.generation import TokenizerInfo, generate  # noqa: E402
+from serving.generation import generate  # noqa: E402
 from serving.torch_attention import ladder, rows  # noqa: E402
-from tests.fixtures.batching import Job, run_in_batch, summary  # noqa: E402
+from tests.fixtures.batching import Job, run_in_batch, summary, torch_engines  # noqa: E402
 from devtools.tiny_gemma4 import ANSWER, QUESTION  # noqa: E402
 
 SLOTS = 8
@@ -31,24 +31,10 @@ def test_a_step_takes_the_smallest_rung_above_its_highest_live_slot():
 
 
 @pytest.fixture(scope="module")
-def info(tiny_gemma4) -> TokenizerInfo:
-    return TokenizerInfo.load(tiny_gemma4)
-
-
-@pytest.fixture(scope="module")
 def engines(tiny_gemma4):
     """{pipelined: an 8-slot engine}, the step ahead set through the environment."""
-    from serving.pytorch_runtime import load
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    mp = pytest.MonkeyPatch()
-    out = {}
-    for piped in (False, True):
-        mp.setenv("G5G_TORCH_PIPELINE", "1" if piped else "0")
-        out[piped] = load(tiny_gemma4, max_context=CONTEXT, slots=SLOTS)
-    mp.undo()
-    yield out
-    torch.set_num_threads(n)
+    with torch_engines(tiny_gemma4, {piped: (SLOTS, piped) for piped in (False, True)}, max_context=CONTEXT) as out:
+        yield out
 
 
 class Rows:
