@@ -8,7 +8,7 @@ import pytest
 
 from serving.engine import SamplingParams
 from serving.generation import Delta, generate
-from tests.fixtures.batching import Job, run_in_batch, summary
+from tests.fixtures.batching import Job, every_parameter_jobs, run_in_batch, summary
 from devtools.tiny_gemma4 import ANSWER, QUESTION
 
 RUNTIMES = ["pytorch", "jax"]
@@ -217,13 +217,7 @@ def test_batch_gives_each_request_with_these_parameters_what_it_gets_alone(engin
         pytest.skip("jax not installed")
     eng = engines[batched]
     other = info.chat_prompt([{"role": "user", "content": "What is a stop string? " * 3}])
-    stop_ids = tuple(info.stop_ids)
-    jobs = [Job(ask, SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.4, logprobs=2)),
-            Job(other, SamplingParams(temperature=1.0, seed=4, max_tokens=30, min_p=0.2, frequency_penalty=0.5)),
-            Job(ask, SamplingParams(temperature=0.0, max_tokens=50, min_tokens=45, eos_token_ids=stop_ids)),
-            Job(other, SamplingParams(temperature=0.8, seed=9, max_tokens=25, logit_bias=((30, 5.0),), logprobs=0,
-                                       presence_penalty=-0.5)),
-            Job(ask, SamplingParams(temperature=0.0, max_tokens=30))]
+    jobs = [*every_parameter_jobs(ask, other, info.stop_ids), Job(ask, SamplingParams(temperature=0.0, max_tokens=30))]
     alone = [summary(list(generate(eng, info, j.prompt_ids, j.params))) for j in jobs]
     assert [summary(events) for events in run_in_batch(eng, info, jobs)] == alone
     assert alone[2][2] >= 45 and alone[4][0] == ANSWER[:len(alone[4][0])]

@@ -9,7 +9,7 @@ import pytest
 
 from serving.engine import SamplingParams
 from serving.generation import generate
-from tests.fixtures.batching import Job, run_in_batch, summary, torch_engines
+from tests.fixtures.batching import Job, every_parameter_jobs, run_in_batch, summary, torch_engines
 from devtools.tiny_gemma4 import ANSWER, QUESTION
 
 SLOTS = 3
@@ -77,12 +77,7 @@ def test_joins_and_every_sampling_parameter_match_the_engine_that_waits(engines,
     """Five requests over three slots (two join as others leave: the step ahead, run without them, is thrown away),
     seeded, penalised, min_tokens, logit_bias, logprobs: the same as without the pipeline and as alone."""
     ask, other = prompts
-    stop_ids = tuple(info.stop_ids)
-    jobs = [Job(ask, SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.4, logprobs=2)),
-            Job(other, SamplingParams(temperature=1.0, seed=4, max_tokens=30, min_p=0.2, frequency_penalty=0.5)),
-            Job(ask, SamplingParams(temperature=0.0, max_tokens=50, min_tokens=45, eos_token_ids=stop_ids)),
-            Job(other, SamplingParams(temperature=0.8, seed=9, max_tokens=25, logit_bias=((30, 5.0),), logprobs=0,
-                                       presence_penalty=-0.5)),
+    jobs = [*every_parameter_jobs(ask, other, info.stop_ids),
             Job(ask, SamplingParams(temperature=1.0, seed=2, top_k=5, top_p=0.9, max_tokens=30,
                                     frequency_penalty=0.8))]
     piped, plain = engines[SLOTS, True], engines[SLOTS, False]
