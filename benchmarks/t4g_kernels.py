@@ -1,7 +1,7 @@
 """Single operations on the code paths sm_75 takes, beside the path they replace, on whatever NVIDIA GPU is at hand:
 what each moves through DRAM against the least it must (ncu, cold L2 as on a T4G's 4 MB), its time here, and its
-time predicted on a T4G by benchmarks/t4g_model.py's MODEL (max of DRAM bytes at 277 GB/s, warp instructions at
-the T4G's issue rate, the time here).
+time predicted on a T4G by benchmarks/t4g_model.py's model (t4g_kernel_s: the largest of DRAM bytes, issue time,
+scaled duration and launch floor).
 
     python benchmarks/t4g_kernels.py OUT_DIR [--cases NAME,...] [--tiny] [--no-ncu]
 
@@ -29,7 +29,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.t4g_model import METRICS, MODEL, TURING, parse_ncu, t4g_seconds  # noqa: E402
+from benchmarks.t4g_model import CONSTANTS, METRICS, TURING, parse_ncu, t4g_kernel_s  # noqa: E402
 
 ROWS, HEADS, KV_HEADS, HEAD_DIM = 8, 8, 1, 512       # E2B's full-attention layers
 WIDTHS = {"e2b": (1536, 6144)}                       # hidden, mlp (gate|up fused: 2 x mlp outputs)
@@ -173,7 +173,7 @@ def run_case(case: str, args, ncu: str | None) -> dict:
         # L2 traffic: re-reads a 60 MB L2 absorbs, and a T4G's 4 MB may not (attention's heads over one K/V)
         rows[path].update(kernels=len(kernels), dram_bytes=int(dram), l2_bytes=int(sum(k["lts__t_bytes.sum"]
                                                                                        for k in kernels)),
-                          dram_over_least=round(dram / rows[path]["least_bytes"], 2), t4g_ms=round(sum(map(t4g_seconds, kernels)) * 1e3, 4))
+                          dram_over_least=round(dram / rows[path]["least_bytes"], 2), t4g_ms=round(sum(t4g_kernel_s(k)[0] for k in kernels) * 1e3, 4))
     first = next(iter(rows.values()))     # the path the runtime takes; the others are its peers
     for row in rows.values():
         for key in ("ms_here", "t4g_ms"):
@@ -205,7 +205,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     ncu = None if args.no_ncu else __import__("shutil").which("ncu")
-    report = {"model": MODEL, "turing_env": TURING, "ncu": bool(ncu), "cases": {}}
+    report = {"constants": CONSTANTS, "turing_env": TURING, "ncu": bool(ncu), "cases": {}}
     for case in cases:
         report["cases"][case] = run_case(case, args, ncu)
         (args.out / "t4g_kernels.json").write_text(json.dumps(report, indent=1))

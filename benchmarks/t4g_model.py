@@ -1,32 +1,38 @@
-"""A T4G's decode speed, predicted from a decode step run on whatever NVIDIA GPU is at hand, the way sm_75 runs it.
+"""A T4G's decode speed, predicted from decode steps run on whatever NVIDIA GPU is at hand, the way sm_75 runs them,
+with physical constants (CONSTANTS: each with its source and an optimistic and a pessimistic value), calibrated
+against transformers' own eager decode, whose T4G step time is published.
 
-    python benchmarks/t4g_model.py OUT_DIR [--runtimes jax,pytorch] [--schemes fp16,w8a16,w4a16]
-        [--heads fp16,int8] [--code DIR] [--work DIR] [--steps 64] [--tiny] [--no-ncu]
+    python benchmarks/t4g_model.py OUT_DIR [--runtimes transformers,pytorch,jax] [--schemes fp16,w8a16,w4a16]
+        [--heads fp16,int8] [--ncu-budget 320] [--work DIR] [--steps 32] [--tiny] [--no-ncu]
+    python benchmarks/t4g_model.py OUT_DIR --recompute      # the predictions again from OUT_DIR/raw/ (no GPU)
 
-Per runtime x scheme (x LM head, PyTorch only) at Gemma 4 E2B's text shapes with random weights (the
-checkpoints of benchmarks/quantized_decode.py), one child process, run under Nsight Compute (ncu) when it is on
-the PATH:
-1. The code paths sm_75 takes, forced on this GPU (TURING): XLA without its Triton GEMM (XLA enables it from
-   Ampere only: every dot a cuBLAS call), PyTorch's SDPA without the flash and cuDNN backends (sm_80+: the
-   memory-efficient and math backends remain), our packed kernels as sm_75 chooses them, on a T4G's grid
-   (G5G_PACKED_ARCH=75, G5G_PACKED_SMS=40).
-2. Wall time per engine.step with 1 and 8 live sequences (greedy, no HTTP), --steps steps after a warm-up.
-3. In a second child under ncu (ncu slows every launch, so it never times): one decode step with 1 live
-   sequence and one with 8, profiled (--cache-control all: every kernel starts from a cold L2, as on a T4G whose
-   4 MB L2 keeps almost nothing between kernels): per kernel its DRAM bytes read + written, its L2 traffic, its
-   warp instructions and its duration here. Each prediction has its own step's kernels: one stream is what a lone
-   sequence runs (PyTorch's one-row step, torch_attention.rows(); JAX's batch-1 executable), a marker kernel
-   (MARKER) between the two steps tells them apart in ncu's rows.
-The model (MODEL below; every constant stated there): a kernel takes on a T4G
-    t = max(DRAM bytes / 277 GB/s, warp instructions / the T4G's issue rate, its duration here)
-(a T4G is slower than any GPU this runs on in each respect), a step the sum of its kernels plus the host time
-this GPU's step left uncovered (wall - kernel time here), scaled by a stated Graviton2 factor. Predicted tok/s:
-1 / step (one stream), 8 / step (8 streams). An L2-bound figure (every L2 byte from DRAM) is the pessimistic
-bound. Not calibrated (no T4G here): the host factor, and kernels bound by latency rather than bytes or issue.
+A cell is a (runtime, scheme): `transformers` is the calibration (transformers' eager decode, fp16, SDPA, dynamic
+cache: what a transformers server runs), `pytorch` and `jax` our runtimes. Each cell is two child processes at
+Gemma 4 E2B's text shapes with random weights, on the code paths sm_75 takes (TURING: XLA without Triton GEMM,
+SDPA without flash and cuDNN, our packed kernels as sm_75 picks them):
+1. The measure child (no profiler attached): load (every compile happens here), time engine steps with 1 and 8
+   live sequences (wall per step, defaults), then trace one step of each with a cheap tracer (the PyTorch
+   profiler's CUPTI activity records; jax.profiler for JAX): every kernel's name, duration here and grid.
+2. The ncu child (compile caches warm: JAX loads its executables from the persistent cache, inductor from its
+   cache; nothing compiles under ncu): the same two steps, with Nsight Compute profiling only the kernels that
+   take the most time here (their names, chosen from the trace, up to --ncu-budget launches in all): DRAM bytes
+   read and written (cold L2, as on a T4G whose 4 MB keeps almost nothing between kernels), warp instructions
+   and FP32-pipe instructions. A marker kernel (MARKER) between the two steps tells them apart.
+The model (t4g_kernel_s, predict): a kernel takes on a T4G the largest of
+  - its DRAM bytes over the T4G's bandwidth,
+  - its warp instructions at the T4G's issue rate, FP32-pipe instructions at Turing's rate (16 lanes a scheduler:
+    two issue cycles a warp instruction, against one on Hopper),
+  - its duration here scaled by clock (here / T4G) and by SM waves (grids wider than 40 SMs),
+  - the launch floor (the smallest kernel's time on a T4G);
+a step is the slower of two lanes that run at once (launches are asynchronous, our runtimes dispatch a step
+ahead): the GPU's, its kernels' T4G times, and the host's, the wall time of a step here times the Graviton2 host
+factor (the host's work is at most that wall time, and all of it where this GPU is host-bound, as eager decode is;
+kept apart: `t4g_host_ms`). Kernels ncu did not profile take their scaled duration (`unprofiled_*` says how many).
+Predicted tok/s: 1 / step (one stream), 8 / step (8 streams). The range: optimistic constants with both lanes at
+their least (host: only the time the GPU left uncovered here), and pessimistic constants with no overlap at all.
 
---code DIR: import serving/ from DIR instead of this tree (the baseline: the same measure over older code).
-Writes OUT_DIR/t4g_model.json (per runtime and scheme: predicted_tok_s_1, predicted_tok_s_8, bytes_per_token,
-the measured figures behind them) and OUT_DIR/ncu_csv.tar.gz (ncu's raw per-kernel rows).
+Writes OUT_DIR/t4g_model.json (`runtimes.{pytorch,jax}.{scheme}`, `calibration.transformers_eager`, `constants`)
+and OUT_DIR/raw/CELL.json (each cell's timings, traced kernels and ncu rows: what --recompute reads).
 """
 from __future__ import annotations
 
@@ -34,12 +40,13 @@ import argparse
 import csv
 import io
 import json
+import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 
@@ -47,88 +54,74 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
-MODEL = {
-    "t4g_read_bandwidth_Bps": 277e9,        # measured read on a G5g (seed 000; docs FACTS); theoretical 320 GB/s
-    "t4g_theoretical_bandwidth_Bps": 320e9,
-    "t4g_sms": 40,
-    "t4g_l2_bytes": 4 << 20,
-    # 40 SMs x 4 schedulers x 1 warp instruction per clock x 1.59 GHz boost (the H200's SASS counted: the same
-    # algorithm, not the same instructions; an estimate of issue time, not a calibration)
-    "t4g_warp_issue_per_s": 40 * 4 * 1.59e9,
-    # Graviton2 (Neoverse N1, 2.5 GHz) against this machine's host core for the per-step Python/dispatch work
-    # not hidden behind kernels: a stated guess, not calibrated (no G5g here)
-    "host_factor": 1.6,
+# Every constant of the model: its point value, its optimistic and pessimistic values, and where it comes from.
+CONSTANTS = {
+    "t4g_bandwidth_Bps": {
+        "value": 277e9, "optimistic": 300e9, "pessimistic": 250e9,
+        "source": "measured read on a G5g (seed 000, docs FACTS); 320 GB/s theoretical GDDR6: 300 is 94% of it, "
+                  "250 the 78% a decode GEMV commonly reaches"},
+    "t4g_clock_hz": {
+        "value": 1.29e9, "optimistic": 1.59e9, "pessimistic": 1.29e9,
+        "source": "a T4G decoding at its 70 W cap: 1.29 GHz, a published nvidia-smi reading from a T4G rig "
+                  "(issue 35); 1.59 GHz is the T4's boost clock, reached only below the cap"},
+    "t4g_sms": {"value": 40, "optimistic": 40, "pessimistic": 40, "source": "T4/T4G: 40 SMs (TU104, NVIDIA)"},
+    "t4g_fp32_issue_cycles": {
+        "value": 2, "optimistic": 2, "pessimistic": 2,
+        "source": "Turing: 64 FP32 lanes an SM, 16 a scheduler, so a 32-thread FP32 warp instruction takes 2 "
+                  "issue cycles (Hopper: 32 lanes a scheduler, 1); the Turing whitepaper"},
+    "t4g_launch_floor_s": {
+        "value": 2.0e-6, "optimistic": 1.0e-6, "pessimistic": 3.0e-6,
+        "source": "the least a kernel costs on a Turing GPU back to back in one stream: an estimate (no T4G here). "
+                  "Optimistic: the smallest kernel traced on the H200 scaled to 1.29 GHz (1.03 us, "
+                  "`launch_floor_scaled_s`); point and pessimistic: 2 and 3 us, what small PyTorch kernels commonly "
+                  "show on a T4 in traces"},
+    "host_factor": {
+        "value": 2.5, "optimistic": 2.0, "pessimistic": 3.0,
+        "source": "Graviton2 (Neoverse N1, 2.5 GHz) against this GPU's x86 host for the per-step Python and "
+                  "launch work the GPU did not hide: Graviton2 launches and dispatches 2-5x slower than x86 "
+                  "(issue 38's published comparison); cross-checked by vLLM, same T4, 42.4 tok/s on a g4dn "
+                  "and 32.53 on a G5g (+7 ms a token of host)"},
 }
-TURING = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false", "G5G_PACKED_SMS": str(MODEL["t4g_sms"]),
-          "G5G_PACKED_ARCH": "75"}
-METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_bytes.sum", "smsp__inst_executed.sum",
-           "gpu__time_duration.sum")
+POINT = {k: c["value"] for k, c in CONSTANTS.items()}
+OPTIMISTIC = {k: c["optimistic"] for k, c in CONSTANTS.items()}
+PESSIMISTIC = {k: c["pessimistic"] for k, c in CONSTANTS.items()}
+HERE_CLOCK_HZ = 1.98e9      # an H200's SM clock under load (nvidia-smi, KINDS.md 2026-10-28); the run records its own
+HERE_SMS = 132              # H200 SXM; the run records its own
+ANCHORS = {
+    "transformers_eager_step_ms_1": {
+        "value": 93.2, "source": "transformers eager decode (fp16, SDPA, dynamic cache, ~5 650 launches a step), "
+                                 "E2B, batch 1, g5g, 2026-08-29 (issue 35)"},
+    "vllm_tok_s_1": {"value": 32.53, "source": "vLLM 0.27.2, E2B fp16, g5g.2xlarge, client ITL, 3 repeats, 2026-08-31"},
+    "vllm_tok_s_8": {"value": 168, "source": "vLLM at 8 concurrent streams on a T4G"},
+    "vllm_g4dn_tok_s_1": {"value": 42.4, "source": "the same vLLM on an x86 T4 (g4dn)"},
+}
+TURING = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false", "G5G_PACKED_SMS": "40", "G5G_PACKED_ARCH": "75"}
+DRAM = ("dram__bytes_read.sum", "dram__bytes_write.sum")
+METRICS = (*DRAM, "smsp__inst_executed.sum", "smsp__inst_executed_pipe_fma.sum", "gpu__time_duration.sum")
+SCHEMES = ("fp16", "w8a16", "w4a16")
 SLOTS, CONTEXT = 8, 1024
-LIVE = (1, SLOTS)               # live sequences per step timed and profiled
+LIVE = (1, SLOTS)               # live sequences per step: one stream, eight
+PROMPT = [2] + list(range(100, 131))
 MARKER = "spin_kernel"          # torch.cuda._sleep's kernel, launched between the profiled steps
-RESULT: dict = {}
+CELL_TIMEOUT_S = 180            # each child's bound: a cell that cannot finish in it is a defect of the measure
 
 
-def note(out: Path, **kw) -> None:
-    RESULT.update(kw)
-    (out / "t4g_model.json").write_text(json.dumps(RESULT, indent=1))
-    print(json.dumps(kw)[:1500], flush=True)
+# ------------------------------------------------------------------------------------------ names, parsing
+def base_name(name: str) -> str:
+    """A kernel's function name without return type, namespaces, template arguments and parameters, the same for
+    the tracer's spelling and ncu's ('void at::native::(anonymous namespace)::k<...>(...)' and
+    'void <unnamed>::k<...>(...)' are both 'k')."""
+    out, depth = [], 0
+    for ch in name:
+        if ch in "<(":
+            depth += 1
+        elif ch in ">)" and depth:
+            depth -= 1
+        elif not depth:
+            out.append(ch)
+    return "".join(out).split()[-1].split("::")[-1] if "".join(out).split() else name
 
 
-# ------------------------------------------------------------------------------------------------- child
-def child(runtime: str, ckpt: Path, steps: int, result: Path, profile: bool) -> None:
-    """In this process: load the engine the sm_75 way; then either time its steps (1 and 8 live sequences) or,
-    under ncu, run one profiled step with each (ncu slows every launch: the two never share a process)."""
-    import torch
-
-    from serving.engine import SamplingParams
-
-    gpu = torch.cuda.is_available()
-    if gpu:             # SDPA backends a T4G has (flash attention and cuDNN's need sm_80)
-        torch.backends.cuda.enable_flash_sdp(False)
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    t0 = time.perf_counter()
-    if runtime == "pytorch":
-        from serving import pytorch_runtime
-        engine = pytorch_runtime.load(ckpt, max_context=CONTEXT, slots=SLOTS)
-    else:
-        from serving.jax_runtime import Settings, load
-        engine = load(ckpt, Settings(buckets=(64, CONTEXT), cache_dir=None, slots=SLOTS, batches=(1, SLOTS)))
-    res: dict = {"load_s": round(time.perf_counter() - t0, 1)}
-    greedy = SamplingParams(temperature=0.0, ignore_eos=True)
-    prompt = [2] + list(range(100, 131))
-    for live in LIVE:
-        # a first pass over the positions the timed one reaches: the runtimes compile per length bucket (PyTorch's
-        # attention span, JAX's ladder), and the 2026-12-02 run timed 1 live sequence through those compiles
-        for warm in (True, False):
-            toks = {s: engine.start(s, prompt, greedy) for s in range(live)}
-            for _ in range(3 + (3 * steps if warm and not profile else 0)):
-                toks = engine.step(toks)
-        rates = []
-        for _ in range(0 if profile else 3):
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                toks = engine.step(toks)
-            rates.append((time.perf_counter() - t0) / steps * 1e3)
-        if rates:
-            res[f"step_ms_{live}"] = round(statistics.median(rates), 3)
-    if profile:
-        if hasattr(engine, "pipeline"):     # one dispatch inside the profiled range
-            engine.pipeline = False
-        for i, live in enumerate(LIVE):    # a lone sequence in slot 0: the rows a lone stream decodes
-            toks = engine.step({s: engine.start(s, prompt, greedy) for s in range(live)})
-            if gpu:
-                torch.cuda.synchronize()
-                torch.cuda.profiler.start()
-                if i:
-                    torch.cuda._sleep(1)    # MARKER: the kernels after it are this step's
-                engine.step(toks)
-                torch.cuda.synchronize()
-                torch.cuda.profiler.stop()
-    result.write_text(json.dumps(res))
-
-
-# -------------------------------------------------------------------------------------------- the model
 def parse_ncu(text: str) -> list[dict]:
     """ncu --csv --page raw --print-units base rows: [{name, <metric>: float}] in launch order."""
     lines = [ln for ln in text.splitlines() if ln.startswith('"')]
@@ -150,47 +143,311 @@ def parse_ncu(text: str) -> list[dict]:
     return out
 
 
-def split_steps(kernels: list[dict]) -> dict[int, list[dict]]:
-    """The profiled child's kernels per step, {live sequences: kernels}: LIVE's steps in order, MARKER between."""
+def split_steps(kernels: list[dict], count: int = len(LIVE)) -> list[list[dict]]:
+    """The profiled child's kernels per step, in order: MARKER between consecutive steps."""
     steps: list[list[dict]] = [[]]
     for k in kernels:
-        if MARKER in k["name"]:
+        if base_name(k["name"]) == MARKER:
             steps.append([])
         else:
             steps[-1].append(k)
-    if len(steps) != len(LIVE):
-        raise ValueError(f"{len(steps)} profiled steps in ncu's rows, not {len(LIVE)} (one {MARKER} between each)")
-    return dict(zip(LIVE, steps))
+    if len(steps) != count:
+        raise ValueError(f"{len(steps)} profiled steps in ncu's rows, not {count} (one {MARKER} between each)")
+    return steps
 
 
-def t4g_seconds(kernel: dict) -> float:
-    """MODEL's time for one kernel on a T4G: its slowest of DRAM bytes, warp instructions and its duration here."""
-    return max((kernel["dram__bytes_read.sum"] + kernel["dram__bytes_write.sum"]) / MODEL["t4g_read_bandwidth_Bps"],
-               kernel["smsp__inst_executed.sum"] / MODEL["t4g_warp_issue_per_s"], kernel["gpu__time_duration.sum"] / 1e9)
+def torch_trace_kernels(trace: dict) -> list[dict]:
+    """The kernels of a PyTorch profiler chrome trace (CUPTI activity records), in start order."""
+    ev = sorted((e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    return [{"name": e["name"], "dur_ns": float(e["dur"]) * 1e3,
+             "blocks": math.prod(e.get("args", {}).get("grid") or [1])} for e in ev]
 
 
-def predict(kernels: list[dict], wall_ms: float, rows: int) -> dict:
-    """The T4G prediction for one step's kernels (MODEL) and this GPU's wall time per step."""
-    bw, issue = MODEL["t4g_read_bandwidth_Bps"], MODEL["t4g_warp_issue_per_s"]
-    dram = sum(k["dram__bytes_read.sum"] + k["dram__bytes_write.sum"] for k in kernels)
-    l2 = sum(k["lts__t_bytes.sum"] for k in kernels)
-    here_ms = sum(k["gpu__time_duration.sum"] for k in kernels) / 1e6
-    per = [t4g_seconds(k) for k in kernels]
-    per_l2 = [max(k["lts__t_bytes.sum"] / bw, p) for k, p in zip(kernels, per)]
-    host_ms = max(0.0, wall_ms - here_ms) * MODEL["host_factor"]
-    gpu_ms = sum(per) * 1e3
-    bound = {"bytes": 0.0, "issue": 0.0, "duration here": 0.0}
-    for k, p in zip(kernels, per):
-        by = {"bytes": (k["dram__bytes_read.sum"] + k["dram__bytes_write.sum"]) / bw,
-              "issue": k["smsp__inst_executed.sum"] / issue, "duration here": k["gpu__time_duration.sum"] / 1e9}
-        bound[max(by, key=by.get)] += p * 1e3
-    step = gpu_ms + host_ms
-    return {"kernels": len(kernels), "dram_bytes": int(dram), "l2_bytes": int(l2),
-            "kernel_ms_here": round(here_ms, 3), "wall_ms_here": wall_ms,
+def jax_trace_kernels(profile) -> list[dict]:
+    """The GPU kernels of a jax.profiler ProfileData, in start order (memory copies and sets left out)."""
+    ev = []
+    for plane in profile.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if "stream" not in line.name.lower():       # derived lines (XLA Ops, Modules, Steps) repeat the kernels
+                continue
+            for e in line.events:
+                if e.name.lower().startswith(("memcpy", "memset")):
+                    continue
+                try:
+                    stats = dict(e.stats)
+                except (AttributeError, TypeError, ValueError):
+                    stats = {}
+                grid = re.search(r"grid:(\d+),(\d+),(\d+)", str(stats.get("kernel_details", "")))
+                ev.append((e.start_ns, {"name": e.name, "dur_ns": float(e.duration_ns),
+                                        "blocks": math.prod(map(int, grid.groups())) if grid else 1}))
+    return [k for _, k in sorted(ev, key=lambda x: x[0])]
+
+
+def heavy_names(steps: list[list[dict]], budget: int) -> list[str]:
+    """Base names of the kernels ncu profiles: by their longest launch here, longest first, while all their
+    launches (over every step) fit the budget."""
+    count: dict[str, int] = {}
+    longest: dict[str, float] = {}
+    for k in (k for step in steps for k in step):
+        b = base_name(k["name"])
+        count[b] = count.get(b, 0) + 1
+        longest[b] = max(longest.get(b, 0.0), k["dur_ns"])
+    chosen, used = [], 0
+    for b in sorted(longest, key=lambda n: -longest[n]):
+        if used + count[b] <= budget:
+            chosen.append(b)
+            used += count[b]
+    return chosen
+
+
+def ncu_filter(names: list[str]) -> str:
+    """ncu's --kernel-name regex: these base names as whole identifiers, whatever ncu's spelling around them."""
+    alts = "|".join(re.escape(n) for n in [MARKER, *names])
+    return f"regex:(^|[^A-Za-z0-9_])({alts})($|[^A-Za-z0-9_])"
+
+
+def join(traced: list[dict], profiled: list[dict]) -> list[dict]:
+    """Each traced kernel with its ncu row where ncu profiled that launch (the same step of the other child,
+    matched per base name in launch order)."""
+    queues: dict[str, list[dict]] = {}
+    for row in profiled:
+        queues.setdefault(base_name(row["name"]), []).append(row)
+    out = []
+    for k in traced:
+        q = queues.get(base_name(k["name"]))
+        row = q.pop(0) if q else None
+        out.append({**k, **{m: row[m] for m in METRICS[:-1]}, "profiled": True} if row else k)
+    return out
+
+
+# -------------------------------------------------------------------------------------------- the model
+def t4g_kernel_s(k: dict, c: dict = POINT, here: dict | None = None) -> tuple[float, str]:
+    """(seconds on a T4G, the bound that sets it) for one kernel: the largest of its DRAM bytes, its issue time
+    (FP32 at Turing's rate), its duration here scaled by clock and SM waves, and the launch floor."""
+    here = here or {"clock_hz": HERE_CLOCK_HZ, "sms": HERE_SMS}
+    dur = k.get("dur_ns", k.get("gpu__time_duration.sum", 0.0)) / 1e9
+    blocks = k.get("blocks", 1)
+    waves = min(blocks, here["sms"]) / min(blocks, c["t4g_sms"])     # 1 up to 40 blocks, then the SMs' ratio
+    issue_cycles = max(k.get("smsp__inst_executed.sum", 0.0),
+                       c["t4g_fp32_issue_cycles"] * k.get("smsp__inst_executed_pipe_fma.sum", 0.0))
+    by = {"bytes": sum(k.get(m, 0.0) for m in DRAM) / c["t4g_bandwidth_Bps"],
+          "issue": issue_cycles / (c["t4g_sms"] * 4 * c["t4g_clock_hz"]),
+          "latency": dur * here["clock_hz"] / c["t4g_clock_hz"] * waves,
+          "launch floor": c["t4g_launch_floor_s"]}
+    bound = max(by, key=by.get)
+    return by[bound], bound
+
+
+def predict(kernels: list[dict], wall_ms: float, rows: int, c: dict = POINT, here: dict | None = None,
+            overlap: bool = True) -> dict:
+    """The T4G step for one step's kernels (t4g_kernel_s) and this GPU's wall time per step. Two lanes run at once
+    (launches are asynchronous; our runtimes dispatch a step ahead): the GPU's, the kernels' T4G times, and the
+    host's, this GPU's host work times the Graviton2 factor. overlap: the step is the slower lane, the host's work
+    taken as the whole wall time here (its upper bound: all of it when this GPU is host-bound, as eager decode is);
+    else (no overlap, the pessimistic bound) the kernels plus the host time this GPU left uncovered."""
+    timed = [t4g_kernel_s(k, c, here) for k in kernels]
+    here_ms = sum(k["dur_ns"] for k in kernels) / 1e6
+    gpu_ms = sum(t for t, _ in timed) * 1e3
+    uncovered = max(0.0, wall_ms - here_ms)
+    host_ms = (wall_ms if overlap else uncovered) * c["host_factor"]
+    by: dict[str, float] = {}
+    for t, b in timed:
+        by[b] = by.get(b, 0.0) + t * 1e3
+    missed = [k for k in kernels if not k.get("profiled")]
+    step = max(gpu_ms, host_ms) if overlap else gpu_ms + host_ms
+    return {"kernels": len(kernels), "dram_bytes": int(sum(k.get(m, 0.0) for k in kernels for m in DRAM)),
+            "kernel_ms_here": round(here_ms, 3), "wall_ms_here": wall_ms, "host_ms_here": round(uncovered, 3),
             "t4g_kernel_ms": round(gpu_ms, 3), "t4g_host_ms": round(host_ms, 3), "t4g_step_ms": round(step, 3),
-            "t4g_ms_by_bound": {k: round(v, 3) for k, v in bound.items()},
-            "predicted_tok_s": round(rows * 1e3 / step, 1),
-            "predicted_tok_s_l2_bound": round(rows * 1e3 / (sum(per_l2) * 1e3 + host_ms), 1)}
+            "bound_by": "host" if host_ms > gpu_ms else "gpu",
+            "t4g_ms_by_bound": {b: round(v, 3) for b, v in sorted(by.items())},
+            "unprofiled_kernels": len(missed), "unprofiled_ms_here": round(sum(k["dur_ns"] for k in missed) / 1e6, 3),
+            "predicted_tok_s": round(rows * 1e3 / step, 1)}
+
+
+def cell_prediction(raw: dict) -> dict:
+    """A cell's figures from its raw record: per step (one stream, eight) the point prediction and the range."""
+    here = raw.get("here") or {"clock_hz": HERE_CLOCK_HZ, "sms": HERE_SMS}
+    out: dict = {}
+    for live in LIVE:
+        kernels = raw.get("steps", {}).get(str(live))
+        wall = raw.get(f"step_ms_{live}")
+        if not kernels or wall is None:
+            continue
+        p = predict(kernels, wall, live, POINT, here)
+        # optimistic: both lanes at their least (host: only the time the GPU left uncovered here), overlapped;
+        # pessimistic: no overlap at all
+        opt = predict(kernels, wall, live, OPTIMISTIC, here)
+        opt_step = max(opt["t4g_kernel_ms"], opt["host_ms_here"] * OPTIMISTIC["host_factor"])
+        p["range_tok_s"] = [predict(kernels, wall, live, PESSIMISTIC, here, overlap=False)["predicted_tok_s"],
+                            round(live * 1e3 / opt_step, 1)]
+        out[f"step{live}"] = p
+        out[f"predicted_tok_s_{live}"] = p["predicted_tok_s"]
+        out[f"predicted_step_ms_{live}"] = p["t4g_step_ms"]
+    if "step1" in out:
+        out["bytes_per_token"] = out["step1"]["dram_bytes"]
+        least = min(k["dur_ns"] for k in raw["steps"]["1"]) / 1e9
+        out["launch_floor_scaled_s"] = round(least * here["clock_hz"] / POINT["t4g_clock_hz"], 9)
+    return out
+
+
+def calibration(cell: dict) -> dict:
+    """The transformers eager cell against its published T4G step, and the host factor that step implies."""
+    anchor = ANCHORS["transformers_eager_step_ms_1"]["value"]
+    out = {"published_step_ms_1": anchor, "published_source": ANCHORS["transformers_eager_step_ms_1"]["source"]}
+    for key in ("predicted_step_ms_1", "predicted_step_ms_8", "step1", "step8"):
+        if key in cell:
+            out[key] = cell[key]
+    if "step1" in cell:
+        s = cell["step1"]
+        out["error_pct"] = round((s["t4g_step_ms"] / anchor - 1) * 100, 1)
+        out["within_20pct"] = abs(out["error_pct"]) <= 20
+        out["range_step_ms_1"] = [round(1e3 / t, 2) for t in s["range_tok_s"][::-1]]
+        if s["bound_by"] == "host":     # not fitted: the host factor that would put the point on the anchor
+            out["implied_host_factor"] = round(anchor / s["wall_ms_here"], 2)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- child
+class EngineRunner:
+    """One of our engines (serving.engine.Engine): sequences in the first `live` slots, greedy."""
+
+    def __init__(self, runtime: str, ckpt: Path, settings_dir: Path):
+        if runtime == "pytorch":
+            from serving import pytorch_runtime
+            self.engine = pytorch_runtime.load(ckpt, max_context=CONTEXT, slots=SLOTS)
+        else:
+            from serving.jax_runtime import Settings, load
+            self.engine = load(ckpt, Settings(buckets=(64, CONTEXT), cache_dir=str(settings_dir / "jaxcache"),
+                                              slots=SLOTS, batches=(1, SLOTS)))
+        from serving.engine import SamplingParams
+        self.greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+        self.toks: dict = {}
+
+    def begin(self, live: int) -> None:
+        self.toks = self.engine.step({s: self.engine.start(s, PROMPT, self.greedy) for s in range(live)})
+
+    def step(self) -> None:
+        self.toks = self.engine.step(self.toks)
+
+    def one_dispatch(self) -> None:
+        """A traced step is that step alone, not the next one dispatched ahead."""
+        if hasattr(self.engine, "pipeline"):
+            self.engine.pipeline = False
+
+
+class EagerRunner:
+    """transformers' own eager decode, as a transformers server runs it: fp16, SDPA, a dynamic cache, one forward
+    a token, the tokens to the host each step."""
+
+    def __init__(self, ckpt: Path):
+        import torch
+        from transformers import Gemma4ForConditionalGeneration
+
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        self.torch = torch
+        self.model = Gemma4ForConditionalGeneration.from_pretrained(
+            ckpt, dtype=torch.float16 if dev == "cuda" else torch.float32, attn_implementation="sdpa").to(dev).eval()
+        self.dev = dev
+
+    def _forward(self, ids):
+        with self.torch.inference_mode():
+            out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        self.next = out.logits[:, -1].argmax(-1)
+        self.next.tolist()
+
+    def begin(self, live: int) -> None:
+        self.cache = None
+        self._forward(self.torch.tensor([PROMPT] * live, device=self.dev))
+        self._forward(self.next[:, None])
+
+    def step(self) -> None:
+        self._forward(self.next[:, None])
+
+    def one_dispatch(self) -> None:
+        pass
+
+
+def child(runtime: str, ckpt: Path, steps: int, result: Path, profile: bool, work: Path) -> None:
+    """In this process: load the runner the sm_75 way; then either time and trace its steps (1 and 8 live
+    sequences) or, under ncu, run the same two steps profiled, MARKER between them."""
+    import torch
+
+    gpu = torch.cuda.is_available()
+    if gpu:             # SDPA backends a T4G has (flash attention and cuDNN's need sm_80)
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    t0 = time.perf_counter()
+    runner = EagerRunner(ckpt) if runtime == "transformers" else EngineRunner(runtime, ckpt, work)
+    res: dict = {"load_s": round(time.perf_counter() - t0, 1)}
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    for live in LIVE:   # warm over every position timed: the runtimes compile per length bucket and row count
+        runner.begin(live)
+        for _ in range(3 if profile else 3 * steps):
+            runner.step()
+    for live in LIVE if not profile else ():
+        runner.begin(live)
+        rates = []
+        for _ in range(3):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                runner.step()
+            sync()
+            rates.append((time.perf_counter() - t0) / steps * 1e3)
+        res[f"step_ms_{live}"] = round(statistics.median(rates), 3)
+    runner.one_dispatch()
+    res["steps"] = {}
+    for i, live in enumerate(LIVE):
+        runner.begin(live)
+        sync()
+        if profile:
+            if gpu:
+                torch.cuda.profiler.start()
+                if i:
+                    torch.cuda._sleep(1)        # MARKER: the kernels after it are this step's
+                runner.step()
+                sync()
+                torch.cuda.profiler.stop()
+        else:
+            res["steps"][str(live)] = trace_step(runtime, runner, work / f"trace-{os.getpid()}-{live}", gpu)
+    if gpu and not profile:
+        res["here"] = {"clock_hz": gpu_clock_hz(), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+                       "device": torch.cuda.get_device_name()}
+    result.write_text(json.dumps(res))
+
+
+def trace_step(runtime: str, runner, where: Path, gpu: bool) -> list[dict]:
+    """One step's kernels (name, duration here, blocks) from the cheap tracer."""
+    if not gpu:
+        runner.step()
+        return []
+    if runtime == "jax":
+        import jax
+        from jax.profiler import ProfileData
+        with jax.profiler.trace(str(where)):
+            runner.step()
+        return jax_trace_kernels(ProfileData.from_file(str(next(where.rglob("*.xplane.pb")))))
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runner.step()
+        torch.cuda.synchronize()
+    where.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(where / "trace.json"))
+    return torch_trace_kernels(json.loads((where / "trace.json").read_text()))
+
+
+def gpu_clock_hz() -> float:
+    """The GPU's maximum SM clock (nvidia-smi): what its kernels' durations were measured at."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.max.sm", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout.split()
+        return float(out[0]) * 1e6
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return HERE_CLOCK_HZ
 
 
 # ------------------------------------------------------------------------------------------------ parent
@@ -213,106 +470,146 @@ def checkpoints(work: Path, schemes: list[str], tiny: bool) -> dict[str, Path]:
     return dirs
 
 
-def run_one(runtime: str, ckpt: Path, env: dict, steps: int, work: Path, ncu: str | None, code: Path,
-            name: str, timeout: int) -> tuple[dict, str]:
-    """The timing child, then (ncu given) the profiled one: the timings and ncu's CSV text."""
-    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(code), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    out: dict = {}
-    text = ""
-    for profile in (False, True) if ncu else (False,):
-        result, log = work / f"{name}-{profile}.json", work / f"{name}.csv"
-        result.unlink(missing_ok=True)
-        cmd = [sys.executable, __file__, "--child", runtime, str(ckpt), "--steps", str(steps), "--result",
-               str(result)] + ["--profile"] * profile
-        if profile:
-            cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--cache-control", "all",
-                   "--metrics", ",".join(METRICS), "--csv", "--page", "raw", "--print-units", "base",
-                   "--log-file", str(log), *cmd]
-        try:
-            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return {**out, "error": f"timed out after {timeout} s (profile: {profile})"}, text
-        if r.returncode or not result.exists():
-            return {**out, "error": (r.stdout + r.stderr)[-2000:]}, text
-        got = json.loads(result.read_text())
-        if profile:
-            out["load_s_under_ncu"] = got["load_s"]
-            text = log.read_text() if log.exists() else ""
+def available(ncu: str, metrics: tuple[str, ...]) -> tuple[str, ...]:
+    """The metrics this GPU's ncu knows (a missing one would fail every profile); all of them if it cannot say."""
+    try:
+        known = subprocess.run([ncu, "--query-metrics", "--csv"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return metrics
+    have = tuple(m for m in metrics if m.rsplit(".", 1)[0] in known)
+    return have if DRAM[0] in have else metrics
+
+
+def run_child(args: list[str], env: dict, result: Path, timeout: int, ncu: list[str] | None = None) -> dict:
+    result.unlink(missing_ok=True)
+    cmd = [*(ncu or []), sys.executable, __file__, "--child", *args, "--result", str(result)]
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s", "child_s": timeout}
+    if r.returncode or not result.exists():
+        return {"error": (r.stdout + r.stderr)[-2000:], "child_s": round(time.perf_counter() - t0, 1)}
+    return {**json.loads(result.read_text()), "child_s": round(time.perf_counter() - t0, 1)}
+
+
+def measure_cell(runtime: str, ckpt: Path, env: dict, a, ncu: str | None, name: str) -> dict:
+    """A cell's raw record: the measure child's timings and traced steps, joined with the ncu child's rows."""
+    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    common = [runtime, str(ckpt), "--steps", str(a.steps), "--work", str(a.work)]
+    raw = run_child(common, env, a.work / f"{name}-measure.json", CELL_TIMEOUT_S)
+    raw["measure_child_s"] = raw.pop("child_s")
+    traced = [raw.get("steps", {}).get(str(live)) or [] for live in LIVE]
+    if "error" in raw or not ncu or not all(traced):
+        raw["steps"] = {str(live): t for live, t in zip(LIVE, traced)}
+        return raw
+    names = heavy_names(traced, a.ncu_budget)
+    log = a.work / f"{name}.ncu.csv"
+    log.unlink(missing_ok=True)
+    got = run_child(common + ["--profile"], env, a.work / f"{name}-ncu.json", CELL_TIMEOUT_S,
+                    [ncu, "--profile-from-start", "off", "--clock-control", "none", "--cache-control", "all",
+                     "--kernel-name", ncu_filter(names), "--launch-count", str(a.ncu_budget + len(LIVE)),
+                     "--metrics", ",".join(available(ncu, METRICS)), "--csv", "--page", "raw", "--print-units", "base",
+                     "--log-file", str(log)])
+    raw.update(ncu_child_s=got.get("child_s"), ncu_load_s=got.get("load_s"), ncu_names=len(names))
+    try:
+        if "error" in got:
+            raise ValueError(got["error"])
+        profiled = split_steps(parse_ncu(log.read_text()))
+        raw["ncu_kernels"] = sum(map(len, profiled))
+        raw["steps"] = {str(live): join(t, p) for live, t, p in zip(LIVE, traced, profiled)}
+    except (OSError, ValueError) as e:
+        raw["ncu_error"] = str(e)[-1500:]
+        raw["steps"] = {str(live): t for live, t in zip(LIVE, traced)}
+    return raw
+
+
+def table(raws: dict[str, dict]) -> dict:
+    """t4g_model.json's figures from every cell's raw record."""
+    out: dict = {"constants": CONSTANTS, "anchors": ANCHORS, "runtimes": {}, "calibration": {}}
+    for name, raw in sorted(raws.items()):
+        runtime, key = name.split("-", 1)
+        cell = {k: raw[k] for k in ("load_s", "step_ms_1", "step_ms_8", "measure_child_s", "ncu_child_s",
+                                    "ncu_load_s", "ncu_names", "ncu_kernels", "cell_s", "error", "ncu_error",
+                                    "plan_streamed_bytes", "here") if k in raw}
+        cell.update(cell_prediction(raw))
+        for live in LIVE:
+            cell.setdefault(f"predicted_tok_s_{live}", None)
+        cell.setdefault("bytes_per_token", None)
+        if runtime == "transformers":
+            out["calibration"]["transformers_eager"] = {**cell, **calibration(cell)}
         else:
-            out.update(got)
-    return out, text
+            out["runtimes"].setdefault(runtime, {})[key] = cell
+    for runtime in ("pytorch", "jax"):        # every cell of the table, measured or not
+        for scheme in SCHEMES:
+            out["runtimes"].setdefault(runtime, {}).setdefault(scheme, {
+                "predicted_tok_s_1": None, "predicted_tok_s_8": None, "bytes_per_token": None, "note": "not measured"})
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path, nargs="?")
-    ap.add_argument("--runtimes", default="pytorch,jax")
-    ap.add_argument("--schemes", default="fp16,w8a16,w4a16")
+    ap.add_argument("--runtimes", default="transformers,pytorch,jax")
+    ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--heads", default="fp16", help="LM heads for the PyTorch runtime (G5G_LM_HEAD): fp16,int8")
-    ap.add_argument("--code", type=Path, default=ROOT, help="the tree whose serving/ is measured (default: this)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/t4g_model"))
-    ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--timeout", type=int, default=420)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--ncu-budget", type=int, default=320, help="kernel launches ncu profiles per cell")
     ap.add_argument("--tiny", action="store_true", help="tiny widths: a CPU run of the code paths")
     ap.add_argument("--no-ncu", action="store_true")
+    ap.add_argument("--recompute", action="store_true", help="the table again from OUT/raw/ (no GPU)")
     ap.add_argument("--child", nargs=2, metavar=("RUNTIME", "CKPT"))
     ap.add_argument("--result", type=Path)
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
     if a.child:
-        child(a.child[0], Path(a.child[1]), a.steps, a.result, a.profile)
+        child(a.child[0], Path(a.child[1]), a.steps, a.result, a.profile, a.work)
         return 0
-    a.out.mkdir(parents=True, exist_ok=True)
+    rawdir = a.out / "raw"
+    rawdir.mkdir(parents=True, exist_ok=True)
+    if a.recompute:
+        raws = {p.stem: json.loads(p.read_text()) for p in rawdir.glob("*.json")}
+        prev = json.loads((a.out / "t4g_model.json").read_text()) if (a.out / "t4g_model.json").exists() else {}
+        (a.out / "t4g_model.json").write_text(json.dumps({**prev, **table(raws)}, indent=1))
+        return 0
     a.work.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT))
     import torch
 
     from serving import memory_plan
     ncu = None if a.no_ncu else shutil.which("ncu")
-    note(a.out, started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), model=MODEL, turing_env=TURING,
-         device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", ncu=ncu, code=str(a.code),
-         steps=a.steps, metrics=METRICS, runtimes={})
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    head = {"started": started, "command": " ".join(sys.argv), "turing_env": TURING, "ncu": ncu, "steps": a.steps,
+            "metrics": METRICS, "ncu_budget": a.ncu_budget,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    t0 = t_all = time.perf_counter()
     schemes = a.schemes.split(",")
-    t0 = time.perf_counter()
     dirs = checkpoints(a.work, schemes, a.tiny)
-    note(a.out, checkpoints_s=round(time.perf_counter() - t0, 1))
-    csvs: dict[str, str] = {}
-    for runtime in a.runtimes.split(","):
-        for scheme in schemes:
-            for head in (a.heads.split(",") if runtime == "pytorch" else ["fp16"]):
-                key = scheme if head == "fp16" else f"{scheme}+int8head"
-                name = f"{runtime}-{key}"
-                env = {**TURING, "G5G_LM_HEAD": head, "TORCHINDUCTOR_CACHE_DIR": str(a.work / "inductor")}
-                t0 = time.perf_counter()
-                timed, text = run_one(runtime, dirs[scheme], env, a.steps, a.work, ncu, a.code, name, a.timeout)
-                csvs[name] = text
-                plan = memory_plan.plan_checkpoint(dirs[scheme], None, CONTEXT, SLOTS, text_only=True, lm_head=head)
-                res = {**timed, "wall_s": round(time.perf_counter() - t0, 1),
-                       "plan_streamed_bytes": plan.streamed_per_token}
-                kernels = parse_ncu(text) if text else []
-                steps = None
-                if kernels and "step_ms_1" in timed:
-                    try:
-                        steps = split_steps(kernels)
-                    except ValueError as e:
-                        res["error"] = str(e)
-                if steps:
-                    for rows, step in steps.items():
-                        p = predict(step, timed[f"step_ms_{rows}"], rows)
-                        res[f"step{rows}"] = p
-                        res[f"predicted_tok_s_{rows}"] = p["predicted_tok_s"]
-                    res["bytes_per_token"] = res["step1"]["dram_bytes"]
-                elif ncu and "error" not in res:
-                    res["error"] = "no profiled steps in ncu's output: " + text[-1500:]
-                RESULT["runtimes"].setdefault(runtime, {})[key] = res
-                note(a.out, **{"runtimes": RESULT["runtimes"]})
-                with tarfile.open(a.out / "ncu_csv.tar.gz", "w:gz") as tar:
-                    for n, t in csvs.items():
-                        data = t.encode()
-                        info = tarfile.TarInfo(f"{n}.csv")
-                        info.size = len(data)
-                        tar.addfile(info, io.BytesIO(data))
-    note(a.out, finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    head["checkpoints_s"] = round(time.perf_counter() - t0, 1)
+    raws: dict[str, dict] = {}
+    cells = [("transformers", "fp16", "fp16")] if "transformers" in a.runtimes.split(",") else []
+    for scheme in schemes:      # the most telling cells first: fp16 of each runtime, then the quantised ones
+        for runtime in (r for r in a.runtimes.split(",") if r != "transformers"):
+            for lm in (a.heads.split(",") if runtime == "pytorch" else ["fp16"]):
+                cells.append((runtime, scheme, lm))
+    for runtime, scheme, lm in cells:
+        name = f"{runtime}-{scheme}" + ("+int8head" if lm == "int8" else "")
+        env = {**TURING, "G5G_LM_HEAD": lm, "TORCHINDUCTOR_CACHE_DIR": str(a.work / "inductor")}
+        t0 = time.perf_counter()
+        raw = measure_cell(runtime, dirs[scheme], env, a, ncu, name)
+        raw["cell_s"] = round(time.perf_counter() - t0, 1)
+        if runtime != "transformers":
+            raw["plan_streamed_bytes"] = memory_plan.plan_checkpoint(dirs[scheme], None, CONTEXT, SLOTS,
+                                                                     text_only=True, lm_head=lm).streamed_per_token
+        raws[name] = raw
+        (rawdir / f"{name}.json").write_text(json.dumps(raw))
+        head["total_s"] = round(time.perf_counter() - t_all, 1)
+        (a.out / "t4g_model.json").write_text(json.dumps({**head, **table(raws)}, indent=1))
+        print(name, json.dumps({k: raw.get(k) for k in ("cell_s", "step_ms_1", "step_ms_8", "error", "ncu_error")}),
+              flush=True)
+    head["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    (a.out / "t4g_model.json").write_text(json.dumps({**head, **table(raws)}, indent=1))
     return 0
 
 

@@ -1,52 +1,189 @@
-"""benchmarks/t4g_model.py: ncu's raw CSV read as ncu writes it (rows of a real H200 profile of the PyTorch runtime's
-decode step: a small kernel and cuBLAS reading the 0.8 GB fp16 LM head) and the T4G model's arithmetic."""
+"""benchmarks/t4g_model.py: ncu's raw CSV and the tracers' records read as they are written, the kernels of two
+processes joined, and the T4G model's arithmetic, scaling rules included. The committed table is what the model
+makes of the committed raw records."""
 from __future__ import annotations
 
+import json
+import re
+import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import t4g_model  # noqa: E402
+import t4g_model as tm  # noqa: E402
 
 SAMPLE = Path(__file__).parent / "fixtures" / "ncu_raw_sample.csv"
+RESULTS = ROOT / "benchmarks" / "results" / "t4g_model"
+C = tm.POINT
+HERE = {"clock_hz": 1.98e9, "sms": 132}
+
+
+def kernel(dur_us: float, blocks: int = 1, read: float = 0.0, write: float = 0.0, inst: float = 0.0,
+           fma: float = 0.0, name: str = "k") -> dict:
+    return {"name": name, "dur_ns": dur_us * 1e3, "blocks": blocks, "dram__bytes_read.sum": read,
+            "dram__bytes_write.sum": write, "smsp__inst_executed.sum": inst, "smsp__inst_executed_pipe_fma.sum": fma,
+            "profiled": True}
 
 
 def test_ncu_raw_csv_rows_become_kernels():
-    kernels = t4g_model.parse_ncu(SAMPLE.read_text())
+    kernels = tm.parse_ncu(SAMPLE.read_text())
     assert len(kernels) == 2                                     # the units row and ncu's log lines are skipped
     head = kernels[-1]
     assert head["name"].startswith("nvjet_sm90") and head["dram__bytes_read.sum"] == 805_524_992.0
     assert 262144 * 1536 * 2 <= head["dram__bytes_read.sum"] < 1.01 * 262144 * 1536 * 2   # the head, read once
     assert kernels[0]["gpu__time_duration.sum"] == 2080.0 and kernels[0]["smsp__inst_executed.sum"] == 152.0
-    assert t4g_model.parse_ncu("==PROF== no kernels\n") == []
+    assert tm.parse_ncu("==PROF== no kernels\n") == []
 
 
-def test_each_kernel_takes_its_slowest_bound_and_the_host_gap_is_scaled():
-    bw, issue = t4g_model.MODEL["t4g_read_bandwidth_Bps"], t4g_model.MODEL["t4g_warp_issue_per_s"]
-    k = dict.fromkeys(t4g_model.METRICS, 0.0)
-    weights = {**k, "dram__bytes_read.sum": bw * 4e-3, "lts__t_bytes.sum": bw * 4e-3,
-               "gpu__time_duration.sum": 1e6}                          # 4 ms of bytes on a T4G, 1 ms here
-    tiny = {**k, "dram__bytes_read.sum": 64.0, "smsp__inst_executed.sum": issue * 1e-6,
-            "gpu__time_duration.sum": 2e3}                             # 2 us here beats 1 us of issue
-    p = t4g_model.predict([weights, tiny], wall_ms=2.0, rows=1)       # 1.002 ms of kernels here, 0.998 ms host
-    assert p["kernels"] == 2 and p["t4g_kernel_ms"] == pytest.approx(4.002, abs=1e-3)
-    assert p["t4g_host_ms"] == pytest.approx(0.998 * t4g_model.MODEL["host_factor"], abs=1e-3)
-    assert p["t4g_ms_by_bound"]["bytes"] == pytest.approx(4.0) and p["t4g_ms_by_bound"]["duration here"] > 0
-    assert p["predicted_tok_s"] == pytest.approx(1e3 / p["t4g_step_ms"], rel=1e-3)
-    assert t4g_model.predict([weights, tiny], wall_ms=2.0, rows=8)["predicted_tok_s"] == \
-        pytest.approx(8 * p["predicted_tok_s"], rel=1e-3)
+def test_the_tracers_spelling_and_ncus_name_the_same_kernel():
+    ncu_name = tm.parse_ncu(SAMPLE.read_text())[0]["name"]        # 'void <unnamed>::elementwise_kernel_with_index<'
+    kineto = ("void at::native::(anonymous namespace)::elementwise_kernel_with_index<int, at::native::arange_cuda_out"
+              "(c10::Scalar const&)::{lambda()#1}>(int, long, long*)")
+    assert tm.base_name(ncu_name) == tm.base_name(kineto) == "elementwise_kernel_with_index"
+    assert tm.base_name("input_reduce_fusion_306") == "input_reduce_fusion_306"
+    assert tm.base_name("void at::cuda::(anonymous namespace)::spin_kernel(long)") == tm.MARKER
+
+
+def test_ncu_profiles_the_chosen_names_as_whole_identifiers_and_the_marker():
+    pattern = re.compile(tm.ncu_filter(["fusion_3", "gemv2T_kernel_val"]).removeprefix("regex:"))
+    for name in ("fusion_3", "void gemv2T_kernel_val<int, int, __half>(...)", "at::cuda::spin_kernel"):
+        assert pattern.search(name), name
+    for name in ("fusion_30", "input_fusion_3x", "gemv2T_kernel_val2"):
+        assert not pattern.search(name), name
+
+
+def test_the_budget_takes_the_longest_kernels_whose_launches_fit():
+    steps = [[kernel(50, name="head"), kernel(9, name="gemv"), kernel(9, name="gemv"), kernel(1, name="add")] * 1,
+             [kernel(55, name="head"), kernel(8, name="gemv"), kernel(2, name="norm"), kernel(2, name="norm")]]
+    assert tm.heavy_names(steps, budget=5) == ["head", "gemv"]           # 2 + 3 launches
+    assert tm.heavy_names(steps, budget=4) == ["head", "norm"]           # gemv's 3 no longer fit; norm's 2 do
+    assert tm.heavy_names(steps, budget=1) == ["add"]
+
+
+def test_each_traced_kernel_takes_its_own_ncu_row_in_launch_order():
+    traced = [{"name": "void gemv<1>(int)", "dur_ns": 5e3, "blocks": 4}, {"name": "add", "dur_ns": 1e3, "blocks": 1},
+              {"name": "void gemv<2>(int)", "dur_ns": 6e3, "blocks": 4}, {"name": "gemv", "dur_ns": 6e3, "blocks": 4}]
+    rows = [{"name": "gemv<1>", **dict.fromkeys(tm.METRICS, 0.0), "dram__bytes_read.sum": 10.0},
+            {"name": "void gemv<2>(int)", **dict.fromkeys(tm.METRICS, 0.0), "dram__bytes_read.sum": 20.0}]
+    joined = tm.join(traced, rows)
+    assert [k.get("dram__bytes_read.sum") for k in joined] == [10.0, None, 20.0, None]
+    assert [bool(k.get("profiled")) for k in joined] == [True, False, True, False]
+    assert joined[0]["dur_ns"] == 5e3                   # the duration stays the tracer's (ncu's is slowed)
+
+
+def test_each_kernel_takes_its_slowest_bound_with_turings_constants():
+    bw, clock = C["t4g_bandwidth_Bps"], C["t4g_clock_hz"]
+    # bytes: reads and writes both cross DRAM
+    t, bound = tm.t4g_kernel_s(kernel(1, read=bw * 3e-3, write=bw * 1e-3), C, HERE)
+    assert bound == "bytes" and t == pytest.approx(4e-3)
+    # issue: an FP32-pipe warp instruction takes 2 cycles of a Turing scheduler (one on Hopper)
+    cycles = 160 * clock * 1e-3                          # 1 ms of issue on 40 SMs x 4 schedulers
+    assert tm.t4g_kernel_s(kernel(1, inst=cycles), C, HERE) == (pytest.approx(1e-3), "issue")
+    assert tm.t4g_kernel_s(kernel(1, inst=cycles, fma=cycles), C, HERE)[0] == pytest.approx(2e-3)
+    # latency: the duration here scaled by clock, and by SM waves once the grid is wider than 40 SMs
+    ratio = HERE["clock_hz"] / clock
+    assert tm.t4g_kernel_s(kernel(100, blocks=36), C, HERE) == (pytest.approx(100e-6 * ratio), "latency")
+    assert tm.t4g_kernel_s(kernel(100, blocks=80), C, HERE)[0] == pytest.approx(100e-6 * ratio * 2)
+    assert tm.t4g_kernel_s(kernel(100, blocks=4096), C, HERE)[0] == pytest.approx(100e-6 * ratio * 132 / 40)
+    # every kernel costs at least the launch floor
+    assert tm.t4g_kernel_s(kernel(0.2), C, HERE) == (C["t4g_launch_floor_s"], "launch floor")
+
+
+def test_a_step_is_the_slower_lane_and_the_pessimistic_bound_adds_them():
+    bw = C["t4g_bandwidth_Bps"]
+    weights = kernel(1000, read=bw * 10e-3)                # 10 ms of bytes on a T4G, 1 ms here
+    gpu_bound = tm.predict([weights], wall_ms=1.5, rows=1, c=C, here=HERE)
+    assert gpu_bound["bound_by"] == "gpu" and gpu_bound["t4g_step_ms"] == pytest.approx(10.0)
+    assert gpu_bound["t4g_host_ms"] == pytest.approx(1.5 * C["host_factor"])
+    assert gpu_bound["predicted_tok_s"] == pytest.approx(100.0)
+    assert tm.predict([weights], 1.5, rows=8, c=C, here=HERE)["predicted_tok_s"] == pytest.approx(800.0)
+    host_bound = tm.predict([weights], wall_ms=8.0, rows=1, c=C, here=HERE)    # eager: the host launches all step
+    assert host_bound["bound_by"] == "host" and host_bound["t4g_step_ms"] == pytest.approx(8.0 * C["host_factor"])
+    serial = tm.predict([weights], wall_ms=8.0, rows=1, c=C, here=HERE, overlap=False)
+    assert serial["t4g_step_ms"] == pytest.approx(10.0 + 7.0 * C["host_factor"])  # only the uncovered 7 ms here
+    assert serial["host_ms_here"] == pytest.approx(7.0)
+
+
+def test_a_cells_range_brackets_its_point_and_calibration_reports_its_error():
+    bw = C["t4g_bandwidth_Bps"]
+    steps = {"1": [kernel(1000, read=bw * 20e-3), kernel(1, name="small")] * 2,
+             "8": [kernel(1000, read=bw * 20e-3, name="big8")] * 2}
+    cell = tm.cell_prediction({"steps": steps, "step_ms_1": 40.0, "step_ms_8": 10.0, "here": HERE})
+    for live in (1, 8):
+        low, high = cell[f"step{live}"]["range_tok_s"]
+        assert low < cell[f"predicted_tok_s_{live}"] < high
+    assert cell["bytes_per_token"] == int(2 * bw * 20e-3)
+    cal = tm.calibration(cell)
+    assert cal["predicted_step_ms_1"] == pytest.approx(40.0 * C["host_factor"])      # host-bound
+    assert cal["error_pct"] == pytest.approx((100.0 / 93.2 - 1) * 100, abs=0.1) and cal["within_20pct"]
+    assert cal["implied_host_factor"] == pytest.approx(93.2 / 40.0, abs=0.01)
+
+
+def test_the_profiled_steps_are_told_apart_by_the_marker():
+    kernel_ = dict.fromkeys(tm.METRICS, 0.0)
+    marker = "void <unnamed>::spin_kernel(long)"
+    rows = [{**kernel_, "name": n} for n in ("gemv_1", "head_1", marker, "gemm_8", "head_8", "sample_8")]
+    assert [[k["name"] for k in s] for s in tm.split_steps(rows)] == [["gemv_1", "head_1"],
+                                                                       ["gemm_8", "head_8", "sample_8"]]
+    with pytest.raises(ValueError, match="1 profiled steps in ncu's rows, not 2"):
+        tm.split_steps(rows[:2])
+
+
+def test_tracer_records_become_kernels_in_start_order():
+    trace = {"traceEvents": [
+        {"cat": "kernel", "name": "b", "ts": 20.0, "dur": 3.5, "args": {"grid": [4, 2, 1], "block": [128, 1, 1]}},
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": 5.0, "dur": 9.0},
+        {"cat": "kernel", "name": "a", "ts": 10.0, "dur": 1.0, "args": {"grid": [1, 1, 1]}}]}
+    assert tm.torch_trace_kernels(trace) == [{"name": "a", "dur_ns": 1000.0, "blocks": 1},
+                                             {"name": "b", "dur_ns": 3500.0, "blocks": 8}]
+    ev = types.SimpleNamespace
+    stream = ev(name="Stream #13(Compute)", events=[
+        ev(name="fusion_2", start_ns=30, duration_ns=2000, stats=[("kernel_details", "regs:32 grid:36,1,1 block:256,1,1")]),
+        ev(name="MemcpyD2D", start_ns=5, duration_ns=900, stats=[]),
+        ev(name="gemv", start_ns=10, duration_ns=5000, stats=[])])
+    ops = ev(name="XLA Ops", events=[ev(name="dot.3", start_ns=10, duration_ns=5000, stats=[])])
+    profile = ev(planes=[ev(name="/host:CPU", lines=[stream]), ev(name="/device:GPU:0", lines=[ops, stream])])
+    assert tm.jax_trace_kernels(profile) == [{"name": "gemv", "dur_ns": 5000.0, "blocks": 1},
+                                             {"name": "fusion_2", "dur_ns": 2000.0, "blocks": 36}]
+
+
+def test_the_committed_table_is_what_the_model_makes_of_the_committed_records(tmp_path):
+    (tmp_path / "raw").mkdir()
+    for p in (RESULTS / "raw").glob("*.json"):
+        (tmp_path / "raw" / p.name).write_bytes(p.read_bytes())
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "t4g_model.py"), str(tmp_path), "--recompute"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    made, committed = (json.loads(p.read_text()) for p in (tmp_path / "t4g_model.json", RESULTS / "t4g_model.json"))
+    assert made["runtimes"] == committed["runtimes"] and made["calibration"] == committed["calibration"]
+    assert made["constants"] == committed["constants"] and all(c["source"] for c in made["constants"].values())
+    for runtime in ("pytorch", "jax"):
+        assert set(made["runtimes"][runtime]) >= set(tm.SCHEMES)
+    cal = made["calibration"]["transformers_eager"]
+    assert cal["published_step_ms_1"] == 93.2 and {"predicted_step_ms_1", "predicted_step_ms_8"} <= set(cal)
+
+
+@pytest.mark.slow
+def test_the_measure_runs_its_children_on_cpu(tmp_path):
+    """The whole measure on a CPU (tiny widths, no ncu): checkpoints made, transformers' eager decode and our
+    PyTorch engine loaded and stepped with 1 and 8 live sequences in the measure child."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "t4g_model.py"), str(tmp_path / "out"), "--tiny",
+                        "--no-ncu", "--steps", "2", "--runtimes", "transformers,pytorch", "--schemes", "fp16",
+                        "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for name in ("transformers-fp16", "pytorch-fp16"):
+        raw = json.loads((tmp_path / "out" / "raw" / f"{name}.json").read_text())
+        assert "error" not in raw and raw["step_ms_1"] > 0 and raw["step_ms_8"] > 0, raw
 
 
 def test_t4g_kernels_runs_each_case_beside_its_peers_on_cpu(tmp_path):
     """benchmarks/t4g_kernels.py on CPU (tiny shapes, no ncu): each path of a case timed, and checked to compute what
     the runtime's own path computes (transformers' SDPA attention against serving/torch_attention.py's; the packed
     dot and the fp16 dot against the JAX runtime's multiply-reduce)."""
-    import json
-    import subprocess
-
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "t4g_kernels.py"), str(tmp_path), "--tiny",
                         "--no-ncu", "--cases", "attention-1024,w4a16-8"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -62,16 +199,3 @@ def test_t4g_kernels_runs_each_case_beside_its_peers_on_cpu(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "t4g_kernels.py"), str(tmp_path), "--cases",
                           "attention-7"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown case(s) attention-7" in bad.stderr
-
-
-def test_the_profiled_steps_are_told_apart_by_the_marker():
-    """One profiled child runs a step with 1 live sequence, the marker kernel, then a step with 8: each prediction
-    gets its own step's kernels (a lone PyTorch stream decodes one row, not 8)."""
-    kernel = dict.fromkeys(t4g_model.METRICS, 0.0)
-    marker = "void at::cuda::(anonymous namespace)::spin_kernel(long)"
-    rows = [{**kernel, "name": n} for n in ("gemv_1", "head_1", marker, "gemm_8", "head_8", "sample_8")]
-    steps = t4g_model.split_steps(rows)
-    assert {n: [k["name"] for k in ks] for n, ks in steps.items()} == {1: ["gemv_1", "head_1"],
-                                                                       8: ["gemm_8", "head_8", "sample_8"]}
-    with pytest.raises(ValueError, match="1 profiled steps in ncu's rows, not 2"):
-        t4g_model.split_steps(rows[:2])
