@@ -13,6 +13,14 @@ shift
 for f in "$@"; do
   # cuobjdump reports some non-ELF files as "no device code": only a readable ELF file may pass as host-only
   [ "$(head -c 4 "$f" | od -An -c | tr -d ' ')" = '177ELF' ] || { echo "$f: not a readable ELF file" >&2; exit 1; }
+  # a truncated library (an interrupted copy) reads as "no device code": its section table must lie within the file
+  # (ELF64 little-endian, as on x86_64 and aarch64; a file shorter than its ELF header is left to cuobjdump)
+  size=$(stat -c %s "$f")
+  if [ "$size" -ge 64 ]; then
+    shoff=$(od -An -t u8 -j 40 -N 8 "$f" | tr -d ' ')
+    shsize=$(( $(od -An -t u2 -j 58 -N 2 "$f") * $(od -An -t u2 -j 60 -N 2 "$f") ))
+    [ $(( shoff + shsize )) -le "$size" ] || { echo "$f: truncated (its section table ends past the file)" >&2; exit 1; }
+  fi
   rc=0
   out=$("${CUOBJDUMP:-cuobjdump}" "$f" 2>&1) || rc=$?
   if [ "$rc" = 255 ] && grep -q 'does not contain device code' <<<"$out"; then
