@@ -752,3 +752,27 @@ def test_check_headers_refuses_what_is_not_torchs_include_tree(tmp_path):
     r = subprocess.run([sys.executable, str(REPO / "dockerfiles/check-headers.py"), str(tmp_path), "t.cu",
                         "--skip", "c.h=third_party/x", "--", "true"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "--skip c.h: no such header names an NVIDIA library header" in r.stderr
+
+
+def test_every_build_tool_is_pinned_in_the_manifest_and_installed_at_its_pin():
+    """Issue 36, item 5: torch's requirements.txt takes cmake>=3.27 and vLLM's cmake>=3.26.1 (4.x today): CMake and
+    Ninja come at the manifests' pins in every stage that installs a build's requirements, with NVML's header for
+    torch's (c10/cuda/driver_api.h), and `build.py --dry-run` shows them."""
+    m = manifest.load(REPO / "manifests", profile="g5g")
+    for runtime, arg_name, reqs in (("torch-base", "TORCH_BUILD_TOOLS", "requirements.txt"),
+                                    ("vllm", "VLLM_BUILD_TOOLS", "requirements/build/cuda.txt")):
+        pins = m.runtimes[runtime].pins
+        assert {"cmake", "ninja"} <= set(pins), runtime
+        s = stages("g5g", runtime)
+        stage = "torch-build" if runtime == "torch-base" else "vllm-build"
+        tools = arg(s[stage], arg_name).strip('"').split()
+        assert {f"cmake=={pins['cmake']}", f"ninja=={pins['ninja']}"} <= set(tools), tools
+        assert f"pip install -r {reqs} ${arg_name}" in runs(s[stage])
+        every = "\n".join(runs(st) for st in s.values())
+        assert not re.search(r"pip install[^&|]*\b(cmake|ninja)\b(?!==)", every.replace("${", "")), runtime
+    tb = stages("g5g", "torch-base")
+    assert "cuda-toolkit[nvml]==13.0.3" in arg(tb["torch-env"], "TORCH_BUILD_TOOLS")
+    assert "${TORCH_BUILD_TOOLS}" in runs(tb["torch-env"])
+    from g5g.plan import make_plan as plan_of
+    up = {i.runtime: i.upstream for i in plan_of(m, profile="g5g").images}
+    assert up["torch-base"]["cmake"] == up["vllm"]["cmake"] == "3.31.10" and up["torch-base"]["ninja"] == "1.13.2"
