@@ -776,3 +776,18 @@ def test_every_build_tool_is_pinned_in_the_manifest_and_installed_at_its_pin():
     from g5g.plan import make_plan as plan_of
     up = {i.runtime: i.upstream for i in plan_of(m, profile="g5g").images}
     assert up["torch-base"]["cmake"] == up["vllm"]["cmake"] == "3.31.10" and up["torch-base"]["ninja"] == "1.13.2"
+
+
+@pytest.mark.parametrize("profile,flags", [("g5g", "-mcpu=neoverse-n1"), ("g4dn", "-march=x86-64-v3 -mtune=cascadelake")])
+def test_host_code_flags_are_the_platforms_own(profile, flags, tmp_path):
+    """Issue 36, item 7: on x86 GCC's -mcpu is a deprecated alias of -mtune (no baseline at all): the profile names
+    its flags, -mcpu on aarch64, -march on x86; the compile and the discovery rehearsal export them."""
+    plan = make_plan(manifest.load(REPO / "manifests", profile=profile, rehearse=True), profile=profile, rehearse=True)
+    tb = next(i for i in plan.all_images if i.runtime == "torch-base")
+    assert tb.build_args["CPU_FLAGS"] == flags
+    assert 'CFLAGS="${CPU_FLAGS}" CXXFLAGS="${CPU_FLAGS}"' in render.render(plan)[tb.dockerfile]
+    if platform.machine() == "x86_64" and profile == "g4dn":  # the host compiler takes them, silently
+        (tmp_path / "a.c").write_text("int main(void) { return 0; }\n")
+        r = subprocess.run(["gcc", *flags.split(), "-Werror", "-c", "-o", str(tmp_path / "a.o"), str(tmp_path / "a.c")],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and not r.stderr, r.stderr

@@ -114,7 +114,7 @@ ARG TORCH_BUILD_TOOLS="cuda-toolkit[nvml]==13.0.3 cmake==3.31.10 ninja==1.13.2"
 ARG TORCH_BUILD_FLAGS="USE_CUDA=1 USE_CUDNN=1 USE_NCCL=1 USE_SYSTEM_NCCL=1 USE_KINETO=1 USE_DISTRIBUTED=1 USE_FLASH_ATTENTION=0 USE_MEM_EFF_ATTENTION=1 USE_CUSPARSELT=0 USE_CUDSS=0 USE_CUFILE=0 USE_NVSHMEM=0 BUILD_TEST=0"
 ARG MAX_JOBS=auto
 ARG NVCC_THREADS=1
-ARG CPU_BASELINE=neoverse-n1
+ARG CPU_FLAGS="-mcpu=neoverse-n1"
 COPY --from=torch-headers /report/torch-headers.log /report/torch-headers.log
 RUN --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
@@ -146,7 +146,7 @@ RUN --mount=type=cache,target=/root/.cache/ccache \
       NCCL_INCLUDE_DIR="$CUDA_HOME/include" NCCL_LIB_DIR="$CUDA_HOME/lib64" \
       CCACHE_DIR=/root/.cache/ccache PYTORCH_BUILD_VERSION="${TORCH_VERSION}" PYTORCH_BUILD_NUMBER=1 \
       PYTORCH_EXTRA_INSTALL_REQUIREMENTS="$requires" \
-      CFLAGS="-mcpu=${CPU_BASELINE}" CXXFLAGS="-mcpu=${CPU_BASELINE}" TORCH_NVCC_FLAGS="--threads=${NVCC_THREADS}"; \
+      CFLAGS="${CPU_FLAGS}" CXXFLAGS="${CPU_FLAGS}" TORCH_NVCC_FLAGS="--threads=${NVCC_THREADS}"; \
     echo "building torch ${TORCH_VERSION} for ${TORCH_CUDA_ARCH_LIST} with MAX_JOBS=${MAX_JOBS}: ${TORCH_BUILD_FLAGS}"; \
     pip wheel --no-build-isolation --no-deps --wheel-dir /wheels . \
  && python3 /tmp/check/check-torch.py cmake-cache "$SKBUILD_BUILD_DIR/CMakeCache.txt" $TORCH_BUILD_FLAGS
