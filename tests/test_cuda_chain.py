@@ -513,6 +513,7 @@ def test_torch_base_reads_back_what_it_built(profile):
     if profile == "g5g":
         build = runs(s["torch-build"])
         assert build.index("pip wheel") < build.index('check-torch.py cmake-cache "$SKBUILD_BUILD_DIR/CMakeCache.txt"')
+        assert build.index("check-torch.py cmake-cache") < build.index('check-torch.py library "$lib" $TORCH_BUILD_FLAGS')
         assert "python3 /tmp/check/check-torch.py installed $TORCH_BUILD_FLAGS" in final
     else:
         assert arg(s["torch-base"], "TORCH_FLAGS").strip('"').split() == ["USE_CUDA=1", "USE_CUDNN=1", "USE_NCCL=1",

@@ -129,7 +129,8 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,re
  && cmake --version && echo "ninja $(ninja --version)"
 # The compile, alone in this step. MAX_JOBS=auto: one compile job per 4 GiB of the build host's memory, at most one
 # per core. USE_FLASH_ATTENTION=0: its kernels are sm_80+ (hours of build for nothing on 7.5); memory-efficient
-# attention stays. Then the configure's cache is read back: every flag of TORCH_BUILD_FLAGS as the manifest asks.
+# attention stays. Then the configure's cache is read back (every flag of TORCH_BUILD_FLAGS as the manifest asks), and
+# what the compiled library itself shows, whatever the build was told (the attention kernels' names).
 # The flags are NAME=VALUE words, exported as such (SC2086, SC2163: split and exported on purpose).
 # hadolint ignore=SC2086,SC2163
 RUN --mount=type=cache,target=/root/.cache/ccache \
@@ -149,7 +150,10 @@ RUN --mount=type=cache,target=/root/.cache/ccache \
       CFLAGS="${CPU_FLAGS}" CXXFLAGS="${CPU_FLAGS}" TORCH_NVCC_FLAGS="--threads=${NVCC_THREADS}"; \
     echo "building torch ${TORCH_VERSION} for ${TORCH_CUDA_ARCH_LIST} with MAX_JOBS=${MAX_JOBS}: ${TORCH_BUILD_FLAGS}"; \
     pip wheel --no-build-isolation --no-deps --wheel-dir /wheels . \
- && python3 /tmp/check/check-torch.py cmake-cache "$SKBUILD_BUILD_DIR/CMakeCache.txt" $TORCH_BUILD_FLAGS
+ && python3 /tmp/check/check-torch.py cmake-cache "$SKBUILD_BUILD_DIR/CMakeCache.txt" $TORCH_BUILD_FLAGS \
+ && lib=$(find "$SKBUILD_BUILD_DIR" -name libtorch_cuda.so -print -quit) \
+ && { [ -n "$lib" ] || { echo "no libtorch_cuda.so under $SKBUILD_BUILD_DIR" >&2; exit 1; }; } \
+ && python3 /tmp/check/check-torch.py library "$lib" $TORCH_BUILD_FLAGS
 
 FROM scratch AS torch-wheel
 COPY --from=torch-build /wheels/ /
