@@ -593,8 +593,13 @@ def test_check_sass_counts_sass_not_ptx_and_only_means_exactly_the_arch_list(nvi
     assert sass_check(nvidia_venv, "7.5", every).returncode == 0
     r = sass_check(nvidia_venv, "--only", "7.5", every)
     assert r.returncode == 1 and "unexpected SASS sm_80" in r.stderr
-    r = sass_check(nvidia_venv, "--only", "7.5", lib("ptx", "-gencode=arch=compute_75,code=[sm_75,compute_75]"))
+    with_ptx = lib("ptx", "-gencode=arch=compute_75,code=[sm_75,compute_75]")
+    r = sass_check(nvidia_venv, "--only", "7.5", with_ptx)
     assert r.returncode == 1 and "carries PTX (sm_75)" in r.stderr
+    # PTX only where the list asks for it (TORCH_CUDA_ARCH_LIST's X+PTX), and then it must be there
+    assert sass_check(nvidia_venv, "--only", "7.5+PTX", with_ptx).returncode == 0
+    r = sass_check(nvidia_venv, "--only", "7.5+PTX", sass75)
+    assert r.returncode == 1 and "no sm_75 PTX (asked with +PTX" in r.stderr
 
 
 def test_check_sass_fails_when_cuobjdump_fails_or_the_library_is_truncated(nvidia_venv, tmp_path):
