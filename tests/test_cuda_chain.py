@@ -797,3 +797,34 @@ def test_host_code_flags_are_the_platforms_own(profile, flags, tmp_path):
         r = subprocess.run(["gcc", *flags.split(), "-Werror", "-c", "-o", str(tmp_path / "a.o"), str(tmp_path / "a.c")],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and not r.stderr, r.stderr
+
+
+def test_the_header_stage_gates_the_compile_with_torchs_defines_archs_and_include_path():
+    """Issue 36, item 2, as rendered for g5g: the stage's own shell turns the profile's archs into SASS-only gencodes
+    and the flags set to 1 (plus USE_C10D_NCCL) into defines; the include path is the real build's; torch-build
+    starts only once the stage's log exists (BuildKit builds what a COPY --from needs first)."""
+    s = stages("g5g", "torch-base")
+    hdr = runs(s["torch-headers"])
+    assert 'pip download --no-deps --only-binary=:all: --dest /tmp/torch-wheel "torch==${TORCH_VERSION}"' in hdr
+    for inc in ('-I"$inc"', '-I"$inc/torch/csrc/api/include"', '-I"$CUDA_HOME/include"', '-I"$nv/cusparselt/include"',
+                '-I"$nv/nvshmem/include"'):
+        assert inc in hdr, inc
+    env = {k: arg(s["torch-headers"], k).strip('"') for k in ("TORCH_CUDA_ARCH_LIST", "TORCH_BUILD_FLAGS",
+                                                              "TORCH_HEADER_DEFINES", "TORCH_HEADER_SKIP")}
+    snippets = re.findall(r"((?:gencode|defines|skips)=\$\(.*?; done\))", hdr)
+    assert len(snippets) == 3
+    r = subprocess.run(["bash", "-c", "; ".join(snippets) + '; echo "$gencode|$defines|$skips"'],
+                       env={**os.environ, **env}, capture_output=True, text=True, timeout=30)
+    gencode, defines, skips = r.stdout.strip().split("|")
+    assert gencode.split() == ["-gencode=arch=compute_75,code=sm_75"]
+    assert {"-DUSE_CUDA=1", "-DUSE_CUDNN=1", "-DUSE_NCCL=1", "-DUSE_DISTRIBUTED=1", "-DUSE_C10D_NCCL=1",
+            "-DUSE_MEM_EFF_ATTENTION=1"} <= set(defines.split())
+    assert not any(d.endswith("=0") or "FLASH" in d for d in defines.split())
+    assert skips.split()[::2] == ["--skip"] * 3 and all("=third_party/" in x for x in skips.split()[1::2])
+    nvcc_flags = arg(s["torch-headers"], "TORCH_HEADER_NVCC_FLAGS").strip('"').split()
+    assert {"-std=c++20", "--expt-relaxed-constexpr", "--expt-extended-lambda", "-D__CUDA_NO_HALF_OPERATORS__"} <= \
+        set(nvcc_flags)
+    build = s["torch-build"]
+    copy = next(c for c in build if c.cmd == "COPY")
+    assert copy.flags == ("--from=torch-headers",) and build.index(copy) < next(
+        i for i, c in enumerate(build) if c.cmd == "RUN" and "git clone" in c.value[0])
