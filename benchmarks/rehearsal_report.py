@@ -15,6 +15,8 @@ rehearsal's own lines), the wheels pip took for the platform, and the error the 
 commit it ran at, and what this run does not give anew (resolution, vLLM report, inputs, bases) is kept.
 --discovery NAME=LOG: the torch-discovery stage's CMake output (PyTorch's CUDA discovery, torch's own modules), one
 per platform or environment; with --discovery-note NAME=TEXT saying how it ran.
+--headers NAME=LOG: the torch-headers stage's log (dockerfiles/check-headers.py: torch's wheel headers that name NVIDIA
+library headers, compiled by nvcc), one per platform or recipe variant; with --headers-note NAME=TEXT.
 """
 from __future__ import annotations
 
@@ -44,6 +46,15 @@ def discovery(log: str) -> dict:
     lines = [re.sub(r"^#\d+ [\d.]+ ", "", ln).strip() for ln in log.splitlines()]
     proof = [ln[:300] for ln in lines if DISCOVERY.search(ln)]
     return {"lines": proof, "passed": any(ln.startswith("torch discovery: every library") for ln in lines)}
+
+
+def header_stage(log: str) -> dict:
+    """The torch-headers lines that prove something (what was included or skipped, nvcc's command, its verdict and
+    fatal errors), and whether the stage passed (check-headers.py's own last line)."""
+    lines = [re.sub(r"^#\d+ [\d.]+ ", "", ln).rstrip() for ln in log.splitlines()]
+    proof = [ln[:400] for ln in lines if ln.startswith("check-headers:") or "fatal error" in ln]
+    verdict = next((ln for ln in reversed(proof) if " compiled (" in ln or "FAILED" in ln), None)
+    return {"lines": proof, "passed": bool(verdict and " compiled (" in verdict), "verdict": verdict}
 
 
 def steps(log: str) -> list[dict]:
@@ -119,6 +130,12 @@ def markdown(r: dict) -> str:
         for name, e in d.items():
             out += [f"### {name}: {'passed' if e['passed'] else 'FAILED'}", "", e.get("note") or "", "", "```",
                     *e["lines"], "```", ""]
+    if h := r.get("headers"):
+        out += ["## The header stage (torch-headers: torch 2.14.0's wheel headers that name NVIDIA library headers, "
+                "nvcc for sm_75)", ""]
+        for name, e in h.items():
+            out += [f"### {name}: {'passed' if e['passed'] else 'FAILED'}", "", e.get("note") or "", "",
+                    f"Verdict: `{e['verdict']}`", "", "```", *e["lines"], "```", ""]
     out += ["## Not run here, and what remains", "", *[f"- {x}" for x in r.get("remaining", [])], ""]
     return "\n".join(out) + "\n"
 
@@ -140,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--discovery", action="append", default=[], metavar="NAME=LOG",
                     help="a torch-discovery stage's output, named by platform (repeatable)")
     ap.add_argument("--discovery-note", action="append", default=[], metavar="NAME=TEXT")
+    ap.add_argument("--headers", action="append", default=[], metavar="NAME=LOG",
+                    help="a torch-headers stage's log, named by platform or recipe variant (repeatable)")
+    ap.add_argument("--headers-note", action="append", default=[], metavar="NAME=TEXT")
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--md", type=Path)
     a = ap.parse_args(argv)
@@ -196,6 +216,14 @@ def main(argv: list[str] | None = None) -> int:
                        "project_commit": fresh["project_commit"], "note": notes.get(name, "")}
     if found:
         r["discovery"] = found
+    hnotes = dict(n.split("=", 1) for n in a.headers_note)
+    compiled = dict(prev.get("headers", {}))
+    for spec in a.headers:
+        name, _, log = spec.rpartition("=")
+        compiled[name] = {**header_stage(Path(log).read_text(errors="replace")), "log": Path(log).name,
+                          "project_commit": fresh["project_commit"], "note": hnotes.get(name, "")}
+    if compiled:
+        r["headers"] = compiled
     r["remaining"] = a.remaining or prev.get("remaining", [])
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(r, indent=2) + "\n")

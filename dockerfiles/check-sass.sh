@@ -1,18 +1,28 @@
 #!/usr/bin/env bash
 # The SASS a library really carries, read with cuobjdump (no GPU at build time):
 #   check-sass.sh [--only] "ARCH..." FILE...        e.g. check-sass.sh --only "7.5" vllm/*.so
-# Every FILE with device code must hold SASS for every ARCH; with --only, for those archs only and no PTX (vLLM's
-# own libraries, built for them alone). An ELF file without device code passes and says so; anything else cuobjdump
+# Every FILE with device code must hold SASS for every ARCH; with --only, for those archs only and no PTX but for an
+# ARCH written X+PTX, whose PTX it must then hold (TORCH_CUDA_ARCH_LIST's notation; our own libraries, built for them
+# alone). An ELF file without device code passes and says so; anything else cuobjdump
 # cannot read (not ELF, no such file, a broken fatbin) fails the check. CUOBJDUMP names the binary (default: cuobjdump on PATH).
 set -euo pipefail
 only=0
 if [ "${1:-}" = --only ]; then only=1; shift; fi
 [ $# -ge 2 ] || { echo "usage: check-sass.sh [--only] \"ARCH...\" FILE..." >&2; exit 2; }
-want=$(for a in $1; do printf 'sm_%s\n' "${a//./}"; done)
+want=$(for a in $1; do a=${a%+PTX}; printf 'sm_%s\n' "${a//./}"; done)
+want_ptx=$(for a in $1; do case "$a" in *+PTX) a=${a%+PTX}; printf 'sm_%s\n' "${a//./}" ;; esac; done)
 shift
 for f in "$@"; do
   # cuobjdump reports some non-ELF files as "no device code": only a readable ELF file may pass as host-only
   [ "$(head -c 4 "$f" | od -An -c | tr -d ' ')" = '177ELF' ] || { echo "$f: not a readable ELF file" >&2; exit 1; }
+  # a truncated library (an interrupted copy) reads as "no device code": its section table must lie within the file
+  # (ELF64 little-endian, as on x86_64 and aarch64; a file shorter than its ELF header is left to cuobjdump)
+  size=$(stat -c %s "$f")
+  if [ "$size" -ge 64 ]; then
+    shoff=$(od -An -t u8 -j 40 -N 8 "$f" | tr -d ' ')
+    shsize=$(( $(od -An -t u2 -j 58 -N 2 "$f") * $(od -An -t u2 -j 60 -N 2 "$f") ))
+    [ $(( shoff + shsize )) -le "$size" ] || { echo "$f: truncated (its section table ends past the file)" >&2; exit 1; }
+  fi
   rc=0
   out=$("${CUOBJDUMP:-cuobjdump}" "$f" 2>&1) || rc=$?
   if [ "$rc" = 255 ] && grep -q 'does not contain device code' <<<"$out"; then
@@ -30,6 +40,11 @@ for f in "$@"; do
     for s in $sass; do
       grep -qx "$s" <<<"$want" || { echo "$f: unexpected SASS $s (built for $(echo $want) only)" >&2; exit 1; }
     done
-    [ -z "$ptx" ] || { echo "$f: carries PTX ($(echo $ptx)): only SASS is expected" >&2; exit 1; }
+    for s in $ptx; do
+      grep -qx "$s" <<<"$want_ptx" || { echo "$f: carries PTX ($(echo $ptx)): only SASS is expected${want_ptx:+, and PTX for $(echo $want_ptx)}" >&2; exit 1; }
+    done
+    for s in $want_ptx; do
+      grep -qx "$s" <<<"$ptx" || { echo "$f: no $s PTX (asked with +PTX; it has: $(echo ${ptx:-none}))" >&2; exit 1; }
+    done
   fi
 done

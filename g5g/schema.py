@@ -140,7 +140,7 @@ class Profile(_Model):
     python: StrictStr
     dtype: StrictStr
     cuda: Cuda | None = None
-    cpu_baseline: StrictStr | None = None
+    cpu_flags: StrictStr | None = None  # host code's compiler flags (-mcpu= on arm64, -march= on x86)
     base_image: Image | None = None
     wheels: Annotated[StrictStr, AfterValidator(_in_repo)] | None = None
     build: Build = Build()

@@ -221,6 +221,29 @@ def test_rehearsal_report_records_torchs_cuda_discovery_per_platform(tmp_path, m
     assert "### linux/amd64: passed" in md and "### linux/amd64, old env: FAILED" in md
 
 
+
+def test_rehearsal_report_records_the_header_stage_per_variant(tmp_path):
+    """--headers NAME=LOG: what the torch-headers stage included or skipped, nvcc's verdict, fatal errors; a stage
+    that stopped on a missing header is FAILED and names it."""
+    import json
+
+    import rehearsal_report as rr
+    ok, bad = tmp_path / "ok.log", tmp_path / "bad.log"
+    ok.write_text("#9 1.0 check-headers: include ATen/cudnn/cudnn-wrapper.h: cudnn.h\n#9 1.1 some warning\n"
+                  "#9 90.0 check-headers: 15 of torch's headers that name NVIDIA library headers compiled (3 skipped)\n")
+    bad.write_text("check-headers: include torch/csrc/distributed/c10d/symm_mem/nccl_dev_cap.hpp: nccl.h nccl_device.h\n"
+                   "/usr/local/cuda/include/nccl_device.h:11:10: fatal error: nccl_device/coop.h: No such file or "
+                   "directory\ncheck-headers: FAILED (nvcc exit 1): fatal error: nccl_device/coop.h: No such file or "
+                   "directory\n")
+    out = tmp_path / "r.json"
+    assert rr.main(["--headers", f"fixed={ok}", "--headers", f"old link step={bad}", "--headers-note", "fixed=Docker",
+                    "--json", str(out), "--md", str(tmp_path / "r.md")]) == 0
+    h = json.loads(out.read_text())["headers"]
+    assert h["fixed"]["passed"] and h["fixed"]["note"] == "Docker" and len(h["fixed"]["lines"]) == 2
+    assert not h["old link step"]["passed"] and "nccl_device/coop.h" in h["old link step"]["verdict"]
+    md = (tmp_path / "r.md").read_text()
+    assert "### fixed: passed" in md and "### old link step: FAILED" in md
+
 CCACHE = """\
 Cache directory:    /root/.cache/ccache
 Config file:        /root/.cache/ccache/ccache.conf

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -99,7 +100,7 @@ def test_what_the_source_built_torch_leaves_out_of_pypis_requirements_is_what_th
 
 def test_torch_from_source_skips_flash_attention_and_runs_on_the_wheels_pypis_torch_requires():
     s = stages("g5g", "torch-base")
-    build, final = s["torch-build"], s["torch-base"]
+    build, final = s["torch-env"] + s["torch-build"], s["torch-base"]
     text = runs(build)
     assert "USE_FLASH_ATTENTION=0" in arg(build, "TORCH_BUILD_FLAGS").strip('"').split() and "$TORCH_BUILD_FLAGS" in text
     assert re.search(r"apt-get install[^&]*\bg\+\+", text)
@@ -346,8 +347,13 @@ def test_vllm_build_checks_sass_cmake_archs_and_loads_the_extensions(profile):
     assert "vllm serve --help" not in final
     assert "os.RTLD_NOW" in final and "torch.ops.load_library" in final
     assert "'_C_stable_libtorch', '_moe_C_stable_libtorch'" in final
-    assert 'check-sass.sh "${TORCH_CUDA_ARCH_LIST}" "$torch/lib/libtorch_cuda.so"' in runs(
-        stages(profile, "torch-base")["torch-base"])
+    # issue 36: a source-built torch holds SASS for exactly the arch list, no PTX, in every library; PyPI's torch
+    # (g4dn) carries more archs, so only the list's presence is asked of it
+    tb = runs(stages(profile, "torch-base")["torch-base"])
+    if profile == "g5g":
+        assert 'check-sass.sh --only "${TORCH_CUDA_ARCH_LIST}" "$torch"/lib/*.so' in tb
+    else:
+        assert 'check-sass.sh "${TORCH_CUDA_ARCH_LIST}" "$torch/lib/libtorch_cuda.so"' in tb and "--only" not in tb
 
 
 def test_the_cmake_line_the_build_reads_is_the_one_vllm_prints(tmp_path, vllm_sdist):
@@ -451,7 +457,7 @@ def test_build_py_generate_for_g5g_writes_what_the_issue_asks(tmp_path):
         assert "nvidia/cuda" not in text, name
         assert name == "pytorch" or "ARG BASE_IMAGE=g5g-local/trixie:arm64" in text, name  # pytorch: FROM torch-base
     assert "cupti" in files["torch-base"] and "check-needed.sh \"$torch/lib\"" in files["torch-base"]
-    assert 'check-sass.sh "${TORCH_CUDA_ARCH_LIST}" "$torch/lib/libtorch_cuda.so"' in files["torch-base"]
+    assert 'check-sass.sh --only "${TORCH_CUDA_ARCH_LIST}" "$torch"/lib/*.so' in files["torch-base"]
     assert "check-sass.sh --only" in files["vllm"] and "ARG NVCC_THREADS=1" in files["vllm"]
     assert "ARG NVCC_THREADS=1" in files["torch-base"] and "ARG CUDA_TOOLKIT_VERSION=13.0.3" in files["vllm"]
     for ctx in ("torch-base", "vllm"):
@@ -507,6 +513,7 @@ def test_torch_base_reads_back_what_it_built(profile):
     if profile == "g5g":
         build = runs(s["torch-build"])
         assert build.index("pip wheel") < build.index('check-torch.py cmake-cache "$SKBUILD_BUILD_DIR/CMakeCache.txt"')
+        assert build.index("check-torch.py cmake-cache") < build.index('check-torch.py library "$lib" $TORCH_BUILD_FLAGS')
         assert "python3 /tmp/check/check-torch.py installed $TORCH_BUILD_FLAGS" in final
     else:
         assert arg(s["torch-base"], "TORCH_FLAGS").strip('"').split() == ["USE_CUDA=1", "USE_CUDNN=1", "USE_NCCL=1",
@@ -518,12 +525,13 @@ def test_the_compile_finds_cudnn_and_nccl_in_one_cuda_tree_and_passes_its_flags_
     """Review round 3, items 1-3: FindCUDNN searches CUDNN_LIBRARY as a directory (the old file path found nothing and
     torch turned cuDNN off); nccl.h needs cuda_runtime.h beside it; scikit-build-core gets the flags as CMAKE_ARGS and
     `cmake --build` its parallelism."""
-    build = stages("g5g", "torch-base")["torch-build"]
+    s = stages("g5g", "torch-base")
+    build = s["torch-env"] + s["torch-build"]
     text = runs(build)
     assert "libcudnn.so\"" not in text and 'CUDNN_LIBRARY="$CUDA_HOME/lib64"' in text
     assert 'NCCL_INCLUDE_DIR="$CUDA_HOME/include"' in text and 'CUDNN_INCLUDE_DIR="$CUDA_HOME/include"' in text
     link = next(c.value[0] for c in build if c.cmd == "RUN" and "nvidia.cudnn" in c.value[0] and "ln -sf" in c.value[0])
-    assert '*.h) to="$CUDA_HOME/include"' in link and 'to="$CUDA_HOME/lib64"' in link
+    assert '"$d"/include/*) to="$CUDA_HOME/include"' in link and 'to="$CUDA_HOME/lib64"' in link
     assert 'CMAKE_BUILD_PARALLEL_LEVEL="$MAX_JOBS"' in text and 'CMAKE_ARGS="$cmake_args"' in text
     assert "cmake_args=$(printf -- '-D%s ' $TORCH_BUILD_FLAGS)" in text and "SKBUILD_BUILD_DIR=" in text
 
@@ -543,3 +551,280 @@ def test_jax_runs_on_the_cuda_set_of_the_other_images(profile):
     assert {f"nvidia-cudnn-cu13=={tb['cudnn']}", f"nvidia-nccl-cu13=={tb['nccl']}"} <= set(wheels)
     assert '"jax[${JAX_EXTRA}]==${JAX_VERSION}" ${JAX_CUDA_WHEELS}' in runs(s)
     assert "JAX_CUDA_WHEELS" not in rendered_files("cpu")["jax"]
+
+
+# --- issue 36 / issue 41: checks tested against inputs that must fail -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def nvcc():
+    path = shutil.which("nvcc")
+    if not path:
+        pytest.skip("nvcc not installed")
+    return path
+
+
+KERNEL = "__global__ void k(float *x) { x[0] = 1.f; }\nvoid launch(float *x) { k<<<1, 1>>>(x); }\n"
+
+
+def sass_check(nvidia_venv, *args, cuobjdump: str | None = None) -> subprocess.CompletedProcess:
+    sp = next(nvidia_venv.glob("lib/python*/site-packages"))
+    env = {**os.environ, "CUOBJDUMP": cuobjdump or str(sp / "nvidia/cu13/bin/cuobjdump")}
+    return subprocess.run(["bash", str(REPO / "dockerfiles/check-sass.sh"), *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_check_sass_counts_sass_not_ptx_and_only_means_exactly_the_arch_list(nvidia_venv, nvcc, tmp_path):
+    """Real libraries compiled here: PTX for 7.5 is not SASS for 7.5 (issue 41); `--only 7.5` fails a library that
+    also has sm_80 (a build that ignored TORCH_CUDA_ARCH_LIST) or carries PTX (issue 36, item 3)."""
+    (tmp_path / "k.cu").write_text(KERNEL)
+
+    def lib(name: str, *gencode: str) -> str:
+        out = tmp_path / f"{name}.so"
+        subprocess.run([nvcc, "-shared", "-Xcompiler", "-fPIC", *gencode, "-o", str(out), str(tmp_path / "k.cu")],
+                       check=True, timeout=600, capture_output=True)
+        return str(out)
+    ptx_only = lib("ptx75", "-gencode=arch=compute_75,code=compute_75")
+    r = sass_check(nvidia_venv, "7.5", ptx_only)
+    assert r.returncode == 1 and "no sm_75 SASS" in r.stderr and "ptx: sm_75" in r.stdout, r.stdout + r.stderr
+    sass75 = lib("sass75", "-gencode=arch=compute_75,code=sm_75")
+    r = sass_check(nvidia_venv, "--only", "7.5", sass75)
+    assert r.returncode == 0 and "sass: sm_75 ptx: none" in r.stdout, r.stderr
+    every = lib("every", "-gencode=arch=compute_75,code=sm_75", "-gencode=arch=compute_80,code=sm_80")
+    assert sass_check(nvidia_venv, "7.5", every).returncode == 0
+    r = sass_check(nvidia_venv, "--only", "7.5", every)
+    assert r.returncode == 1 and "unexpected SASS sm_80" in r.stderr
+    with_ptx = lib("ptx", "-gencode=arch=compute_75,code=[sm_75,compute_75]")
+    r = sass_check(nvidia_venv, "--only", "7.5", with_ptx)
+    assert r.returncode == 1 and "carries PTX (sm_75)" in r.stderr
+    # PTX only where the list asks for it (TORCH_CUDA_ARCH_LIST's X+PTX), and then it must be there
+    assert sass_check(nvidia_venv, "--only", "7.5+PTX", with_ptx).returncode == 0
+    r = sass_check(nvidia_venv, "--only", "7.5+PTX", sass75)
+    assert r.returncode == 1 and "no sm_75 PTX (asked with +PTX" in r.stderr
+
+
+def test_check_sass_fails_when_cuobjdump_fails_or_the_library_is_truncated(nvidia_venv, tmp_path):
+    """cuobjdump's exit status alone fails the check, even when what it printed would pass (issue 41): a cuobjdump
+    that lists the real library and then exits 1 (a crash at the end). A truncated library, which cuobjdump calls
+    "does not contain device code", fails on its section table."""
+    sp = next(nvidia_venv.glob("lib/python*/site-packages"))
+    nccl = sp / "nvidia/nccl/lib/libnccl.so.2"
+    crash = tmp_path / "cuobjdump"
+    crash.write_text(f'#!/bin/sh\n"{sp / "nvidia/cu13/bin/cuobjdump"}" "$@"\nexit 1\n')
+    crash.chmod(0o755)
+    assert sass_check(nvidia_venv, "7.5", str(nccl)).returncode == 0
+    r = sass_check(nvidia_venv, "7.5", str(nccl), cuobjdump=str(crash))
+    assert r.returncode == 1 and "cuobjdump failed (exit 1)" in r.stderr, r.stdout + r.stderr
+    cut = tmp_path / "libnccl.so.2"
+    with nccl.open("rb") as src, cut.open("wb") as dst:
+        dst.write(src.read(60_000_000))
+    r = sass_check(nvidia_venv, "7.5", str(cut))
+    assert r.returncode == 1 and "truncated (its section table ends past the file)" in r.stderr, r.stdout + r.stderr
+
+
+def test_check_torch_cmake_cache_fails_a_flag_on_that_the_manifest_asks_off(tmp_path):
+    """Issue 41: ON in the cache where the manifest asks OFF (FlashAttention built after all) fails."""
+    cache = tmp_path / "CMakeCache.txt"
+    cache.write_text("USE_FLASH_ATTENTION:BOOL=ON\nUSE_CUDNN:BOOL=ON\n")
+    bad = check_torch("cmake-cache", str(cache), "USE_FLASH_ATTENTION=0", "USE_CUDNN=1")
+    assert bad.returncode == 1 and "USE_FLASH_ATTENTION: ON in" in bad.stderr and "asks for OFF" in bad.stderr
+    assert "USE_CUDNN" not in bad.stderr
+
+
+def test_check_torch_compares_every_flag_that_show_lists():
+    """Issue 41: a flag torch.__config__.show() lists with the other value fails, whatever else agrees (the CPU
+    wheel lists USE_MKLDNN=ON; no other evidence is read for it)."""
+    pytest.importorskip("torch")
+    bad = check_torch("installed", "USE_MKLDNN=0")
+    assert bad.returncode == 1 and "USE_MKLDNN: ON in torch.__config__.show(), the manifest asks for OFF" in bad.stderr
+    assert check_torch("installed", "USE_MKLDNN=1").returncode == 0
+
+
+def test_check_torch_fails_a_feature_that_is_there_but_asked_off():
+    """Issue 41: present but asked OFF fails; the CPU wheel has torch.distributed."""
+    pytest.importorskip("torch")
+    bad = check_torch("installed", "USE_DISTRIBUTED=0")
+    assert bad.returncode == 1 and "USE_DISTRIBUTED=0: torch.distributed.is_available() is True" in bad.stderr
+    ok = check_torch("installed", "USE_DISTRIBUTED=1")
+    assert ok.returncode == 0 and "USE_DISTRIBUTED=1: torch.distributed.is_available(): True" in ok.stdout
+
+
+def test_check_torch_kineto_needs_both_cupti_hints(nvidia_venv):
+    """Issue 41: libcupti loaded (LD_PRELOAD of the pinned wheel's) without -DHAS_CUPTI in show() is not kineto."""
+    pytest.importorskip("torch")
+    cupti = next(nvidia_venv.glob("lib/python*/site-packages/nvidia/cu13/lib/libcupti.so.13"))
+    env = {**os.environ, "LD_PRELOAD": str(cupti)}
+    maps = subprocess.run([sys.executable, "-c", "print(open('/proc/self/maps').read())"], env=env,
+                          capture_output=True, text=True, timeout=60).stdout
+    assert "libcupti.so.13" in maps  # the hint is there
+    bad = subprocess.run([sys.executable, str(CHECK_TORCH), "installed", "USE_KINETO=1"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "USE_KINETO=1: kineto built with CUPTI" in bad.stderr, bad.stdout + bad.stderr
+
+
+def test_check_torch_reads_the_kernels_names_in_the_library(tmp_path):
+    """Issue 36, item 4: evidence the build was not told: the names the kernels leave in libtorch_cuda.so. Real
+    shared objects built here: one with the Turing memory-efficient kernel's name and FlashAttention's namespace
+    (as PyPI's 2.14 libtorch_cuda.so has both), one with neither."""
+    (tmp_path / "with.cc").write_text("extern \"C\" void fmha_cutlassF_f16_aligned_64x64_rf_sm75() {}\n"
+                                      "namespace pytorch_flash { void run_mha_fwd() {} }\n")
+    (tmp_path / "without.cc").write_text("void other() {}\n")
+    for n in ("with", "without"):
+        subprocess.run(["g++", "-shared", "-fPIC", "-o", str(tmp_path / f"{n}.so"), str(tmp_path / f"{n}.cc")],
+                       check=True, timeout=120)
+    ok = check_torch("library", str(tmp_path / "with.so"), "USE_MEM_EFF_ATTENTION=1", "USE_FLASH_ATTENTION=1")
+    assert ok.returncode == 0, ok.stderr
+    bad = check_torch("library", str(tmp_path / "with.so"), "USE_FLASH_ATTENTION=0")
+    assert bad.returncode == 1 and "USE_FLASH_ATTENTION=0: FlashAttention's kernels in with.so" in bad.stderr
+    bad = check_torch("library", str(tmp_path / "without.so"), "USE_MEM_EFF_ATTENTION=1")
+    assert bad.returncode == 1 and "fmha_cutlassF_f16_aligned_64x64_rf_sm75) is False" in bad.stderr
+    assert check_torch("library", str(tmp_path / "without.so"), "USE_FLASH_ATTENTION=0").returncode == 0
+
+
+def test_check_torch_each_feature_of_a_cuda_build_is_absent_from_a_cpu_torch():
+    """Every flag's own evidence, asked of the CPU wheel (which has none of them): each fails by name."""
+    pytest.importorskip("torch")
+    flags = {"USE_MEM_EFF_ATTENTION": "memory-efficient attention", "USE_CUSPARSELT": "cusparselt.is_available()",
+             "USE_NVSHMEM": "libtorch_nvshmem.so", "USE_CUFILE": "libcufile linked", "USE_CUDSS": "libcudss linked",
+             "USE_SYSTEM_NCCL": "libnccl.so linked", "USE_FLASH_ATTENTION": "FlashAttention's kernels"}
+    bad = check_torch("installed", *(f"{f}=1" for f in flags))
+    assert bad.returncode == 1
+    for flag, what in flags.items():
+        assert re.search(rf"{flag}=1: .*{re.escape(what)}.* is False", bad.stderr), (flag, bad.stderr)
+    assert check_torch("installed", *(f"{f}=0" for f in flags)).returncode == 0
+
+
+def run_link_step(tmp_path: Path, nvidia_venv: Path, old: bool = False) -> tuple[subprocess.CompletedProcess, Path]:
+    """torch-env's link step as rendered, run here: CUDA_HOME an empty tree, NCCL 2.30.7's real wheel, cuDNN a stand-in
+    package (its 550 MB wheel is not fetched here: one header and one library), cmake/ninja stand-ins on PATH."""
+    link = next(c.value[0] for c in stages("g5g", "torch-base")["torch-env"]
+                if c.cmd == "RUN" and "nvidia.nccl" in c.value[0])
+    if old:  # the recipe before issue 36: only include/*.h
+        link = link.replace('"$d"/include/* "$d"/lib/lib*.so*', '"$d"/include/*.h "$d"/lib/lib*.so*')
+    cuda, extra, bin_ = tmp_path / "cuda", tmp_path / "py", tmp_path / "bin"
+    for d in (cuda / "include", cuda / "lib64", extra / "nvidia/cudnn/include", extra / "nvidia/cudnn/lib", bin_):
+        d.mkdir(parents=True, exist_ok=True)
+    (extra / "nvidia/cudnn/include/cudnn.h").write_text("#define CUDNN_MAJOR 9\n")
+    (extra / "nvidia/cudnn/lib/libcudnn.so").write_text("")
+    nccl = next(nvidia_venv.glob("lib/python*/site-packages/nvidia/nccl"))
+    (nccl / "lib/libnccl.so").unlink(missing_ok=True)
+    (nccl / "lib/libnccl.so").symlink_to("libnccl.so.2")  # as the toolkit step makes the unversioned links
+    for tool in ("cmake", "ninja"):
+        (bin_ / tool).write_text("#!/bin/sh\necho 1.0\n")
+        (bin_ / tool).chmod(0o755)
+    env = {**os.environ, "CUDA_HOME": str(cuda), "PYTHONPATH": str(extra),
+           "PATH": f"{nvidia_venv / 'bin'}:{bin_}:{os.environ['PATH']}"}
+    return subprocess.run(["bash", "-e", "-o", "pipefail", "-c", link], env=env, capture_output=True, text=True,
+                          timeout=120), cuda
+
+
+def test_the_cuda_tree_holds_ncclss_whole_include_tree(nvidia_venv, tmp_path):
+    """Issue 36, item 1, on NCCL 2.30.7's wheel: every header of its include tree is found under the CUDA tree,
+    nccl_device/coop.h included; the old recipe (include/*.h) fails the step, naming what it dropped."""
+    r, cuda = run_link_step(tmp_path / "new", nvidia_venv)
+    assert r.returncode == 0, r.stderr
+    nccl = next(nvidia_venv.glob("lib/python*/site-packages/nvidia/nccl/include"))
+    headers = [p.relative_to(nccl) for p in nccl.rglob("*") if p.is_file()]
+    assert Path("nccl_device/coop.h") in headers and all((cuda / "include" / h).is_file() for h in headers)
+    r, _ = run_link_step(tmp_path / "old", nvidia_venv, old=True)
+    assert r.returncode == 1 and "include/nccl_device/coop.h: not in the CUDA tree" in r.stderr, r.stderr
+
+
+def test_the_header_stage_fails_on_the_old_cuda_tree_naming_coop_h(nvidia_venv, nvcc, tmp_path):
+    """Issue 36, item 2, in small: check-headers.py with nvcc for sm_75 over a header that includes <nccl_device.h>
+    as torch 2.14's symm_mem/nccl_dev_cap.hpp does, against both trees of the link step."""
+    inc = tmp_path / "torch-include" / "torch/csrc/distributed/c10d/symm_mem"
+    inc.mkdir(parents=True)
+    (inc / "nccl_dev_cap.hpp").write_text("#pragma once\n#include <nccl.h>\n#include <nccl_device.h>\n")
+    for name, old in (("new", False), ("old", True)):
+        _, cuda = run_link_step(tmp_path / name, nvidia_venv, old=old)
+        r = subprocess.run([sys.executable, str(REPO / "dockerfiles/check-headers.py"), str(tmp_path / "torch-include"),
+                            str(tmp_path / f"{name}.cu"), "--", nvcc, "-gencode=arch=compute_75,code=sm_75",
+                            "-std=c++17", f"-I{tmp_path / 'torch-include'}", f"-I{cuda / 'include'}", "-c", "-o",
+                            str(tmp_path / f"{name}.o")],
+                           capture_output=True, text=True, timeout=600)
+        if old:
+            assert r.returncode == 1 and "fatal error: nccl_device/coop.h: No such file or directory" in r.stderr
+        else:
+            assert r.returncode == 0 and "1 of torch's headers that name NVIDIA library headers compiled" in r.stdout, \
+                r.stdout + r.stderr
+
+
+def test_check_headers_refuses_what_is_not_torchs_include_tree(tmp_path):
+    (tmp_path / "a.h").write_text("#include <vector>\n")
+    r = subprocess.run([sys.executable, str(REPO / "dockerfiles/check-headers.py"), str(tmp_path), "t.cu", "--", "true"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "no header under" in r.stderr and "names an NVIDIA library header" in r.stderr
+    (tmp_path / "b.h").write_text("#include <cudnn.h>\n")
+    r = subprocess.run([sys.executable, str(REPO / "dockerfiles/check-headers.py"), str(tmp_path), "t.cu",
+                        "--skip", "c.h=third_party/x", "--", "true"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "--skip c.h: no such header names an NVIDIA library header" in r.stderr
+
+
+def test_every_build_tool_is_pinned_in_the_manifest_and_installed_at_its_pin():
+    """Issue 36, item 5: torch's requirements.txt takes cmake>=3.27 and vLLM's cmake>=3.26.1 (4.x today): CMake and
+    Ninja come at the manifests' pins in every stage that installs a build's requirements, with NVML's header for
+    torch's (c10/cuda/driver_api.h), and `build.py --dry-run` shows them."""
+    m = manifest.load(REPO / "manifests", profile="g5g")
+    for runtime, arg_name, reqs in (("torch-base", "TORCH_BUILD_TOOLS", "requirements.txt"),
+                                    ("vllm", "VLLM_BUILD_TOOLS", "requirements/build/cuda.txt")):
+        pins = m.runtimes[runtime].pins
+        assert {"cmake", "ninja"} <= set(pins), runtime
+        s = stages("g5g", runtime)
+        stage = "torch-build" if runtime == "torch-base" else "vllm-build"
+        tools = arg(s[stage], arg_name).strip('"').split()
+        assert {f"cmake=={pins['cmake']}", f"ninja=={pins['ninja']}"} <= set(tools), tools
+        assert f"pip install -r {reqs} ${arg_name}" in runs(s[stage])
+        every = "\n".join(runs(st) for st in s.values())
+        assert not re.search(r"pip install[^&|]*\b(cmake|ninja)\b(?!==)", every.replace("${", "")), runtime
+    tb = stages("g5g", "torch-base")
+    assert "cuda-toolkit[nvml]==13.0.3" in arg(tb["torch-env"], "TORCH_BUILD_TOOLS")
+    assert "${TORCH_BUILD_TOOLS}" in runs(tb["torch-env"])
+    from g5g.plan import make_plan as plan_of
+    up = {i.runtime: i.upstream for i in plan_of(m, profile="g5g").images}
+    assert up["torch-base"]["cmake"] == up["vllm"]["cmake"] == "3.31.10" and up["torch-base"]["ninja"] == "1.13.2"
+
+
+@pytest.mark.parametrize("profile,flags", [("g5g", "-mcpu=neoverse-n1"), ("g4dn", "-march=x86-64-v3 -mtune=cascadelake")])
+def test_host_code_flags_are_the_platforms_own(profile, flags, tmp_path):
+    """Issue 36, item 7: on x86 GCC's -mcpu is a deprecated alias of -mtune (no baseline at all): the profile names
+    its flags, -mcpu on aarch64, -march on x86; the compile and the discovery rehearsal export them."""
+    plan = make_plan(manifest.load(REPO / "manifests", profile=profile, rehearse=True), profile=profile, rehearse=True)
+    tb = next(i for i in plan.all_images if i.runtime == "torch-base")
+    assert tb.build_args["CPU_FLAGS"] == flags
+    assert 'CFLAGS="${CPU_FLAGS}" CXXFLAGS="${CPU_FLAGS}"' in render.render(plan)[tb.dockerfile]
+    if platform.machine() == "x86_64" and profile == "g4dn":  # the host compiler takes them, silently
+        (tmp_path / "a.c").write_text("int main(void) { return 0; }\n")
+        r = subprocess.run(["gcc", *flags.split(), "-Werror", "-c", "-o", str(tmp_path / "a.o"), str(tmp_path / "a.c")],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and not r.stderr, r.stderr
+
+
+def test_the_header_stage_gates_the_compile_with_torchs_defines_archs_and_include_path():
+    """Issue 36, item 2, as rendered for g5g: the stage's own shell turns the profile's archs into SASS-only gencodes
+    and the flags set to 1 (plus USE_C10D_NCCL) into defines; the include path is the real build's; torch-build
+    starts only once the stage's log exists (BuildKit builds what a COPY --from needs first)."""
+    s = stages("g5g", "torch-base")
+    hdr = runs(s["torch-headers"])
+    assert 'pip download --no-deps --only-binary=:all: --dest /tmp/torch-wheel "torch==${TORCH_VERSION}"' in hdr
+    for inc in ('-I"$inc"', '-I"$inc/torch/csrc/api/include"', '-I"$CUDA_HOME/include"', '-I"$nv/cusparselt/include"',
+                '-I"$nv/nvshmem/include"'):
+        assert inc in hdr, inc
+    env = {k: arg(s["torch-headers"], k).strip('"') for k in ("TORCH_CUDA_ARCH_LIST", "TORCH_BUILD_FLAGS",
+                                                              "TORCH_HEADER_DEFINES", "TORCH_HEADER_SKIP")}
+    snippets = re.findall(r"((?:gencode|defines|skips)=\$\(.*?; done\))", hdr)
+    assert len(snippets) == 3
+    r = subprocess.run(["bash", "-c", "; ".join(snippets) + '; echo "$gencode|$defines|$skips"'],
+                       env={**os.environ, **env}, capture_output=True, text=True, timeout=30)
+    gencode, defines, skips = r.stdout.strip().split("|")
+    assert gencode.split() == ["-gencode=arch=compute_75,code=sm_75"]
+    assert {"-DUSE_CUDA=1", "-DUSE_CUDNN=1", "-DUSE_NCCL=1", "-DUSE_DISTRIBUTED=1", "-DUSE_C10D_NCCL=1",
+            "-DUSE_MEM_EFF_ATTENTION=1"} <= set(defines.split())
+    assert not any(d.endswith("=0") or "FLASH" in d for d in defines.split())
+    assert skips.split()[::2] == ["--skip"] * 3 and all("=third_party/" in x for x in skips.split()[1::2])
+    nvcc_flags = arg(s["torch-headers"], "TORCH_HEADER_NVCC_FLAGS").strip('"').split()
+    assert {"-std=c++20", "--expt-relaxed-constexpr", "--expt-extended-lambda", "-D__CUDA_NO_HALF_OPERATORS__"} <= \
+        set(nvcc_flags)
+    build = s["torch-build"]
+    copy = next(c for c in build if c.cmd == "COPY")
+    assert copy.flags == ("--from=torch-headers",) and build.index(copy) < next(
+        i for i, c in enumerate(build) if c.cmd == "RUN" and "git clone" in c.value[0])

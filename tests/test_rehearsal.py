@@ -181,34 +181,44 @@ def _stage_runs(text: str, stage: str) -> list[str]:
     return out
 
 
+def _stage_froms(text: str) -> dict[str, str]:
+    return {c.value[-1]: c.value[0] for c in dockerfile.parse_string(text) if c.cmd == "FROM" and len(c.value) == 3}
+
+
 @pytest.mark.parametrize("profile", ["g5g", "g4dn"])
 def test_the_rehearsal_runs_torchs_cuda_discovery_in_the_compiles_environment(profile):
-    """The torch-discovery stage starts as torch-build does (the same RUN lines up to PyTorch's source, the same
-    compile environment, word for word), runs torch's own CMake modules from the pinned wheel, fails on what they do
-    not find, and torch-base's image depends on it (BuildKit builds only what the target needs)."""
+    """The rehearsal's torch-env and torch-headers stages are the real build's, word for word; torch-discovery
+    starts from the header stage, configures with the compile step's environment, runs torch's own CMake modules
+    from the pinned wheel, fails on what they do not find, and torch-base's image depends on it."""
     plan, files = rehearsal(profile)
     tb = next(i for i in plan.all_images if i.runtime == "torch-base")
     text = files[tb.dockerfile]
     disc = _stage_runs(text, "torch-discovery")
     real = make_plan(manifest.load(REPO / "manifests", profile="g5g"), profile="g5g")
     real_tb = next(i for i in real.all_images if i.runtime == "torch-base")
-    build = _stage_runs(render.render(real)[real_tb.dockerfile], "torch-build")
-    shared = [r for r in build if "git clone" not in r and "requirements.txt" not in r and "pip wheel" not in r]
-    assert shared and all(r in disc for r in shared), "torch-discovery must start as torch-build does"
-    compile_step = next(r for r in build if "pip wheel" in r)
+    real_text = render.render(real)[real_tb.dockerfile]
+    if profile == "g5g":
+        for stage in ("torch-env", "torch-headers"):
+            assert _stage_runs(text, stage) == _stage_runs(real_text, stage) != [], stage
+    froms = _stage_froms(text)
+    assert froms["torch-headers"] == "torch-env" and froms["torch-discovery"] == "torch-headers"
+    assert _stage_froms(real_text)["torch-build"] == "torch-env"
+    assert "COPY --from=torch-headers /report/torch-headers.log" in real_text.split("AS torch-build")[1]
+    compile_step = next(r for r in _stage_runs(real_text, "torch-build") if "pip wheel" in r)
     env = compile_step[compile_step.index('if [ "$MAX_JOBS" = auto ]'):compile_step.index('echo "building torch')]
     assert any(env in r for r in disc), "the discovery runs with the compile step's environment"
-    # its own generator: the stage (as torch-build) has no make, and CMake stops at once without a build program
+    # its own generator: the stage (as torch-build) has no make; CMake and Ninja are pinned build tools of torch-env
     cmake = next(r for r in disc if "cmake -G Ninja -S /tmp/torch-discovery" in r)
-    assert any('"ninja==${NINJA_VERSION}"' in r for r in disc) and "ARG NINJA_VERSION=1.13.2" in text
-    assert "-DTORCH_CMAKE=/opt/torch-cmake/torch/share/cmake" in cmake
+    assert "ninja==1.13.2" in tb.build_args["TORCH_BUILD_TOOLS"].split()
+    assert "-DTORCH_CMAKE=/opt/torch-wheel/torch/share/cmake" in cmake
     for pattern in ("Could NOT find", "Cannot find", "[Tt]urning the option off", "NCCL_VERSION_CODE - not found"):
         assert pattern in cmake
     assert any('pip download --no-deps --only-binary=:all: --dest /tmp/torch-wheel "torch==${TORCH_VERSION}"' in r
-               for r in disc)
+               for r in _stage_runs(text, "torch-headers"))
     assert "COPY --from=torch-discovery /report/torch-discovery.log /opt/g5g/torch-discovery.log" in text
-    assert "torch-discovery" not in render.render(real)[real_tb.dockerfile]  # the real build compiles instead
-    assert "dockerfiles/torch-discovery" in tb.copy and "dockerfiles/check-torch.py" in tb.copy
+    assert "COPY --from=torch-headers /report/torch-headers.log /opt/g5g/torch-headers.log" in text
+    assert "torch-discovery" not in real_text  # the real build compiles instead
+    assert {"dockerfiles/torch-discovery", "dockerfiles/check-torch.py", "dockerfiles/check-headers.py"} <= set(tb.copy)
 
 
 @pytest.mark.skipif(not shutil.which("cmake"), reason="cmake not installed")

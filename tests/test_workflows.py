@@ -39,6 +39,16 @@ def base_image() -> str:
     return re.fullmatch(r"\$\{\{ vars\.G5G_BASE_IMAGE \|\| '([^']+)' \}\}", expr).group(1)
 
 
+def matrix_runtimes(job: dict, event: str = "push") -> list:
+    """A job's matrix runtimes for an event: a list, or the build job's expression choosing one for pull requests."""
+    value = job.get("strategy", {}).get("matrix", {}).get("runtime", [None])
+    if isinstance(value, list):
+        return value
+    m = re.fullmatch(r"\$\{\{ fromJSON\(github\.event_name == 'pull_request' && '(.+?)' \|\| '(.+?)'\) \}\}", value)
+    assert m, f"matrix.runtime: the rehearsal does not know {value}"
+    return json.loads(m.group(1) if event == "pull_request" else m.group(2))
+
+
 def _run(argv: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
@@ -85,7 +95,7 @@ def test_images_workflow_shape():
 
     base, build, jax = jobs["torch-base"], jobs["build"], jobs["jax"]
     assert "torch-base" in build["needs"], "vllm and pytorch build on torch-base's cache: build it first"
-    runtimes = set(build["strategy"]["matrix"]["runtime"]) | {jax["env"]["RUNTIME"]}
+    runtimes = set(matrix_runtimes(build)) | {jax["env"]["RUNTIME"]}
     assert runtimes == {"vllm", "jax", "pytorch"} and base["env"]["RUNTIME"] == "torch-base"
     # torch-base can never land on the 14 GB standard runner: it runs on the builder the repository names (a label or
     # a JSON list of labels), and the plan job (which every build needs) fails at once, saying what to set.
@@ -100,6 +110,10 @@ def test_images_workflow_shape():
     r = subprocess.run(["bash", "-eo", "pipefail", "-c", check["run"]], env={**env, "BUILD_RUNNER": ""},
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 1 and "8 cores, 32 GB of memory and 100 GB of disk" in r.stdout
+    for hosted in ("ubuntu-24.04-arm", '["ubuntu-24.04-arm"]', "ubuntu-latest"):  # GitHub's images: refused
+        r = subprocess.run(["bash", "-eo", "pipefail", "-c", check["run"]], env={**env, "BUILD_RUNNER": hosted},
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 1 and "names a GitHub-hosted runner" in r.stdout and r.stdout.count("\n") == 1, hosted
     ok = subprocess.run(["bash", "-eo", "pipefail", "-c", check["run"]], env={**env, "BUILD_RUNNER": "graviton-xl"},
                         capture_output=True, text=True, timeout=30)
     assert ok.returncode == 0 and "graviton-xl" in ok.stdout
@@ -108,11 +122,13 @@ def test_images_workflow_shape():
                            capture_output=True, text=True, timeout=30)
         assert r.returncode == rc, (value, r.stdout)
     for job in (base, build, jax):
-        # On a hosted runner the disk is freed first.
-        free = next(s for s in job["steps"] if "Free" in s.get("name", ""))
-        assert free["if"] == "runner.environment == 'github-hosted'" and "rm -rf" in free["run"]
         build_step = next(s for s in job["steps"] if s.get("name", "").startswith("Build"))
-        assert job["steps"].index(free) < job["steps"].index(build_step)
+        if job is jax:  # On a hosted runner the disk is freed first.
+            free = next(s for s in job["steps"] if "Free" in s.get("name", ""))
+            assert free["if"] == "runner.environment == 'github-hosted'" and "rm -rf" in free["run"]
+            assert job["steps"].index(free) < job["steps"].index(build_step)
+        else:  # the builder's jobs never run on a hosted runner (test_the_runner_rules)
+            assert not any("Free" in s.get("name", "") for s in job["steps"])
         assert 'python build.py "${args[@]}"' in build_step["run"], "the workflow builds with the driver users run"
         assert "--cache" in build_step["run"] and "linux/arm64" in build_step["run"] and "--push" in build_step["run"]
         # Only main and tags push (and log in); pull requests never do.
@@ -142,7 +158,7 @@ def test_manifest_runtimes_are_all_built():
     runtime_dir = ROOT / "manifests" / "runtimes"
     servable = {p.stem for p in runtime_dir.glob("*.yaml")} - {"torch-base"}  # torch-base is built inside vllm's bake
     jobs = _load(IMAGES)["jobs"]
-    assert servable == set(jobs["build"]["strategy"]["matrix"]["runtime"]) | {jobs["jax"]["env"]["RUNTIME"]}
+    assert servable == set(matrix_runtimes(jobs["build"])) | {jobs["jax"]["env"]["RUNTIME"]}
 
 
 def test_no_expression_injection_in_run_steps():
@@ -225,7 +241,7 @@ def image_jobs() -> list[tuple[str, str | None, dict, str]]:
                     None)
         if step is None:
             continue
-        for rt in job.get("strategy", {}).get("matrix", {}).get("runtime", [None]):
+        for rt in matrix_runtimes(job):
             env = {k: _expand(v, rt) for k, v in {**doc.get("env", {}), **job.get("env", {})}.items()}
             out.append((name, rt, env, step["run"]))
     return out
@@ -285,14 +301,15 @@ def test_builder_jobs_never_run_a_pull_request_from_a_fork():
     """A job whose runner is not one of GitHub's (a repository variable, or self-hosted) runs only this repository's
     code: its `if` rules out pull requests from forks (or pull requests altogether)."""
     hosted = re.compile(r"^(ubuntu|windows|macos)-[\w.-]+$")
-    guarded = {"github.event_name != 'pull_request'",
-               "github.event_name != 'pull_request' || github.event.pull_request.head.repo.full_name == github.repository"}
+    fork = "(github.event_name != 'pull_request' || github.event.pull_request.head.repo.full_name == github.repository)"
     checked = []
     for name, job in _load(IMAGES)["jobs"].items():
         labels = job["runs-on"] if isinstance(job["runs-on"], list) else [job["runs-on"]]
         if all(hosted.match(str(label)) for label in labels):
             continue
-        assert job.get("if") in guarded, f"job {name} runs on {job['runs-on']} without a guard against fork PRs"
+        cond = " ".join(str(job.get("if", "")).split())
+        assert cond == "github.event_name != 'pull_request'" or cond.endswith("&& " + fork), \
+            f"job {name} runs on {job['runs-on']} without a guard against fork PRs"
         checked.append(name)
     assert set(checked) >= {"torch-base", "build", "smoke"}
 
@@ -336,3 +353,37 @@ def test_a_persistent_builder_is_used_when_the_repository_names_one(tmp_path):
                            env={**env, "BUILDER": builder, "PATH": f"{shim}:/usr/bin:/bin", "ARGV_FILE": str(out)})
             argv = out.read_text().splitlines()
             assert ("--builder" in argv) == bool(want) and (not want or argv[argv.index("--builder") + 1] == builder)
+
+
+HOSTED = re.compile(r"^(ubuntu|windows|macos)-[\w.-]+$")
+
+
+def test_the_runner_rules():
+    """Issue 36, item 6. GitHub-hosted jobs stop at 6 hours (360 minutes), self-hosted ones at 5 days: every timeout
+    fits its runner. The jobs that bake torch-base (a PyTorch compile: about 25-40 core-hours) never run on a hosted
+    runner: their first step fails there with one line. A pull request compiles torch at most once: the torch-base
+    job is skipped, and one build job bakes vllm and then pytorch on one builder, reading main's registry cache."""
+    jobs = _load(IMAGES)["jobs"]
+    for name, job in jobs.items():
+        labels = job["runs-on"] if isinstance(job["runs-on"], list) else [job["runs-on"]]
+        limit = 360 if all(HOSTED.match(str(label)) for label in labels) else 5 * 24 * 60
+        assert 0 < job["timeout-minutes"] <= limit, (name, job["timeout-minutes"], limit)
+    bakes_torch = [n for n, rt, _, _ in image_jobs() if rt != "jax" and n != "jax"]
+    assert set(bakes_torch) == {"torch-base", "build"}
+    for name in bakes_torch:
+        job = jobs[name]
+        assert not any(HOSTED.match(str(label)) for label in
+                       (job["runs-on"] if isinstance(job["runs-on"], list) else [job["runs-on"]]))
+        guard = job["steps"][0]
+        assert guard["if"] == "runner.environment == 'github-hosted'", name
+        r = subprocess.run(["bash", "-eo", "pipefail", "-c", guard["run"]], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 1 and r.stdout.count("\n") == 1 and "6 hours" in r.stdout, (name, r.stdout)
+    # pull requests: torch-base's job is skipped and one build job builds both images (torch-base once)
+    assert jobs["torch-base"]["if"] == "github.event_name != 'pull_request'"
+    assert matrix_runtimes(jobs["build"], "pull_request") == ["vllm pytorch"]
+    assert sorted(matrix_runtimes(jobs["build"], "push")) == ["pytorch", "vllm"]
+    cond = " ".join(jobs["build"]["if"].split())
+    assert "(github.event_name == 'pull_request' && needs.torch-base.result == 'skipped')" in cond
+    assert "needs.torch-base.result == 'success'" in cond
+    script = next(s["run"] for s in jobs["build"]["steps"] if s.get("name", "").startswith("Build"))
+    assert "for runtime in $RUNTIME; do" in script and '--cache "$REGISTRY/g5g-images-cache"' in script

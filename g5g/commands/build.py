@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -107,11 +108,14 @@ def check_contexts(plan: Plan, repo_root: Path) -> None:
 
 def print_plan(plan: Plan) -> None:
     t = Table(title=f"Plan · profile {plan.profile.name}", show_lines=False)
-    for col in ("image", "tags", "platforms", "upstream"):
+    for col in ("image", "tags", "platforms", "upstream", "stages"):
         t.add_column(col)
+    files = render.render(plan)
     for img in plan.images:
+        # the Dockerfile's stages in build order (the header stage, the compile, the checks' stages)
+        stages = re.findall(r"^FROM \S+ AS (\S+)$", files[img.dockerfile], re.M)
         t.add_row(img.runtime, "\n".join(img.tags), ",".join(img.platforms),
-                  " ".join(f"{k}={v}" for k, v in img.upstream.items()))
+                  " ".join(f"{k}={v}" for k, v in img.upstream.items()), " ".join(stages))
     print_table(console, t)
     for argv in plan.commands():
         console.print("$ " + " ".join(argv), markup=False, soft_wrap=True)

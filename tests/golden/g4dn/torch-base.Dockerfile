@@ -33,7 +33,9 @@ RUN python3 -c "import glob, os, sysconfig; print(*sorted({os.path.dirname(p) fo
       > /etc/ld.so.conf.d/g5g-nvidia-wheels.conf \
  && cat /etc/ld.so.conf.d/g5g-nvidia-wheels.conf && ldconfig
 # No GPU at build time: every DT_NEEDED of torch's libraries resolves (libcupti, cuDNN, NCCL…; the driver's
-# libcuda.so.1 comes at run time), and libtorch_cuda.so's fatbins hold SASS for every target arch (cuobjdump).
+# libcuda.so.1 comes at run time), and libtorch_cuda.so's fatbins hold SASS for every target arch (cuobjdump); a
+# source build's libraries hold SASS for exactly TORCH_CUDA_ARCH_LIST and no PTX (--only: a build that ignored the
+# list and compiled every arch fails here).
 RUN --mount=type=bind,source=check-needed.sh,target=/tmp/check/check-needed.sh \
     --mount=type=bind,source=check-sass.sh,target=/tmp/check/check-sass.sh \
     --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \

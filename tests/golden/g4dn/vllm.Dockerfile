@@ -138,15 +138,19 @@ SHELL ["/bin/bash", "-e", "-o", "pipefail", "-c"]
 ARG TORCH_CUDA_ARCH_LIST="7.5"
 ARG MAX_JOBS=auto
 ARG NVCC_THREADS=1
+ARG VLLM_BUILD_TOOLS="cmake==3.31.10 ninja==1.13.2"
 # Build against the torch already installed (our sm_75 build), not the one vLLM pins on PyPI. use_existing_torch.py
 # --prefix drops `torch==`-style lines only: `torchcodec >= 0.14` (requirements/cuda.txt) survives it, so every
 # torch, torchvision, torchaudio and torchcodec requirement goes, whatever its operator, and none may remain.
 RUN python3 tools/use_existing_torch.py --prefix \
  && sed -i -E '/^\s*torch(vision|audio|codec)?\s*([<>=!~;[]|$)/d' requirements/*.txt requirements/*/*.txt \
  && ! grep -nE '^\s*torch(vision|audio|codec)?\s*([<>=!~;[]|$)' requirements/*.txt requirements/*/*.txt
+# Its build tools at their pins (VLLM_BUILD_TOOLS; requirements/build/cuda.txt takes cmake>=3.26.1, 4.x today).
+# hadolint ignore=SC2086
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
-    pip install -r requirements/build/cuda.txt \
+    pip install -r requirements/build/cuda.txt $VLLM_BUILD_TOOLS \
+ && cmake --version && echo "ninja $(ninja --version)" \
  && if ! python3 -c "import hashlib, importlib.metadata as m; d = m.distribution('torch'); print('torch', d.version, hashlib.sha256((d.read_text('RECORD') or '').encode()).hexdigest())" | diff /opt/g5g/torch.txt -; then \
       echo "pip install -r requirements/build/cuda.txt replaced torch (<: torch-base's, >: now), despite PIP_CONSTRAINT=$PIP_CONSTRAINT" >&2; exit 1; fi
 # TORCH_CUDA_ARCH_LIST=7.5 (never +PTX) narrows every arch-intersected kernel set to nothing above Turing: vLLM's

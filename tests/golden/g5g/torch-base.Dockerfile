@@ -5,16 +5,12 @@
 #   docker buildx bake -f build/docker-bake.json torch-base --set torch-base.target=torch-wheel --set torch-base.output=type=local,dest=wheels
 ARG BASE_IMAGE=g5g-local/trixie:arm64
 
-FROM ${BASE_IMAGE} AS torch-build
-ARG TORCH_VERSION=2.14.0
-ARG TORCH_CUDA_ARCH_LIST="7.5"
+# The compile's environment up to PyTorch's source: the compiler, the toolkit, the CUDA wheels, the build tools.
+FROM ${BASE_IMAGE} AS torch-env
+ARG TORCH_CUDA_WHEELS="cuda-toolkit[cublas,cudart,cufft,cufile,cupti,curand,cusolver,cusparse,nvjitlink,nvrtc,nvtx]==13.0.3 nvidia-cudnn-cu13==9.24.0.43 nvidia-cusparselt-cu13==0.8.1 nvidia-nccl-cu13==2.30.7 nvidia-nvshmem-cu13==3.4.5"
+ARG TORCH_BUILD_TOOLS="cuda-toolkit[nvml]==13.0.3 cmake==3.31.10 ninja==1.13.2"
 ARG CUDA_TOOLKIT_VERSION=13.0.3
 ARG CUOBJDUMP_VERSION=13.4.92
-ARG TORCH_CUDA_WHEELS="cuda-toolkit[cublas,cudart,cufft,cufile,cupti,curand,cusolver,cusparse,nvjitlink,nvrtc,nvtx]==13.0.3 nvidia-cudnn-cu13==9.24.0.43 nvidia-cusparselt-cu13==0.8.1 nvidia-nccl-cu13==2.30.7 nvidia-nvshmem-cu13==3.4.5"
-ARG TORCH_BUILD_FLAGS="USE_CUDA=1 USE_CUDNN=1 USE_NCCL=1 USE_SYSTEM_NCCL=1 USE_KINETO=1 USE_DISTRIBUTED=1 USE_FLASH_ATTENTION=0 USE_MEM_EFF_ATTENTION=1 USE_CUSPARSELT=0 USE_CUDSS=0 USE_CUFILE=0 USE_NVSHMEM=0 BUILD_TEST=0"
-ARG MAX_JOBS=auto
-ARG NVCC_THREADS=1
-ARG CPU_BASELINE=neoverse-n1
 # Install steps run as root; every image ends with USER 1000 (DL3002 also flags root in build stages).
 # hadolint ignore=DL3002
 USER 0:0
@@ -37,12 +33,12 @@ ENV PATH=/opt/venv/bin:$PATH VIRTUAL_ENV=/opt/venv
 # and no link stub for libcuda: /usr/local/cuda points there (CUDA_HOME, CMake's FindCUDAToolkit), lib64 -> lib and
 # the links are made, and a stub libcuda.so is generated from cuda.h (every driver entry point returns 34,
 # CUDA_ERROR_STUB_LIBRARY, as NVIDIA's stub does), for linking only: at run time the driver's libcuda.so.1 is used.
-# ${TORCH_CUDA_WHEELS}: the wheels' include/ and lib/ (unversioned .so links made) for the build to find; a list of
+# ${TORCH_CUDA_WHEELS} ${TORCH_BUILD_TOOLS}: the wheels' include/ and lib/ (unversioned .so links made) for the build to find; a list of
 # exact pins (manifests), split into words on purpose.
 # hadolint ignore=SC2086,DL3013
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
-    pip install "cuda-toolkit[nvcc,cccl,crt,nvvm,cudart]==${CUDA_TOOLKIT_VERSION}" "nvidia-cuda-cuobjdump==${CUOBJDUMP_VERSION}" ${TORCH_CUDA_WHEELS} \
+    pip install "cuda-toolkit[nvcc,cccl,crt,nvvm,cudart]==${CUDA_TOOLKIT_VERSION}" "nvidia-cuda-cuobjdump==${CUOBJDUMP_VERSION}" ${TORCH_CUDA_WHEELS} ${TORCH_BUILD_TOOLS} \
  && nv="$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/nvidia" \
  && for f in "$nv"/*/lib/lib*.so.*; do [ -e "$f" ] || continue; l="${f%%.so.*}.so"; [ -e "$l" ] || ln -s "$(basename "$f")" "$l"; done \
  && cu="$nv/cu13" \
@@ -55,30 +51,86 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,re
  && gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$cu/lib/stubs/libcuda.so" /tmp/libcuda-stub.c && rm /tmp/libcuda-stub.c \
  && ldconfig
 ENV CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
-# One CUDA tree, as PyTorch's own CI lays it out: cuDNN's and NCCL's headers and libraries linked into the toolkit's
-# include/ and lib64/. FindCUDNN takes CUDNN_LIBRARY as a directory to search (a file path finds nothing, and torch
-# turns cuDNN off with a warning), and NCCL's version check compiles nccl.h, which includes cuda_runtime.h, with
-# NCCL_INCLUDE_DIR alone on the include path.
+# One CUDA tree, as PyTorch's own CI lays it out: cuDNN's and NCCL's whole include trees and their libraries linked
+# into the toolkit's include/ and lib64/. FindCUDNN takes CUDNN_LIBRARY as a directory to search (a file path finds
+# nothing, and torch turns cuDNN off with a warning); NCCL's version check compiles nccl.h, which includes
+# cuda_runtime.h, with NCCL_INCLUDE_DIR alone on the include path; NCCL >= 2.28's nccl_device.h includes
+# "nccl_device/coop.h" and its siblings, quoted, which resolve next to the link: subdirectories are linked too, and
+# every header of both trees must then be found under the toolkit's include/.
 RUN cudnn=$(python3 -c "import nvidia.cudnn; print(nvidia.cudnn.__path__[0])"); \
     nccl=$(python3 -c "import nvidia.nccl; print(nvidia.nccl.__path__[0])"); \
     for d in "$cudnn" "$nccl"; do \
-      for f in "$d"/include/*.h "$d"/lib/lib*.so*; do \
-        case "$f" in *.h) to="$CUDA_HOME/include" ;; *) to="$CUDA_HOME/lib64" ;; esac; \
-        ln -sf "$f" "$to/"; \
+      for f in "$d"/include/* "$d"/lib/lib*.so*; do \
+        case "$f" in "$d"/include/*) to="$CUDA_HOME/include" ;; *) to="$CUDA_HOME/lib64" ;; esac; \
+        ln -sfn "$f" "$to/"; \
+      done; \
+      find "$d/include" -type f -printf '%P\n' | while read -r h; do \
+        [ -e "$CUDA_HOME/include/$h" ] || { echo "$CUDA_HOME/include/$h: not in the CUDA tree" >&2; exit 1; }; \
       done; \
     done \
- && ls -l "$CUDA_HOME"/include/cudnn.h "$CUDA_HOME"/include/nccl.h "$CUDA_HOME"/lib64/libcudnn.so "$CUDA_HOME"/lib64/libnccl.so
+ && ls -l "$CUDA_HOME"/include/cudnn.h "$CUDA_HOME"/include/nccl.h \
+      "$CUDA_HOME"/lib64/libcudnn.so "$CUDA_HOME"/lib64/libnccl.so \
+ && cmake --version && echo "ninja $(ninja --version)"
+
+# The header stage, minutes before the hours-long compile: every header of torch 2.14.0's own wheel (torch/include)
+# that names an NVIDIA library header, in one translation unit compiled by this toolkit's nvcc for the profile's archs,
+# with torch's defines (the flags set to 1, TORCH_HEADER_DEFINES) and nvcc flags, and the include path the real build
+# gets (the CUDA tree: cuDNN, NCCL with nccl_device, CUPTI, cuFile, NVTX, cuBLASLt, NVML; cuSPARSELt and NVSHMEM from
+# their wheels). Headers that need torch's own third_party sources are skipped by name (TORCH_HEADER_SKIP).
+FROM torch-env AS torch-headers
+SHELL ["/bin/bash", "-e", "-o", "pipefail", "-c"]
+ARG TORCH_VERSION=2.14.0
+ARG TORCH_CUDA_ARCH_LIST="7.5"
+ARG TORCH_BUILD_FLAGS="USE_CUDA=1 USE_CUDNN=1 USE_NCCL=1 USE_SYSTEM_NCCL=1 USE_KINETO=1 USE_DISTRIBUTED=1 USE_FLASH_ATTENTION=0 USE_MEM_EFF_ATTENTION=1 USE_CUSPARSELT=0 USE_CUDSS=0 USE_CUFILE=0 USE_NVSHMEM=0 BUILD_TEST=0"
+ARG TORCH_HEADER_DEFINES="USE_C10D_NCCL=1"
+ARG TORCH_HEADER_NVCC_FLAGS="-std=c++20 --expt-relaxed-constexpr --expt-extended-lambda -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__"
+ARG TORCH_HEADER_SKIP="ATen/native/quantized/cudnn/utils.h=third_party/cudnn_frontend ATen/native/transformers/cuda/mem_eff_attention/kernel_backward.h=third_party/cutlass ATen/native/transformers/cuda/mem_eff_attention/kernel_forward.h=third_party/cutlass"
+# Word lists on purpose (SC2086).
+# hadolint ignore=SC2086
+RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
+    --mount=type=bind,source=check-headers.py,target=/tmp/check/check-headers.py \
+    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
+    pip download --no-deps --only-binary=:all: --dest /tmp/torch-wheel "torch==${TORCH_VERSION}" \
+ && python3 -c "import glob, zipfile; z = zipfile.ZipFile(glob.glob('/tmp/torch-wheel/torch-*.whl')[0]); \
+z.extractall('/opt/torch-wheel', [n for n in z.namelist() if n.startswith(('torch/include/', 'torch/share/cmake/'))])" \
+ && rm -rf /tmp/torch-wheel \
+ && gencode=$(for a in $TORCH_CUDA_ARCH_LIST; do printf -- '-gencode=arch=compute_%s,code=sm_%s ' "${a//./}" "${a//./}"; done) \
+ && defines=$(for f in $TORCH_BUILD_FLAGS $TORCH_HEADER_DEFINES; do case "$f" in *=1) printf -- '-D%s ' "$f" ;; esac; done) \
+ && skips=$(for s in $TORCH_HEADER_SKIP; do printf -- '--skip %s ' "$s"; done) \
+ && nv="$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/nvidia" \
+ && inc=/opt/torch-wheel/torch/include \
+ && mkdir -p /report \
+ && python3 /tmp/check/check-headers.py "$inc" /tmp/torch-headers.cu $skips -- \
+      nvcc $gencode $TORCH_HEADER_NVCC_FLAGS $defines -I"$inc" -I"$inc/torch/csrc/api/include" -I"$CUDA_HOME/include" \
+      -I"$nv/cusparselt/include" -I"$nv/nvshmem/include" -c -o /tmp/torch-headers.o 2>&1 | tee /report/torch-headers.log
+
+# PyTorch 2.14.0 from source, in the same environment, once the header stage has passed.
+FROM torch-env AS torch-build
+SHELL ["/bin/bash", "-e", "-o", "pipefail", "-c"]
+ARG TORCH_VERSION=2.14.0
+ARG TORCH_CUDA_ARCH_LIST="7.5"
+ARG TORCH_CUDA_WHEELS="cuda-toolkit[cublas,cudart,cufft,cufile,cupti,curand,cusolver,cusparse,nvjitlink,nvrtc,nvtx]==13.0.3 nvidia-cudnn-cu13==9.24.0.43 nvidia-cusparselt-cu13==0.8.1 nvidia-nccl-cu13==2.30.7 nvidia-nvshmem-cu13==3.4.5"
+ARG TORCH_BUILD_TOOLS="cuda-toolkit[nvml]==13.0.3 cmake==3.31.10 ninja==1.13.2"
+ARG TORCH_BUILD_FLAGS="USE_CUDA=1 USE_CUDNN=1 USE_NCCL=1 USE_SYSTEM_NCCL=1 USE_KINETO=1 USE_DISTRIBUTED=1 USE_FLASH_ATTENTION=0 USE_MEM_EFF_ATTENTION=1 USE_CUSPARSELT=0 USE_CUDSS=0 USE_CUFILE=0 USE_NVSHMEM=0 BUILD_TEST=0"
+ARG MAX_JOBS=auto
+ARG NVCC_THREADS=1
+ARG CPU_FLAGS="-mcpu=neoverse-n1"
+COPY --from=torch-headers /report/torch-headers.log /report/torch-headers.log
 RUN --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
     git clone --depth 1 --branch "v${TORCH_VERSION}" --recurse-submodules --shallow-submodules \
       https://github.com/pytorch/pytorch /src/pytorch
 WORKDIR /src/pytorch
+# torch's requirements.txt takes cmake>=3.27 (4.x today): the build tools stay at their pins (TORCH_BUILD_TOOLS).
+# hadolint ignore=SC2086
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
-    pip install -r requirements.txt
+    pip install -r requirements.txt $TORCH_BUILD_TOOLS \
+ && cmake --version && echo "ninja $(ninja --version)"
 # The compile, alone in this step. MAX_JOBS=auto: one compile job per 4 GiB of the build host's memory, at most one
 # per core. USE_FLASH_ATTENTION=0: its kernels are sm_80+ (hours of build for nothing on 7.5); memory-efficient
-# attention stays. Then the configure's cache is read back: every flag of TORCH_BUILD_FLAGS as the manifest asks.
+# attention stays. Then the configure's cache is read back (every flag of TORCH_BUILD_FLAGS as the manifest asks), and
+# what the compiled library itself shows, whatever the build was told (the attention kernels' names).
 # The flags are NAME=VALUE words, exported as such (SC2086, SC2163: split and exported on purpose).
 # hadolint ignore=SC2086,SC2163
 RUN --mount=type=cache,target=/root/.cache/ccache \
@@ -95,10 +147,13 @@ RUN --mount=type=cache,target=/root/.cache/ccache \
       NCCL_INCLUDE_DIR="$CUDA_HOME/include" NCCL_LIB_DIR="$CUDA_HOME/lib64" \
       CCACHE_DIR=/root/.cache/ccache PYTORCH_BUILD_VERSION="${TORCH_VERSION}" PYTORCH_BUILD_NUMBER=1 \
       PYTORCH_EXTRA_INSTALL_REQUIREMENTS="$requires" \
-      CFLAGS="-mcpu=${CPU_BASELINE}" CXXFLAGS="-mcpu=${CPU_BASELINE}" TORCH_NVCC_FLAGS="--threads=${NVCC_THREADS}"; \
+      CFLAGS="${CPU_FLAGS}" CXXFLAGS="${CPU_FLAGS}" TORCH_NVCC_FLAGS="--threads=${NVCC_THREADS}"; \
     echo "building torch ${TORCH_VERSION} for ${TORCH_CUDA_ARCH_LIST} with MAX_JOBS=${MAX_JOBS}: ${TORCH_BUILD_FLAGS}"; \
     pip wheel --no-build-isolation --no-deps --wheel-dir /wheels . \
- && python3 /tmp/check/check-torch.py cmake-cache "$SKBUILD_BUILD_DIR/CMakeCache.txt" $TORCH_BUILD_FLAGS
+ && python3 /tmp/check/check-torch.py cmake-cache "$SKBUILD_BUILD_DIR/CMakeCache.txt" $TORCH_BUILD_FLAGS \
+ && lib=$(find "$SKBUILD_BUILD_DIR" -name libtorch_cuda.so -print -quit) \
+ && { [ -n "$lib" ] || { echo "no libtorch_cuda.so under $SKBUILD_BUILD_DIR" >&2; exit 1; }; } \
+ && python3 /tmp/check/check-torch.py library "$lib" $TORCH_BUILD_FLAGS
 
 FROM scratch AS torch-wheel
 COPY --from=torch-build /wheels/ /
@@ -134,7 +189,9 @@ RUN python3 -c "import glob, os, sysconfig; print(*sorted({os.path.dirname(p) fo
       > /etc/ld.so.conf.d/g5g-nvidia-wheels.conf \
  && cat /etc/ld.so.conf.d/g5g-nvidia-wheels.conf && ldconfig
 # No GPU at build time: every DT_NEEDED of torch's libraries resolves (libcupti, cuDNN, NCCL…; the driver's
-# libcuda.so.1 comes at run time), and libtorch_cuda.so's fatbins hold SASS for every target arch (cuobjdump).
+# libcuda.so.1 comes at run time), and libtorch_cuda.so's fatbins hold SASS for every target arch (cuobjdump); a
+# source build's libraries hold SASS for exactly TORCH_CUDA_ARCH_LIST and no PTX (--only: a build that ignored the
+# list and compiled every arch fails here).
 RUN --mount=type=bind,source=check-needed.sh,target=/tmp/check/check-needed.sh \
     --mount=type=bind,source=check-sass.sh,target=/tmp/check/check-sass.sh \
     --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
@@ -142,7 +199,7 @@ RUN --mount=type=bind,source=check-needed.sh,target=/tmp/check/check-needed.sh \
     pip install --target /tmp/cuobjdump "nvidia-cuda-cuobjdump==${CUOBJDUMP_VERSION}" \
  && torch=$(python3 -c "import os, torch; print(os.path.dirname(torch.__file__))") \
  && bash /tmp/check/check-needed.sh "$torch/lib" \
- && CUOBJDUMP=/tmp/cuobjdump/nvidia/cu13/bin/cuobjdump bash /tmp/check/check-sass.sh "${TORCH_CUDA_ARCH_LIST}" "$torch/lib/libtorch_cuda.so" \
+ && CUOBJDUMP=/tmp/cuobjdump/nvidia/cu13/bin/cuobjdump bash /tmp/check/check-sass.sh --only "${TORCH_CUDA_ARCH_LIST}" "$torch"/lib/*.so \
  && rm -rf /tmp/cuobjdump
 # What torch was built with, read back without a GPU: cuDNN compiled in, the NCCL process group, CUPTI linked for
 # kineto, and every flag torch.__config__.show() lists, as TORCH_BUILD_FLAGS (the manifest) asks.
