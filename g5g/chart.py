@@ -256,6 +256,10 @@ def values(image: ImagePlan, plan: Plan, fleet: dict, repo_root: Path) -> dict:
         # selects PodMonitors by, e.g. {release: kube-prometheus-stack}: required, none is refused
         "podMonitor": {"enabled": False, "interval": "15s", "labels": {}},
         # fallbackReplicas: what KEDA scales to after `fallbackAfterFailures` failed queries (None: maxReplicas)
+        # Gateway API Inference Extension: an InferencePool of this release's pods, routed by an Endpoint Picker
+        # (name "": <fullname>-epp, the Service upstream's inferencepool chart gives a release of that name)
+        "inferencePool": {"enabled": False,
+                          "endpointPicker": {"name": "", "port": 9002, "failureMode": "FailOpen"}},
         "autoscaling": {"enabled": False, "minReplicas": 1, "maxReplicas": 4, "waitingPerReplica": 4,
                         "pollingInterval": 15, "cooldownPeriod": 300, "fallbackAfterFailures": 3,
                         "fallbackReplicas": None,

@@ -21,7 +21,7 @@ from tests.fixtures.helm import helm  # noqa: F401 - the fixture
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "deploy" / "chart"
 RESULTS = REPO / "benchmarks" / "results" / "serving_speed_h200"
-CRD_SCHEMAS = {"PodMonitor": "podmonitor.json", "ScaledObject": "scaledobject.json"}
+CRD_SCHEMAS = {"PodMonitor": "podmonitor.json", "ScaledObject": "scaledobject.json", "InferencePool": "inferencepool.json"}
 COMBOS = [(r, p) for p in ("g5g", "g4dn") for r in ("vllm", "jax", "pytorch")]
 FLEET = yaml.safe_load((REPO / "deploy" / "fleet.yaml").read_text())
 PROM_LABEL = "podMonitor.labels.release=kube-prometheus-stack"   # what a default kube-prometheus-stack selects by

@@ -185,3 +185,35 @@ def test_the_drain_takes_the_slowest_decode_speed_on_record():
     fleet = {"decode_tok_s": {"jax": [{"value": 30.0, "source": "a fast run"}, {"value": 12.0, "source": "slow"},
                                       {"value": 20.0, "source": "another"}]}}
     assert chart.decode_speed(fleet, "jax", REPO) == 12.0
+
+
+@pytest.mark.parametrize("runtime,profile", COMBOS)
+def test_an_inference_pool_hands_the_releases_pods_to_an_endpoint_picker(helm, runtime, profile):  # noqa: F811
+    """inferencePool.enabled renders an InferencePool (inference.networking.k8s.io/v1) that selects exactly the
+    Deployment's pods on the server's port and names the Endpoint Picker as upstream's chart does for a release of
+    the pool's name; validated against the CRD's schema and its two CEL rules."""
+    import jsonschema
+
+    docs = render(helm, f"values-{runtime}-{profile}.yaml", "inferencePool.enabled=true", "port=9000")
+    assert "InferencePool" not in by_kind(render(helm, f"values-{runtime}-{profile}.yaml"))   # optional
+    pool, dep = by_kind(docs)["InferencePool"], by_kind(docs)["Deployment"]
+    validate(pool)
+    spec = pool["spec"]
+    assert spec["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    assert spec["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert spec["targetPorts"] == [{"number": c["ports"][0]["containerPort"]}] == [{"number": 9000}]
+    ref = spec["endpointPickerRef"]
+    assert ref == {"name": f"{pool['metadata']['name']}-epp", "port": {"number": 9002}, "failureMode": "FailOpen"}
+    # the CRD's CEL rules: a Service (the default kind) needs its port; target port numbers are unique
+    assert ref.get("kind", "Service") != "Service" or "port" in ref
+    assert len({p["number"] for p in spec["targetPorts"]}) == len(spec["targetPorts"])
+    named = by_kind(render(helm, "values.yaml", "inferencePool.enabled=true",
+                           "inferencePool.endpointPicker.name=picker", "inferencePool.endpointPicker.failureMode=FailClose"))
+    assert named["InferencePool"]["spec"]["endpointPickerRef"]["name"] == "picker"
+    # the schema can fail: no target port, an unknown field
+    for spoil in (lambda s: s.update(targetPorts=[]), lambda s: s.update(targetPortNumber=8000)):
+        bad = {**pool, "spec": dict(spec)}
+        spoil(bad["spec"])
+        with pytest.raises(jsonschema.ValidationError, match="should be non-empty|Additional properties"):
+            validate(bad)
