@@ -56,6 +56,13 @@ def _seconds(text: str) -> float:
     return x
 
 
+def _stall(text: str) -> float:
+    x = _seconds(text)
+    if 0 < x < 1:   # an idle engine thread beats once a second: under that, a request arriving could read as a stall
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or at least 1 second, got {text}")
+    return x
+
+
 def _json_list(text: str) -> list[str]:
     try:
         value = json.loads(text)
@@ -84,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=_seconds, default=5.0,
                    help="on SIGTERM, seconds running and queued requests get to finish before they are aborted "
                         "(streams end with finish_reason \"abort\", others get a 503; default: 5)")
-    p.add_argument("--engine-stall-timeout", type=_seconds, default=0.0,
+    p.add_argument("--engine-stall-timeout", type=_stall, default=0.0,
                    help="/health answers 503 while the engine has work and has finished no step for this many "
                         "seconds: a liveness probe then restarts a wedged engine. Above the longest prefill "
                         "(0: off; default: 0)")

@@ -75,3 +75,18 @@ def test_without_the_flag_a_wedged_engine_stays_healthy(tiny_gemma4):
             assert requests.get(f"{srv.url}/health", timeout=10).status_code == 200
         finally:
             srv.proc.kill()
+
+
+@pytest.mark.parametrize("value,message", [("0.5", "must be 0 (off) or at least 1 second, got 0.5"),
+                                           ("-1", "must be a finite number of seconds >= 0, got -1"),
+                                           ("soon", "must be a finite number of seconds >= 0, got soon")])
+def test_a_stall_limit_under_the_idle_beat_is_refused(capsys, value, message):
+    """An idle engine thread beats once a second: a shorter limit could call a request that just arrived a stall."""
+    from serving.__main__ import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--runtime", "pytorch", "--model", "m", "--engine-stall-timeout", value])
+    err = capsys.readouterr().err
+    assert f"argument --engine-stall-timeout: {message}" in err, err
+    assert build_parser().parse_args(["--runtime", "pytorch", "--model", "m", "--engine-stall-timeout",
+                                      "1"]).engine_stall_timeout == 1.0
