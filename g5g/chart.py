@@ -51,7 +51,7 @@ class Term(_Model):
 
 
 class Nodes(_Model):
-    instance_types: tuple[StrictStr, ...] = Field(min_length=1)
+    instance_types: dict[StrictStr, Positive] = Field(min_length=1)   # instance type -> its memory, GiB
 
 
 class Probe(_Model):
@@ -80,6 +80,11 @@ class Resources(_Model):
     limits: dict[Literal["memory"], StrictStr]
 
 
+class FetchResources(_Model):
+    requests: dict[Literal["cpu", "memory"], StrictStr]
+    limits: dict[Literal["memory"], StrictStr]
+
+
 class Fleet(_Model):
     default: tuple[Name, Name]
     nodes: dict[Name, Nodes] = Field(min_length=1)
@@ -92,15 +97,47 @@ class Fleet(_Model):
     probes: Probes
     shutdown: Shutdown
     resources: Resources
+    fetch_resources: FetchResources
+    engine_stall_s: dict[Name, Count] = {}   # runtimes whose server takes --engine-stall-timeout
+
+
+UNITS = {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def quantity_bytes(text: str, where: str) -> float:
+    """A Kubernetes memory quantity (12Gi, 500M, 1024) in bytes."""
+    number = text.rstrip("kMGTi")
+    try:
+        return float(number) * UNITS[text[len(number):]]
+    except (ValueError, KeyError):
+        raise UserError(f"{where}: {text!r} is not a memory quantity (e.g. 12Gi)") from None
+
+
+def _check_memory(fleet: Fleet, file: str) -> None:
+    """Requests within limits, and the limit within every listed instance's memory (else: never scheduled)."""
+    for name, res in (("resources", fleet.resources), ("fetch_resources", fleet.fetch_resources)):
+        request, limit = res.requests.get("memory"), res.limits["memory"]
+        if request and quantity_bytes(request, f"{file}: {name}.requests.memory") > \
+                quantity_bytes(limit, f"{file}: {name}.limits.memory"):
+            raise UserError(f"{file}: {name}.requests.memory: {request} is above {name}.limits.memory ({limit})")
+    limit = fleet.resources.limits["memory"]
+    for profile, nodes in fleet.nodes.items():
+        for itype, gib in nodes.instance_types.items():
+            if gib * 2**30 < quantity_bytes(limit, f"{file}: resources.limits.memory"):
+                raise UserError(f"{file}: nodes.{profile}.instance_types.{itype}: {gib:g} GiB of memory is below "
+                                f"resources.limits.memory ({limit}): the pod never fits there")
 
 
 def check_fleet(data, file: str, repo_root: Path) -> dict:
     """`data` (deploy/fleet.yaml) checked: the keys and types above, then what they refer to."""
     fleet = validate(Fleet, file, data)
+    _check_memory(fleet, file)
     runtime, profile = fleet.default
     if runtime not in fleet.boot or profile not in fleet.nodes:
         raise UserError(f"{file}: default: [{runtime}, {profile}] needs a boot entry for {runtime} and nodes for "
                         f"{profile}")
+    if unknown := sorted(set(fleet.engine_stall_s) - set(fleet.boot)):
+        raise UserError(f"{file}: engine_stall_s.{unknown[0]}: not a runtime that boots ({', '.join(fleet.boot)})")
     for rt in fleet.boot:
         if rt not in fleet.decode_tok_s:
             raise UserError(f"{file}: decode_tok_s.{rt}: missing (every runtime that boots needs its drain speed)")
@@ -139,7 +176,8 @@ def boot_seconds(fleet: dict, runtime: str, repo_root: Path) -> float:
 
 
 def decode_speed(fleet: dict, runtime: str, repo_root: Path) -> float:
-    """One stream's decode speed on a T4G under load (fleet.yaml `decode_tok_s`: the slowest entry)."""
+    """One stream's decode speed on a T4G under load (fleet.yaml `decode_tok_s`: the slowest entry, so the drain
+    outlasts the longest reply at the slowest speed on record)."""
     return min(_term(t, repo_root) for t in fleet["decode_tok_s"][runtime])
 
 
@@ -170,9 +208,13 @@ def values(image: ImagePlan, plan: Plan, fleet: dict, repo_root: Path) -> dict:
             "source": "pvc",                                     # pvc | huggingface | s3
             "pvc": {"claimName": MODEL.lower(), "subPath": MODEL},
             "huggingface": {"repo": f"google/{MODEL}", "revision": "main"},
+            # the AWS CLI image; s3 refuses it without a digest (@sha256:...): it runs with the bucket's credentials
             "s3": {"uri": "", "image": "public.ecr.aws/aws-cli/aws-cli:2.35.19"},
             "sha256": {},                                        # file -> sha256: checked after a fetch
-            "cache": {"claimName": "", "sizeLimit": "24Gi"},     # huggingface/s3: a PVC (fetched once) or emptyDir
+            # huggingface/s3: a PVC (fetched once) or an emptyDir on the node's disk, requested as ephemeral storage
+            "cache": {"claimName": "", "sizeLimit": "24Gi"},
+            "fetchResources": {"requests": dict(fleet["fetch_resources"]["requests"]),
+                               "limits": dict(fleet["fetch_resources"]["limits"])},
         },
         "extraArgs": [],
         "env": {},
@@ -192,7 +234,9 @@ def values(image: ImagePlan, plan: Plan, fleet: dict, repo_root: Path) -> dict:
                           "failureThreshold": probes["readiness"]["failures"]},
             "liveness": {"periodSeconds": probes["liveness"]["period_s"],
                          "timeoutSeconds": probes["liveness"]["timeout_s"],
-                         "failureThreshold": probes["liveness"]["failures"]},
+                         "failureThreshold": probes["liveness"]["failures"],
+                         # --engine-stall-timeout: /health turns 503 when the engine is stuck (None: no such flag)
+                         "engineStallSeconds": fleet.get("engine_stall_s", {}).get(image.runtime)},
         },
         "nodeSelector": {"kubernetes.io/arch": ARCH[image.platforms[0]]},
         "instanceTypes": list(fleet["nodes"][profile]["instance_types"]),
@@ -205,12 +249,20 @@ def values(image: ImagePlan, plan: Plan, fleet: dict, repo_root: Path) -> dict:
         # a runtime's compile cache (fleet.yaml compile_cache; the image's own cache dir): a restart boots warm
         "compileCache": {"path": fleet.get("compile_cache", {}).get(image.runtime, ""), "claimName": ""},
         "service": {"type": "ClusterIP", "port": 80},
+        # one replica (replicaCount, or autoscaling.minReplicas): minAvailable 1, a drain waits for a new pod;
+        # more: maxUnavailable of them at a time
         "podDisruptionBudget": {"enabled": True, "maxUnavailable": 1},
         # on whenever autoscaling is (the scaler's metric comes from this scrape); labels: what the Prometheus
-        # selects PodMonitors by, e.g. {release: kube-prometheus-stack}
+        # selects PodMonitors by, e.g. {release: kube-prometheus-stack}: required, none is refused
         "podMonitor": {"enabled": False, "interval": "15s", "labels": {}},
+        # fallbackReplicas: what KEDA scales to after `fallbackAfterFailures` failed queries (None: maxReplicas)
+        # Gateway API Inference Extension: an InferencePool of this release's pods, routed by an Endpoint Picker
+        # (name "": <fullname>-epp, the Service upstream's inferencepool chart gives a release of that name)
+        "inferencePool": {"enabled": False,
+                          "endpointPicker": {"name": "", "port": 9002, "failureMode": "FailOpen"}},
         "autoscaling": {"enabled": False, "minReplicas": 1, "maxReplicas": 4, "waitingPerReplica": 4,
-                        "pollingInterval": 15, "cooldownPeriod": 300,
+                        "pollingInterval": 15, "cooldownPeriod": 300, "fallbackAfterFailures": 3,
+                        "fallbackReplicas": None,
                         "prometheusServer": "http://prometheus-operated.monitoring.svc:9090"},
     }
 

@@ -56,6 +56,13 @@ def _seconds(text: str) -> float:
     return x
 
 
+def _stall(text: str) -> float:
+    x = _seconds(text)
+    if 0 < x < 1:   # an idle engine thread beats once a second: under that, a request arriving could read as a stall
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or at least 1 second, got {text}")
+    return x
+
+
 def _json_list(text: str) -> list[str]:
     try:
         value = json.loads(text)
@@ -84,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=_seconds, default=5.0,
                    help="on SIGTERM, seconds running and queued requests get to finish before they are aborted "
                         "(streams end with finish_reason \"abort\", others get a 503; default: 5)")
+    p.add_argument("--engine-stall-timeout", type=_stall, default=0.0,
+                   help="/health answers 503 while the engine has work and has finished no step for this many "
+                        "seconds: a liveness probe then restarts a wedged engine. Above the longest prefill "
+                        "(0: off; default: 0)")
     p.add_argument("--max-body-bytes", type=_positive, default=16 * 2**20,
                    help="largest request body; a larger one gets a 413 before it is read (default: 16 MiB)")
     p.add_argument("--body-timeout", type=_seconds, default=10.0,
@@ -130,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(load, model, args.served_model_name, max_waiting=args.max_waiting, on_load_error=on_load_error,
                      shutdown_grace=args.shutdown_timeout, max_body_bytes=args.max_body_bytes,
                      api_key=args.api_key, cors=cors, body_timeout_s=args.body_timeout,
-                     max_queue_wait=args.max_queue_wait)
+                     max_queue_wait=args.max_queue_wait, engine_stall_timeout=args.engine_stall_timeout)
     server = make_server(app, args.host, args.port, args.shutdown_timeout, args.log_level)
     server.run()
     return 1 if failed else 0

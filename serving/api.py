@@ -57,6 +57,7 @@ class Context:
     ready: bool = False
     error: str | None = None
     draining: bool = False
+    stall_limit: float = 0.0      # --engine-stall-timeout: /health is 503 once the engine is stuck this long (0: off)
 
     @property
     def info(self) -> TokenizerInfo:
@@ -80,6 +81,13 @@ class Context:
         if not self.ready:
             raise unavailable(f"model failed to load: {self.error}" if self.error else "model is loading")
 
+    def check_alive(self) -> None:
+        """/health's question beyond check_serving: has the engine moved lately when it has work?"""
+        self.check_serving()
+        if self.stall_limit and (stalled := self.scheduler.stalled_for()) > self.stall_limit:
+            raise unavailable(f"engine stalled: work in hand and no step done for {stalled:.0f} s "
+                              f"(--engine-stall-timeout {self.stall_limit:g})")
+
     def model_card(self) -> dict:
         card = {"id": self.name, "object": "model", "created": self.created, "owned_by": "g5g-images",
                 "root": str(self.model_dir), "parent": None}
@@ -99,16 +107,20 @@ def version() -> str:
 def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_model_name: str | None = None,
                max_waiting: int = 64, on_load_error: Callable[[BaseException], None] | None = None,
                shutdown_grace: float = 5.0, max_body_bytes: int = 16 * 2**20, api_key: str | None = None,
-               cors: dict | None = None, body_timeout_s: float = 10.0, max_queue_wait: float = 60.0) -> FastAPI:
+               cors: dict | None = None, body_timeout_s: float = 10.0, max_queue_wait: float = 60.0,
+               engine_stall_timeout: float = 0.0) -> FastAPI:
     """`load_engine` runs in the engine thread after the server starts listening; /health is 503 until it
     returns and a warm-up has produced a token. `app.state.begin_shutdown()` (thread-safe; `Server` calls it on
     SIGTERM) starts the drain: new requests get 503, running ones `shutdown_grace` seconds to finish, then
-    every open stream ends with finish_reason "abort" and [DONE] and every other request gets a 503."""
+    every open stream ends with finish_reason "abort" and [DONE] and every other request gets a 503.
+    `engine_stall_timeout` (seconds, 0: off): /health is also 503 while the engine has work and has finished no
+    prefill or decode step for that long (a wedged CUDA call), so a liveness probe on /health restarts the pod."""
 
     model_dir = Path(model_dir)
     name = served_model_name or model_dir.name
     metrics = Metrics(name)
-    ctx = Context(name, model_dir, metrics, Scheduler(metrics, max_waiting, max_queue_wait))
+    ctx = Context(name, model_dir, metrics, Scheduler(metrics, max_waiting, max_queue_wait),
+                  stall_limit=engine_stall_timeout)
     app = FastAPI(title="g5g serving", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=_lifespan(ctx, load_engine, on_load_error, shutdown_grace))
     app.state.ctx = ctx
@@ -216,7 +228,7 @@ router = APIRouter()
 
 @router.api_route("/health", methods=["GET", "HEAD"])
 async def health(request: Request):
-    request.app.state.ctx.check_serving()
+    request.app.state.ctx.check_alive()
     return Response(status_code=200)
 
 

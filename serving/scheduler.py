@@ -74,6 +74,7 @@ class Scheduler:
         self.engine: Engine | None = None
         self.batch: Batch | None = None
         self.info: TokenizerInfo | None = None
+        self.beat = time.monotonic()        # the engine thread's last sign of life: a join, a step or an idle wait ended
 
     @property
     def slots(self) -> int:
@@ -90,6 +91,11 @@ class Scheduler:
     def busy(self) -> bool:
         with self.wake:
             return self._running() > 0 or self._live() > 0
+
+    def stalled_for(self) -> float:
+        """Seconds the engine thread has had work in hand without finishing a join or a step (0 while idle: an idle
+        thread wakes at least once a second and beats)."""
+        return time.monotonic() - self.beat if self.busy() else 0.0
 
     @property
     def capacity(self) -> int:
@@ -130,7 +136,7 @@ class Scheduler:
         return n
 
     async def run(self) -> None:
-        self.batch = Batch(self.engine, self.info)
+        self.batch, self.beat = Batch(self.engine, self.info), time.monotonic()
         await asyncio.get_running_loop().run_in_executor(self.executor, self._loop)
 
     def cancel_all(self) -> None:
@@ -149,6 +155,7 @@ class Scheduler:
             with self.wake:
                 while not self.queued and not batch.live and not self.stopping.is_set():
                     self.wake.wait(timeout=1.0)
+                    self.beat = time.monotonic()
                 joining = [self.queued.popleft() for _ in range(min(batch.free, len(self.queued)))]
                 self.pending, self.joining = len(joining), joining
                 self.metrics.set_queue(self._live(), running=len(batch.live) + len(joining))
@@ -159,13 +166,14 @@ class Scheduler:
                     self._emit(batch.join(job), pending)
                 except Exception as e:    # a runtime bug must not kill the engine thread: report it to this request
                     self._fail([job], e, pending)
-                self.pending = pending
+                self.pending, self.beat = pending, time.monotonic()
             with self.wake:
                 self.joining = []
             try:
                 self._emit(batch.step())
             except Exception as e:
                 self._fail(batch.drop_all(), e)
+            self.beat = time.monotonic()
             self.metrics.set_queue(self._live(), running=len(batch.live))
             self._kv_usage()
         for job in batch.drop_all():

@@ -21,9 +21,11 @@ from tests.fixtures.helm import helm  # noqa: F401 - the fixture
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "deploy" / "chart"
 RESULTS = REPO / "benchmarks" / "results" / "serving_speed_h200"
-CRD_SCHEMAS = {"PodMonitor": "podmonitor.json", "ScaledObject": "scaledobject.json"}
+CRD_SCHEMAS = {"PodMonitor": "podmonitor.json", "ScaledObject": "scaledobject.json", "InferencePool": "inferencepool.json"}
 COMBOS = [(r, p) for p in ("g5g", "g4dn") for r in ("vllm", "jax", "pytorch")]
 FLEET = yaml.safe_load((REPO / "deploy" / "fleet.yaml").read_text())
+PROM_LABEL = "podMonitor.labels.release=kube-prometheus-stack"   # what a default kube-prometheus-stack selects by
+AWS_CLI = "model.s3.image=public.ecr.aws/aws-cli/aws-cli:2.35.19@sha256:" + "c" * 64   # pinned (a made-up digest)
 VLLM_ENGINE_INIT_S = 76.4  # docs/FACTS.md, fleet section: "engine init 76.4 s" (vLLM on a G5g; not measurable here)
 
 
@@ -94,10 +96,10 @@ def test_every_runtime_and_profile_renders_and_validates(helm, runtime, profile)
     values = f"values-{runtime}-{profile}.yaml"
     plain = render(helm, values)
     full = render(helm, values, "autoscaling.enabled=true", "podMonitor.enabled=true", "secrets.apiKey.name=llm-api",
-                  "secrets.hfToken.name=hf", "compileCache.claimName=jax-cache")
-    assert sorted(d["kind"] for d in plain) == ["Deployment", "PodDisruptionBudget", "Service"]
-    assert sorted(d["kind"] for d in full) == ["Deployment", "PodDisruptionBudget", "PodMonitor", "ScaledObject",
-                                               "Service"]
+                  "secrets.hfToken.name=hf", "compileCache.claimName=jax-cache", PROM_LABEL)
+    assert sorted(d["kind"] for d in plain) == ["Deployment", "Pod", "PodDisruptionBudget", "Service"]   # Pod: helm test
+    assert sorted(d["kind"] for d in full) == ["Deployment", "Pod", "PodDisruptionBudget", "PodMonitor",
+                                               "ScaledObject", "Service"]
     for doc in plain + full:
         validate(doc)
     dep = by_kind(plain)["Deployment"]
@@ -128,18 +130,26 @@ def test_every_runtime_and_profile_renders_and_validates(helm, runtime, profile)
                       if runtime in ("jax", "vllm", "pytorch") else [])      # fleet.yaml compile_cache
     # the model fetched by an init container instead: renders and validates too (ConfigMap with the script)
     for source in ("huggingface", "s3"):
-        docs = render(helm, values, f"model.source={source}", "model.s3.uri=s3://models/gemma/",
+        docs = render(helm, values, f"model.source={source}", "model.s3.uri=s3://models/gemma/", AWS_CLI,
                       "model.sha256.config\\.json=" + "a" * 64, "model.cache.claimName=model-cache")
-        assert sorted(d["kind"] for d in docs) == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service"]
+        assert sorted(d["kind"] for d in docs) == ["ConfigMap", "Deployment", "Pod", "PodDisruptionBudget",
+                                                   "Service"]
         for doc in docs:
             validate(doc)
 
 
 def test_secrets_come_from_secret_refs_never_from_values(helm):  # noqa: F811
-    docs = render(helm, "values.yaml", "secrets.apiKey.name=llm-api", "secrets.hfToken.name=hf")
-    (c,) = by_kind(docs)["Deployment"]["spec"]["template"]["spec"]["containers"]
-    assert c["env"] == [{"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llm-api", "key": "api-key"}}},
-                        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]
+    token = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+    for source in ("pvc", "huggingface"):
+        docs = render(helm, "values.yaml", "secrets.apiKey.name=llm-api", "secrets.hfToken.name=hf",
+                      f"model.source={source}")
+        pod = by_kind(docs)["Deployment"]["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        # the server reads a model already on disk: the Hub token goes only to the init container that fetches
+        assert c["env"] == [{"name": "VLLM_API_KEY",
+                             "valueFrom": {"secretKeyRef": {"name": "llm-api", "key": "api-key"}}}], source
+        assert [token in i["env"] for i in pod.get("initContainers", [])] == ([True] if source == "huggingface"
+                                                                              else [])
     for path in CHART.glob("values*.yaml"):
         v = yaml.safe_load(path.read_text())
         assert set(v["secrets"]) == {"apiKey", "hfToken"} and all(set(s) == {"name", "key"}
@@ -221,7 +231,7 @@ def test_the_drain_outlasts_the_longest_reply_the_chart_allows_at_t4g_speed(helm
 
 def test_the_scaler_asks_prometheus_for_this_releases_queue(helm):  # noqa: F811
     docs = render(helm, "values-pytorch-g4dn.yaml", "autoscaling.enabled=true", "autoscaling.maxReplicas=8",
-                  namespace="team-a")
+                  PROM_LABEL, namespace="team-a")
     so = by_kind(docs)["ScaledObject"]
     assert so["spec"]["scaleTargetRef"]["name"] == by_kind(docs)["Deployment"]["metadata"]["name"] == "gemma-pytorch"
     (trigger,) = so["spec"]["triggers"]
@@ -237,7 +247,7 @@ def test_the_validation_can_fail(helm):  # noqa: F811
     dep["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "http"
     with pytest.raises(kubernetes_validate.ValidationError, match="containerPort"):
         validate(dep)
-    so = by_kind(render(helm, "values.yaml", "autoscaling.enabled=true"))["ScaledObject"]
+    so = by_kind(render(helm, "values.yaml", "autoscaling.enabled=true", PROM_LABEL))["ScaledObject"]
     so["spec"]["triggers"][0]["metadata"]["serverAddress"] = "prometheus:9090"
     with pytest.raises(jsonschema.ValidationError, match="does not match"):
         validate(so)
@@ -256,6 +266,19 @@ def test_the_validation_can_fail(helm):  # noqa: F811
     ("autoscaling.enabled=true,autoscaling.maxReplicas=1,autoscaling.minReplicas=2",
      "autoscaling.maxReplicas: 1 is below autoscaling.minReplicas (2)"),
     ("model.source=s3,model.s3.uri=s3://models/gemma/", "model.sha256: required with model.source s3"),
+    # the scrape a default kube-prometheus-stack never selects: refused, naming the key
+    ("autoscaling.enabled=true", "podMonitor.labels: required with autoscaling.enabled or podMonitor.enabled"),
+    ("podMonitor.enabled=true", "podMonitor.labels: required with autoscaling.enabled or podMonitor.enabled"),
+    ("autoscaling.enabled=true,podMonitor.labels.release=kps,autoscaling.fallbackReplicas=9",
+     "autoscaling.fallbackReplicas: 9 is outside autoscaling.minReplicas..maxReplicas (1..4)"),
+    # a flag the chart sets, spelled --flag=value: refused like --flag value
+    ("extraArgs={--port=9001}", "extraArgs: --port is set by port"),
+    ("extraArgs={--engine-stall-timeout=5}", "extraArgs: --engine-stall-timeout is set by "
+                                             "probes.liveness.engineStallSeconds"),
+    ("probes.liveness.engineStallSeconds=60", "probes.liveness.engineStallSeconds: vllm has no engine heartbeat flag"),
+    # the AWS CLI runs with the bucket's credentials: by digest only
+    ("model.source=s3,model.s3.uri=s3://models/gemma/,model.sha256.config\\.json=" + "a" * 64,
+     "model.s3.image: public.ecr.aws/aws-cli/aws-cli:2.35.19 is not pinned by digest"),
     ("model.source=git", "at '/model/source'"),
     ("extraArgs={--max-model-len,32768}", "extraArgs: --max-model-len is set by maxModelLen"),
 ])
@@ -415,7 +438,7 @@ def test_the_model_from_the_hub_is_fetched_once_into_a_cache_and_checked(helm): 
 
 def test_the_model_from_s3_is_downloaded_then_checked_against_its_hashes(helm):  # noqa: F811
     sums = {"config.json": "a" * 64, "model.safetensors": "b" * 64}
-    docs = by_kind(render(helm, "values-jax-g5g.yaml", "model.source=s3", "model.s3.uri=s3://models/gemma-4/",
+    docs = by_kind(render(helm, "values-jax-g5g.yaml", "model.source=s3", "model.s3.uri=s3://models/gemma-4/", AWS_CLI,
                           *(f"model.sha256.{k.replace('.', chr(92) + '.')}={v}" for k, v in sums.items())))
     download, check = docs["Deployment"]["spec"]["template"]["spec"]["initContainers"]
     assert download["image"].startswith("public.ecr.aws/aws-cli/aws-cli:") and "aws s3 cp" in download["command"][2]
@@ -433,10 +456,21 @@ def test_fleet_yaml_errors_are_one_line_naming_the_key(tmp_path):
     cases = [
         ({"probes": {**good["probes"], "period_s": 0}}, "probes.period_s: Input should be greater than or equal to 1"),
         ({"startup_margin": 0}, "startup_margin: Input should be greater than or equal to 1"),
-        ({"nodes": {"g5g": {"instance_types": "g5g.2xlarge"}}}, "nodes.g5g.instance_types: must be a list"),
+        ({"nodes": {"g5g": {"instance_types": ["g5g.2xlarge"]}}}, "nodes.g5g.instance_types: must be a mapping"),
+        # a node whose memory is below the pod's limit: the pod never fits there (g5g.xlarge has 8 GiB)
+        ({"nodes": {**good["nodes"], "g5g": {"instance_types": {"g5g.xlarge": 8, "g5g.2xlarge": 16}}}},
+         "nodes.g5g.instance_types.g5g.xlarge: 8 GiB of memory is below resources.limits.memory (14Gi)"),
+        ({"resources": {"requests": {"cpu": "3", "memory": "16Gi"}, "limits": {"memory": "14Gi"}}},
+         "resources.requests.memory: 16Gi is above resources.limits.memory (14Gi)"),
+        ({"fetch_resources": {"requests": {"memory": "3Gi"}, "limits": {"memory": "2048Mi"}}},
+         "fetch_resources.requests.memory: 3Gi is above fetch_resources.limits.memory (2048Mi)"),
+        ({"resources": {"requests": {"memory": "12 GB"}, "limits": {"memory": "14Gi"}}},
+         "resources.requests.memory: '12 GB' is not a memory quantity"),
+        ({"engine_stall_s": {"llama": 60}}, "engine_stall_s.llama: not a runtime that boots"),
         ({"shutdown": {**good["shutdown"], "exit_backstop_s": -5}}, "shutdown.exit_backstop_s: Input should be"),
-        ({"probe": {}}, "probe: unknown key (allowed: boot, compile_cache, decode_tok_s, default, max_model_len, "
-                        "nodes, probes, resources, rollout, shutdown, startup_margin)"),
+        ({"probe": {}}, "probe: unknown key (allowed: boot, compile_cache, decode_tok_s, default, engine_stall_s, "
+                        "fetch_resources, max_model_len, nodes, probes, resources, rollout, shutdown, "
+                        "startup_margin)"),
         ({"max_model_len": "4k"}, "max_model_len: must be a number"),
         ({"boot": {**good["boot"], "jax": [[{"from": "benchmarks/results/nope.json", "key": "a"}]]}},
          "boot.jax[0][0].from: cannot read benchmarks/results/nope.json"),

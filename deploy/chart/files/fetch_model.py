@@ -5,7 +5,8 @@
 
 A pod downloads into /cache/.partial/<pod>, every file's hash is checked (Hugging Face: the Hub's own sha256 of each
 LFS file and git blob id of the others, at the commit the revision resolved to; and the --sha256 list), then the
-directory is renamed to DIR with a `.verified` record. DIR with its record is never fetched again: on a shared PVC,
+directory is renamed to DIR with a `.verified` record; `.partial/<pod>` directories of fetches that died (nothing
+written for STALE_S) are removed first. DIR with its record is never fetched again: on a shared PVC,
 every pod that starts after the first checked fetch reuses it (pods that start together each fetch; the first to
 finish publishes, the others drop their copies). Runs with the serving image's python3 (huggingface_hub comes with transformers and
 vLLM); stdlib otherwise. An error is one line on stderr and exit 1 (the kubelet retries the init container).
@@ -18,10 +19,12 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 VERIFIED = ".verified"
 CHUNK = 1 << 20
+STALE_S = 2 * 3600   # a .partial/<pod> with nothing written for this long is a fetch that died (a live one writes)
 
 
 class FetchError(Exception):
@@ -69,6 +72,20 @@ def publish(partial: Path, dest: Path, record: dict) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
+def sweep_partials(partials: Path, own: str, stale_s: float, now: float) -> list[str]:
+    """Remove the .partial/<pod> directories that crashed fetches left on a shared cache (another pod's name each
+    time: nothing else ever clears them), those with nothing written for `stale_s`; never `own`. Their names."""
+    swept = []
+    for d in sorted(partials.iterdir()) if partials.is_dir() else ():
+        if d.name == own or not d.is_dir():
+            continue
+        newest = max([p.lstat().st_mtime for p in d.rglob("*")] + [d.lstat().st_mtime])
+        if now - newest > stale_s:
+            shutil.rmtree(d, ignore_errors=True)
+            swept.append(d.name)
+    return swept
+
+
 def hub_expected(siblings) -> dict[str, tuple[str, str]]:
     """The Hub's hashes of a revision's files: an LFS file's sha256, another file's git blob id."""
     out = {}
@@ -106,10 +123,13 @@ def run(argv: list[str]) -> str:
     p.add_argument("--revision", default="main")
     p.add_argument("--sha256", action="append", default=[])
     a = p.parse_args(argv)
+    pod = os.environ.get("POD", "local")
+    partial = a.dest.parent / ".partial" / pod
+    for name in sweep_partials(partial.parent, pod, STALE_S, time.time()):
+        print(f"removed {partial.parent / name}: a fetch that stopped writing {STALE_S // 3600} h ago", flush=True)
     if (a.dest / VERIFIED).is_file():
         return f"{a.dest}: fetched and checked before ({VERIFIED}): nothing to do"
     own = parse_sha256(a.sha256)
-    partial = a.dest.parent / ".partial" / os.environ.get("POD", "local")
     if a.source == "huggingface":
         if not a.repo:
             raise FetchError("huggingface: --repo is required")
