@@ -38,6 +38,25 @@ BIG_INTS = [
 ]
 
 
+def _called(arguments: str) -> list[dict]:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return [{"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "user", "content": QUESTION}]
+
+
+# Round 4's causes of a 500 (issue 40), each with the 400 it gets now: tool-call arguments too deep, with a lone
+# surrogate, past the body's object limit; a bad word of only whitespace. (path, body, message).
+ROUND4 = [
+    *((path, {"model": "tiny", "messages": _called(args), "max_tokens": 2}, message)
+      for path in (CHAT, TOKENIZE) for args, message in (
+          ("[" * 5000, "messages.0.tool_calls.0.function.arguments is nested too deeply"),
+          ('{"a": "\\ud800"}', "messages.0.tool_calls.0.function.arguments contains an invalid unicode escape"),
+          (json.dumps({"a": [{}] * 70_000}), "request body has more than 65536 JSON objects"))),
+    *((path, {"model": "tiny", **prompt, "max_tokens": 2, "bad_words": words}, "bad_words.")
+      for path, prompt in ((CHAT, {"messages": ASK}), (COMPLETIONS, {"prompt": QUESTION}))
+      for words in (["  "], ["ok", "\t\n"])),
+]
+
+
 def _cases() -> list[tuple[str, str, bytes | None, dict]]:
     """(method, path, body, headers): each one distinct."""
     out = []
@@ -215,6 +234,8 @@ def _cases() -> list[tuple[str, str, bytes | None, dict]]:
                  [chr(0x4E00 + i) * 256 for i in range(64)]):
         post(CHAT, chat(stop=stop))
         post(COMPLETIONS, {"model": "tiny", "prompt": QUESTION, "max_tokens": 4, "stop": stop})
+    for path, body, _ in ROUND4:
+        post(path, body)
     # OpenAI's nullable fields, null: the default.
     for name in ("stream", "n", "ignore_eos", "min_tokens", "skip_special_tokens", "include_stop_str_in_output",
                  "add_generation_prompt", "continue_final_message", "top_logprobs", "stream_options",
@@ -331,6 +352,16 @@ def test_integers_past_int32(runtime_servers, runtime):
         else:
             got.append((200, "choices" in r.json()))
     assert got == [(status, "min_tokens" if status == 400 else True) for _, _, status in BIG_INTS]
+
+
+@pytest.mark.parametrize("runtime", ["pytorch", "jax"])
+def test_tool_call_arguments_and_bad_words_are_the_clients_400(runtime_servers, runtime):
+    """Each was a 500 (RecursionError, a TypeError in the tokenizer, an IndexError): tool-call arguments are read as
+    strictly as the body, within its limits, and a bad word that strips to nothing is refused."""
+    url = runtime_servers[runtime]
+    got = [(r.status_code, r.json()["error"]["message"][:len(message)])
+           for path, body, message in ROUND4 for r in [requests.post(url + path, json=body, timeout=60)]]
+    assert got == [(400, message) for _, _, message in ROUND4]
 
 
 def _huge_beside_small(url: str, path: str, bodies: list[dict]) -> tuple[dict, list]:
