@@ -96,10 +96,12 @@ def sampling(ctx, req, prompt_len: int, max_tokens: int | None, top_logprobs: in
 def bad_words_ids(info, words) -> tuple[tuple[int, ...], ...]:
     """Each bad word's token ids, alone and after a space (a word mid-sentence), as vLLM bans them."""
     out = []
-    for word in words:
+    for i, word in enumerate(words):
+        if not word.strip():            # vLLM strips it to nothing and fails on the empty token list
+            raise APIError(400, f"bad_words.{i}: a word of only whitespace bans nothing", param=f"bad_words.{i}")
         alone = tuple(info.encode(word.lstrip()))
         spaced = tuple(info.encode(" " + word.lstrip()))
-        out += [alone] + ([spaced] if spaced and spaced[0] != alone[0] and len(spaced) == len(alone) else [])
+        out += [alone] + ([spaced] if alone and spaced and spaced[0] != alone[0] and len(spaced) == len(alone) else [])
     return tuple(seq for seq in out if seq)
 
 
@@ -184,9 +186,9 @@ async def submit(request: Request, prompts: list[tuple[list[int], SamplingParams
     stops = await asyncio.to_thread(StopAutomaton, prompts[0][1].stop)
     ctx = request.app.state.ctx
     ctx.check_serving()                    # again: the server may have begun shutting down while we tokenised
-    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    loop, events, started = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
     jobs = [Job(ids, params if params.seed is None or j == 0 else replace(params, seed=params.seed + j * GOLDEN),
-                loop, events=events, index=p * n + j, grammar=grammar, reveal=reveal, stops=stops)
+                loop, events=events, index=p * n + j, grammar=grammar, reveal=reveal, stops=stops, started=started)
             for p, (ids, params) in enumerate(prompts) for j in range(n)]
     try:
         ctx.scheduler.submit(*jobs)

@@ -5,6 +5,7 @@ PyTorch engine with a pause before each decode step (tests/fixtures/paced_runtim
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -271,3 +272,64 @@ def test_abort_all_ends_requests_taken_from_the_queue_but_not_started(tiny_gemma
 
     aborted, ends = asyncio.run(main())
     assert (aborted, ends) == (3, [("abort", True)] * 3)
+
+
+def test_n_choices_wait_as_one_request(tiny_gemma4):
+    """One slot, --max-queue-wait 1, n=3 choices of 30 paced steps (1.5 s each): the second and third choice wait
+    for the slot while their siblings run, longer than 1 s, and must not expire (before: a 429 after the first,
+    or a 200 stream with an error event in it). Plain and streamed."""
+    body = {**LONG, "max_tokens": 30, "n": 3, "temperature": 1.0, "seed": 4}
+    with tiny_server(tiny_gemma4, "--max-waiting", "8", "--max-queue-wait", "1", pace=0.05) as srv:
+        plain, streamed = Call(srv.url, body), Call(srv.url, {**body, "stream": True})
+        for call in (plain, streamed):
+            call.join(120)
+        assert plain.status == 200, (plain.status, plain.json)
+        assert [c["finish_reason"] for c in plain.json["choices"]] == ["length"] * 3
+        assert streamed.status == 200 and streamed.events[-1] == "[DONE]", streamed.events[-3:]
+        chunks = [json.loads(e) for e in streamed.events[:-1]]
+        assert not [c for c in chunks if "error" in c]
+        assert sorted(ch["index"] for c in chunks for ch in c["choices"] if ch["finish_reason"]) == [0, 1, 2]
+
+
+def _expiring(jobs_ago: list[float], max_queue_wait: float = 1.0):
+    """A Scheduler whose FIFO holds jobs that arrived `ago` seconds back, and the loop their events go to."""
+    from serving.generation import SamplingParams
+    from serving.metrics import Metrics
+    from serving.scheduler import Job, Scheduler
+
+    loop = asyncio.new_event_loop()
+    sched = Scheduler(Metrics("t"), max_waiting=8, max_queue_wait=max_queue_wait)
+    now = time.monotonic()
+    jobs = [Job([2, 5], SamplingParams(temperature=0.0, max_tokens=4), loop, arrival=now - ago) for ago in jobs_ago]
+    sched.queued.extend(jobs)
+    return sched, jobs, loop
+
+
+def _answers(loop, jobs) -> list:
+    """What each job was sent (an error's status), once the loop ran the callbacks the engine thread queued."""
+    loop.run_until_complete(asyncio.sleep(0))
+    out = [j.events.get_nowait()[1] if not j.events.empty() else None for j in jobs]
+    loop.close()
+    return [getattr(ev, "status", ev) for ev in out]
+
+
+def test_a_cancelled_head_of_the_queue_does_not_hold_back_the_expiry_behind_it():
+    """The FIFO's head left (cancelled) while queued; the jobs behind it waited past --max-queue-wait: each gets
+    its 429, and only the young one stays queued."""
+    sched, jobs, loop = _expiring([5.0, 4.0, 3.0, 0.0])
+    jobs[0].cancelled.set()
+    sched._expire()
+    assert list(sched.queued) == [jobs[3]]
+    assert _answers(loop, jobs)[1:] == [429, 429, None]
+
+
+def test_a_choice_whose_sibling_has_a_slot_never_expires():
+    """Choices 0 and 1 of one request: 0 has a slot (taken from the queue), so 1 waits on without a deadline; an
+    older-than-the-limit request behind it still expires."""
+    import threading
+    sched, jobs, loop = _expiring([5.0, 5.0, 3.0])
+    jobs[0].started = jobs[1].started = threading.Event()
+    sched.queued.popleft().started.set()
+    sched._expire()
+    assert list(sched.queued) == [jobs[1]]
+    assert _answers(loop, jobs)[1:] == [None, 429]
