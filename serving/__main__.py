@@ -88,6 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request body; a larger one gets a 413 before it is read (default: 16 MiB)")
     p.add_argument("--body-timeout", type=_seconds, default=10.0,
                    help="seconds a request body may pause before it is complete; then a 408 (0: no limit; default: 10)")
+    from serving.grammar_compile import CACHE_BYTES, COMPILE_MEMORY, COMPILES
+
+    p.add_argument("--grammar-compiles", type=_positive, default=COMPILES,
+                   help="schema compiles (response_format, forced tools) run at once, each in its own process; "
+                        "twice as many more may wait, past that a 429 (default: %(default)s)")
+    p.add_argument("--grammar-memory", type=_count, default=COMPILE_MEMORY,
+                   help="bytes of address space for all schema compiles' processes together, shared equally "
+                        "(0: no cap; default: 2 GiB)")
+    p.add_argument("--grammar-cache-bytes", type=_count, default=CACHE_BYTES,
+                   help="bytes of compiled schemas the server holds, cached or in use; a new compile past it is a "
+                        "429 (default: 256 MiB)")
     p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1/* (as vllm serve; default: $VLLM_API_KEY)")
     p.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS origins, a JSON list")
@@ -130,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(load, model, args.served_model_name, max_waiting=args.max_waiting, on_load_error=on_load_error,
                      shutdown_grace=args.shutdown_timeout, max_body_bytes=args.max_body_bytes,
                      api_key=args.api_key, cors=cors, body_timeout_s=args.body_timeout,
-                     max_queue_wait=args.max_queue_wait)
+                     max_queue_wait=args.max_queue_wait,
+                     grammar_limits={"workers": args.grammar_compiles, "memory": args.grammar_memory,
+                                     "cache_bytes": args.grammar_cache_bytes})
     server = make_server(app, args.host, args.port, args.shutdown_timeout, args.log_level)
     server.run()
     return 1 if failed else 0

@@ -41,7 +41,7 @@ from serving.metrics import Metrics
 from serving.middleware import Guard, http_protocol
 from serving.protocol import APIError, unavailable
 from serving.scheduler import Scheduler
-from serving.structured import Grammars
+from serving.grammar_compile import Grammars
 
 log = logging.getLogger("serving.api")
 
@@ -57,6 +57,7 @@ class Context:
     ready: bool = False
     error: str | None = None
     draining: bool = False
+    grammar_limits: dict = field(default_factory=dict)     # Grammars' workers, memory, cache_bytes (flags)
 
     @property
     def info(self) -> TokenizerInfo:
@@ -68,7 +69,7 @@ class Context:
 
     @functools.cached_property
     def grammars(self) -> Grammars:
-        return Grammars(self.info, self.scheduler.engine.vocab_size)
+        return Grammars(self.info, self.scheduler.engine.vocab_size, **self.grammar_limits)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.name:
@@ -99,7 +100,8 @@ def version() -> str:
 def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_model_name: str | None = None,
                max_waiting: int = 64, on_load_error: Callable[[BaseException], None] | None = None,
                shutdown_grace: float = 5.0, max_body_bytes: int = 16 * 2**20, api_key: str | None = None,
-               cors: dict | None = None, body_timeout_s: float = 10.0, max_queue_wait: float = 60.0) -> FastAPI:
+               cors: dict | None = None, body_timeout_s: float = 10.0, max_queue_wait: float = 60.0,
+               grammar_limits: dict | None = None) -> FastAPI:
     """`load_engine` runs in the engine thread after the server starts listening; /health is 503 until it
     returns and a warm-up has produced a token. `app.state.begin_shutdown()` (thread-safe; `Server` calls it on
     SIGTERM) starts the drain: new requests get 503, running ones `shutdown_grace` seconds to finish, then
@@ -108,7 +110,8 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
     model_dir = Path(model_dir)
     name = served_model_name or model_dir.name
     metrics = Metrics(name)
-    ctx = Context(name, model_dir, metrics, Scheduler(metrics, max_waiting, max_queue_wait))
+    ctx = Context(name, model_dir, metrics, Scheduler(metrics, max_waiting, max_queue_wait),
+                  grammar_limits=grammar_limits or {})
     app = FastAPI(title="g5g serving", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=_lifespan(ctx, load_engine, on_load_error, shutdown_grace))
     app.state.ctx = ctx

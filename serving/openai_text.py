@@ -21,7 +21,8 @@ from serving.generation import Delta, Finish, Logprob, PromptLogprob, PromptTooL
 from serving.protocol import (APIError, ChatRequest, CompletionRequest, ResponseFormat, messages, read,
                               template_options, unavailable)
 from serving.scheduler import Job, QueueFull
-from serving.structured import InvalidGrammar
+from serving.grammar_compile import POLL_S, GrammarBusy
+from serving.structured import ANY_OBJECT, InvalidGrammar
 from serving.tool_calls import GemmaCalls, NamedCall, Reader, RequiredCalls, merge, required_schema
 
 router = APIRouter()
@@ -133,45 +134,51 @@ def tool_plan(req: ChatRequest) -> tuple[list[dict] | None, Callable[[], Reader]
     return shown, lambda: NamedCall(name), params[name]
 
 
-def output_grammar(ctx, fmt: ResponseFormat | None, tool_schema: Any = None,
-                   gone: threading.Event | None = None) -> Any:
-    """The grammar the output follows (compiled here: call from a worker thread), or None for free text. `gone`:
-    set when the client left (a compile nobody waits for any more stops)."""
+def grammar_schema(fmt: ResponseFormat | None, tool_schema: Any = None) -> tuple[Any, str] | None:
+    """The JSON schema the output follows and the parameter that asked for it, or None for free text."""
+    if tool_schema is not None:
+        if fmt is not None and fmt.type != "text":
+            raise APIError(400, "response_format cannot be combined with tool_choice \"required\" or a named "
+                                "function (the call's arguments are already JSON)", param="response_format")
+        return tool_schema, "tools"
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return ANY_OBJECT, "response_format"
+    if fmt.json_schema is None:
+        raise APIError(400, "response_format: invalid JSON schema: type json_schema needs json_schema: {\"name\": "
+                            "…, \"schema\": {…}}", param="response_format")
+    return fmt.json_schema.schema_, "response_format"
+
+
+async def output_grammar(request: Request, fmt: ResponseFormat | None, tool_schema: Any = None) -> Any:
+    """The grammar the output follows, or None for free text. Compiled by the server's Grammars
+    (serving/grammar_compile.py: its own workers and admission) and awaited here, holding no thread; a compile
+    nobody waits for any more (its clients left) stops. Busy compiling: a 429, to retry."""
+    wanted = grammar_schema(fmt, tool_schema)
+    if wanted is None:
+        return None
+    (schema, param), grammars = wanted, request.app.state.ctx.grammars
     try:
-        if tool_schema is not None:
-            if fmt is not None and fmt.type != "text":
-                raise APIError(400, "response_format cannot be combined with tool_choice \"required\" or a named "
-                                    "function (the call's arguments are already JSON)", param="response_format")
-            try:
-                return ctx.grammars.json_schema(tool_schema, gone)
-            except InvalidGrammar as e:
-                raise APIError(400, f"tools: a function's parameters are not a usable JSON schema: {e}",
-                               param="tools") from None
-        if fmt is None or fmt.type == "text":
-            return None
-        if fmt.type == "json_object":
-            return ctx.grammars.json_object(gone)
-        if fmt.json_schema is None:
-            raise InvalidGrammar("type json_schema needs json_schema: {\"name\": …, \"schema\": {…}}")
-        return ctx.grammars.json_schema(fmt.json_schema.schema_, gone)
+        key, entry = await asyncio.to_thread(grammars.enter, schema)      # its checks walk the schema
+        gone, compiled = False, asyncio.wrap_future(entry.future)
+        try:
+            while True:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(compiled), POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        gone = True
+                        raise InvalidGrammar("its requester left") from None
+        finally:
+            grammars.leave(key, entry, gone)
+    except GrammarBusy as e:
+        raise APIError(429, f"server busy compiling schemas: {e}; retry later", "rate_limit_error", param=param,
+                       code="rate_limit_exceeded") from None
     except InvalidGrammar as e:
-        raise APIError(400, f"response_format: invalid JSON schema: {e}", param="response_format") from None
-
-
-async def while_connected(request: Request, fn: Callable[[threading.Event], Any]) -> Any:
-    """fn(gone) in a worker thread; `gone` is set if the client disconnects meanwhile."""
-    gone = threading.Event()
-
-    async def watch():
-        while not await request.is_disconnected():
-            await asyncio.sleep(0.25)
-        gone.set()
-
-    watcher = asyncio.create_task(watch())
-    try:
-        return await asyncio.to_thread(fn, gone)
-    finally:
-        watcher.cancel()
+        message = ("tools: a function's parameters are not a usable JSON schema" if param == "tools" else
+                   "response_format: invalid JSON schema")
+        raise APIError(400, f"{message}: {e}", param=param) from None
 
 
 GOLDEN = 0x9E3779B97F4A7C15     # 2**64 / golden ratio: choice i's seed is the request's plus i times this
@@ -280,7 +287,7 @@ async def chat(request: Request):
         return ctx.info.encode(text, limit=limit)
 
     ids = await prompt_ids(ctx, build, max_tokens, "messages")
-    grammar = await while_connected(request, lambda gone: output_grammar(ctx, req.response_format, tool_schema, gone))
+    grammar = await output_grammar(request, req.response_format, tool_schema)
     params = sampling(ctx, req, len(ids), max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                       req.prompt_logprobs)   # n checked
     readers = [new_reader() for _ in range(req.n)]     # each choice's text -> content and tool_calls deltas
@@ -352,7 +359,7 @@ async def completions(request: Request):
             ctx.info.encode(prompt, add_special_tokens=True, limit=limit)
 
     ids = [await prompt_ids(ctx, build(prompt), req.max_tokens, "prompt") for prompt in prompts]
-    grammar = await while_connected(request, lambda gone: output_grammar(ctx, req.response_format, None, gone))
+    grammar = await output_grammar(request, req.response_format)
     echoes = [""] * len(prompts)
     if req.echo:
         echoes = [p if isinstance(p, str) else await asyncio.to_thread(ctx.info.decode, i)

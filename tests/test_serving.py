@@ -421,3 +421,19 @@ def test_openais_nullable_fields_take_null_as_the_default(server):
     assert tok.status_code == 200 and tok.json()["token_strs"] is None, tok.text
     from serving.protocol import CompletionRequest, parse
     assert parse(CompletionRequest, b'{"prompt": "a", "max_tokens": null}').max_tokens is None
+
+
+def test_the_stop_limits_are_exact():
+    """64 stop strings and 16 384 characters in all are taken; one more of either is refused."""
+    from serving.protocol import APIError, ChatRequest, parse
+
+    def body(stop) -> bytes:
+        return json.dumps({"messages": [{"role": "user", "content": "hi"}], "stop": stop}).encode()
+
+    for ok in (["s"] * 64, "x" * 16_384, ["x" * 8_192] * 2, ["ab"] * 63 + ["c" * (16_384 - 126)]):
+        assert parse(ChatRequest, body(ok)).stop == ok
+    for bad, message in ((["s"] * 65, "stop: more than 64 stop strings"),
+                         ("x" * 16_385, "stop: more than 16384 characters"),
+                         (["ab"] * 63 + ["c" * (16_385 - 126)], "stop: more than 16384 characters")):
+        with pytest.raises(APIError, match=message):
+            parse(ChatRequest, body(bad))

@@ -280,13 +280,14 @@ def test_n_choices_wait_as_one_request(tiny_gemma4):
     or a 200 stream with an error event in it). Plain and streamed."""
     body = {**LONG, "max_tokens": 30, "n": 3, "temperature": 1.0, "seed": 4}
     with tiny_server(tiny_gemma4, "--max-waiting", "8", "--max-queue-wait", "1", pace=0.05) as srv:
-        plain, streamed = Call(srv.url, body), Call(srv.url, {**body, "stream": True})
-        for call in (plain, streamed):
-            call.join(120)
+        plain = Call(srv.url, body)
+        plain.join(120)
+        streamed = Call(srv.url, {**body, "stream": True})
+        streamed.join(120)
         assert plain.status == 200, (plain.status, plain.json)
         assert [c["finish_reason"] for c in plain.json["choices"]] == ["length"] * 3
-        assert streamed.status == 200 and streamed.events[-1] == "[DONE]", streamed.events[-3:]
-        chunks = [json.loads(e) for e in streamed.events[:-1]]
+        assert streamed.status == 200 and streamed.events[-1] == "data: [DONE]", streamed.events[-3:]
+        chunks = [json.loads(e.removeprefix("data: ")) for e in streamed.events[:-1]]
         assert not [c for c in chunks if "error" in c]
         assert sorted(ch["index"] for c in chunks for ch in c["choices"] if ch["finish_reason"]) == [0, 1, 2]
 
