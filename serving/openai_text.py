@@ -15,11 +15,11 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
+from serving.answering import collect, json_response, sse, stream
 from serving.generation import Delta, Finish, Logprob, PromptLogprob, PromptTooLong, SamplingParams, StopAutomaton
 from serving.protocol import (APIError, ChatRequest, CompletionRequest, ResponseFormat, messages, read,
-                              template_options, unavailable)
+                              template_options)
 from serving.scheduler import Job, QueueFull
 from serving.grammar_compile import POLL_S, GrammarBusy
 from serving.structured import ANY_OBJECT, InvalidGrammar
@@ -212,10 +212,6 @@ def usage(fins: list[Finish], n: int | None = None) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def sse(body: Any) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-
 def _lp(value: float) -> float:
     return max(value, -9999.0)         # -inf is not JSON: OpenAI's and vLLM's floor
 
@@ -325,7 +321,7 @@ async def chat(request: Request):
                             on_text, on_finish, end)
 
     results = await collect(request, jobs)
-    return JSONResponse({
+    return await json_response(lambda: {
         "id": rid, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": i, "message": merge(readers[i].feed(text) + readers[i].close()),
                      "logprobs": chat_logprobs(lps) if req.logprobs else None,
@@ -397,102 +393,10 @@ async def completions(request: Request):
                             lambda i, fin: [chunk(i, "", None, fin.reason)], end)
 
     results = await collect(request, jobs)
-    return JSONResponse({
+    return await json_response(lambda: {
         **base, "choices": [{"index": i, "text": echoes[i // req.n] + text,
                              "logprobs": None if req.logprobs is None else completion_logprobs(
                                  (echoed(prompt, req.logprobs) if with_prompt else []) + lps, 0),
                              "finish_reason": fin.reason, "prompt_logprobs": prompt_logprobs(prompt)}
                             for i, (text, lps, fin, prompt) in enumerate(results)],
         "usage": usage([fin for _, _, fin, _ in results], req.n)})
-
-
-# -------------------------------------------------------------------------------------------- answering
-async def _stop_when_gone(request: Request, jobs: list[Job]) -> None:
-    """Stops the jobs' generations once the client hangs up (a task, cancelled when the answer is done)."""
-    while not await request.is_disconnected():
-        await asyncio.sleep(0.25)
-    for job in jobs:
-        job.cancelled.set()
-
-
-async def first_event(request: Request, jobs: list[Job]) -> tuple[int, Any]:
-    """The jobs' first (index, event), awaited before a stream's headers go out, so that a request the queue
-    refuses (429: no slot within --max-queue-wait) or the engine fails gets its status, not a 200 and an error
-    event. Stops the jobs if the client hangs up meanwhile."""
-    watcher = asyncio.create_task(_stop_when_gone(request, jobs))
-    try:
-        head = await jobs[0].events.get()
-        if isinstance(head[1], APIError):
-            raise head[1]
-        return head
-    except BaseException:
-        for job in jobs:
-            job.cancelled.set()
-        raise
-    finally:
-        watcher.cancel()
-
-
-async def collect(request: Request, jobs: list[Job]) -> list[tuple[str, list[Logprob], Finish, list | None]]:
-    """Each choice's whole text, logprobs, end and prompt logprobs; stops the generations if the client hangs up."""
-    watcher = asyncio.create_task(_stop_when_gone(request, jobs))
-    parts: list[list[str]] = [[] for _ in jobs]
-    lps: list[list[Logprob]] = [[] for _ in jobs]
-    prompts: list[list[PromptLogprob] | None] = [None] * len(jobs)
-    fins: dict[int, Finish] = {}
-    try:
-        while len(fins) < len(jobs):
-            i, ev = await jobs[0].events.get()
-            if isinstance(ev, APIError):
-                raise ev
-            if isinstance(ev, Delta):
-                parts[i].append(ev.text)
-                if ev.logprob:
-                    lps[i].append(ev.logprob)
-                if ev.prompt:
-                    prompts[i] = ev.prompt
-                continue
-            if jobs[i].shutdown and ev.reason == "abort":
-                raise unavailable("server is shutting down: request aborted")
-            fins[i] = ev
-        return [("".join(parts[i]), lps[i], fins[i], prompts[i]) for i in range(len(jobs))]
-    finally:
-        watcher.cancel()
-        for job in jobs:
-            job.cancelled.set()
-
-
-async def stream(request: Request, jobs: list[Job], first: list[str], on_text: Callable[[int, Delta], list[str]],
-                 on_finish: Callable[[int, Finish], list[str]], end: Callable[[list[Finish]], list[str]]):
-    """SSE over the choices' events as they come (each chunk names its choice's index): what `on_text` makes of
-    each token's Delta, what `on_finish` makes of each choice's end, then `end` and [DONE]. The headers go out with
-    the first event (first_event)."""
-    head = await first_event(request, jobs)
-
-    async def events():
-        try:
-            for line in first:
-                yield line
-            fins: dict[int, Finish] = {}
-            pending = [head]
-            while len(fins) < len(jobs):
-                i, ev = pending.pop() if pending else await jobs[0].events.get()
-                if isinstance(ev, Delta):
-                    for line in on_text(i, ev):
-                        yield line
-                elif isinstance(ev, Finish):
-                    fins[i] = ev
-                    for line in on_finish(i, ev):
-                        yield line
-                else:                      # an APIError from the engine thread, after headers went out
-                    yield sse({"error": ev.body()["error"]})
-                    break
-            else:
-                for line in end([fins[i] for i in range(len(jobs))]):
-                    yield line
-            yield "data: [DONE]\n\n"
-        finally:
-            for job in jobs:               # client gone (or done): stop generating, free the slots
-                job.cancelled.set()
-
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
