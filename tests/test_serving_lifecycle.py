@@ -6,6 +6,7 @@ PyTorch engine with a pause before each decode step (tests/fixtures/paced_runtim
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -88,12 +89,9 @@ def test_past_the_grace_period_streams_end_with_abort_and_the_rest_get_503(tiny_
         wait_until(lambda: in_flight(srv.url) == 3, what="one running, two queued")
         before = len(running.events)
         srv.terminate()
-        time.sleep(0.3)                        # draining, within the grace period: new requests are refused
-        try:
-            late = requests.post(f"{srv.url}/v1/chat/completions", json={"messages": ASK}, timeout=10)
-            assert late.status_code == 503 and late.json()["error"]["type"] == "service_unavailable"
-        except requests.ConnectionError:
-            pass                               # or not even accepted: uvicorn closed the listener
+        time.sleep(0.3)                        # draining, within the grace period: new requests get a 503
+        late = requests.post(f"{srv.url}/v1/chat/completions", json={"messages": ASK}, timeout=10)
+        assert late.status_code == 503 and late.json()["error"]["type"] == "service_unavailable"
         for c in (running, queued_stream, queued):
             c.join(60)
         assert srv.exited(60) == 0, srv.output[-3000:]
@@ -101,13 +99,13 @@ def test_past_the_grace_period_streams_end_with_abort_and_the_rest_get_503(tiny_
     # pace, so the 1 s grace holds at most 20, and the abort comes within one more (not after 200 steps).
     after = [c for c in running.chunks()[before:] if c["choices"] and c["choices"][0]["delta"].get("content")]
     assert len(after) <= 1 / 0.05 + 2, len(after)
-    for c in (running, queued_stream):
-        assert c.status == 200 and c.error is None
-        assert c.events[-1] == "data: [DONE]", c.events[-3:]
-        assert c.chunks()[-1]["choices"][0]["finish_reason"] == "abort"
+    assert running.status == 200 and running.error is None
+    assert running.events[-1] == "data: [DONE]", running.events[-3:]
+    assert running.chunks()[-1]["choices"][0]["finish_reason"] == "abort"
     assert any(c["choices"][0]["delta"].get("content") for c in running.chunks())   # it had generated text
-    assert queued.status == 503 and set(queued.json["error"]) == {"message", "type", "param", "code"}
-    assert "shutting down" in queued.json["error"]["message"]
+    for c in (queued, queued_stream):           # never started: a 503 (a stream's headers had not gone out)
+        assert c.status == 503 and set(c.json["error"]) == {"message", "type", "param", "code"}, (c.status, c.events)
+        assert "shutting down" in c.json["error"]["message"]
 
 
 def test_a_running_non_streamed_request_past_the_grace_period_gets_a_json_503(tiny_gemma4):
@@ -334,3 +332,53 @@ def test_a_choice_whose_sibling_has_a_slot_never_expires():
     sched._expire()
     assert list(sched.queued) == [jobs[1]]
     assert _answers(loop, jobs)[1:] == [None, 429]
+
+
+# ------------------------------------------------------------------------------------------ connections
+def _status_line(sock, timeout: float = 30.0) -> bytes:
+    """The first line the server sends on `sock` (b"" if it closes without one)."""
+    sock.settimeout(timeout)
+    answer = b""
+    try:
+        while b"\r\n" not in answer and (chunk := sock.recv(4096)):
+            answer += chunk
+    except TimeoutError:
+        return b"no answer"
+    return answer.split(b"\r\n", 1)[0]
+
+
+def _trickle(sock, data: bytes, gap: float) -> None:
+    """Send `data` a byte every `gap` seconds, until the server answers (or closes) or it is all sent."""
+    import select
+    with contextlib.suppress(OSError):
+        for byte in data:
+            sock.sendall(bytes([byte]))
+            if select.select([sock], [], [], gap)[0]:
+                return
+
+
+def test_idle_slow_and_surplus_connections_are_answered_and_closed(tiny_gemma4):
+    """--header-timeout 1, --max-connections 3, --body-total-timeout 2. An idle connection and one that sends its
+    headers a byte at a time get a 408 and are closed (before: kept for ever, 20 100 of them ran the server out
+    of descriptors); a fourth connection while three are open gets a 503 at once; a body that comes a byte every
+    0.3 s (each gap well inside --body-timeout 10) gets a 408 once it has taken 2 s in all. /health answers after."""
+    import socket
+    with tiny_server(tiny_gemma4, "--header-timeout", "1", "--max-connections", "3", "--body-total-timeout", "2",
+                     "--body-timeout", "10") as srv:
+        host, port = srv.url.removeprefix("http://").split(":")
+        address = (host, int(port))
+        idle = [socket.create_connection(address, timeout=10) for _ in range(3)]
+        with socket.create_connection(address, timeout=10) as surplus:
+            assert _status_line(surplus) == b"HTTP/1.1 503 Service Unavailable"
+        assert [_status_line(s) for s in idle] == [b"HTTP/1.1 408 Request Timeout"] * 3
+        for s in idle:
+            s.close()
+        with socket.create_connection(address, timeout=10) as slow:
+            _trickle(slow, b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: x\r\n" * 20, 0.1)
+            assert _status_line(slow) == b"HTTP/1.1 408 Request Timeout"
+        with socket.create_connection(address, timeout=10) as body:
+            body.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n")
+            _trickle(body, b" " * 99, 0.3)
+            assert _status_line(body) == b"HTTP/1.1 408 Request Timeout"
+        assert requests.get(f"{srv.url}/health", timeout=10).status_code == 200

@@ -11,7 +11,7 @@ import pytest
 
 from serving.generation import Delta, Detokenizer, Finish, SamplingParams, TokenizerInfo, generate
 from serving.grammar_compile import Grammars, GrammarBusy
-from serving.structured import (ANY_OBJECT, MASKED, InvalidGrammar, _bounded_integers, _depth, integer_regex,
+from serving.structured import (MASKED, InvalidGrammar, _bounded_integers, _depth, integer_regex,
                                 mask_words, token_bytes)
 from serving.tool_calls import GemmaCalls, NamedCall, RequiredCalls, merge, parse_call, required_schema
 from tests.fixtures.batching import Job, run_in_batch
