@@ -22,6 +22,7 @@ from serving.structured import Matcher, mask_words, tokenizer_family
 from serving.tool_calls import MARKUP, RESPONSE_START
 
 # Gemma 4's control tokens that shape the output (see the checkpoint's tokenizer.json).
+PROMPT_THREADS = 4                              # requests tokenising or rendering at once
 TURN_END = "<turn|>"                            # end of a dialogue turn: always a stop token
 THOUGHT_START, THOUGHT_END = "<|channel>", "<channel|>"   # the thinking channel: never shown to the client
 
@@ -44,10 +45,13 @@ class TokenizerInfo:
     default_sampling: dict = field(default_factory=dict)
     # A second instance for requests (chat template, prompts, /tokenize), used from worker threads: a long prompt
     # never waits on, nor stalls, the detokeniser of the generation in flight. transformers' fast tokenizer
-    # reconfigures its Rust backend on every encode ("Already borrowed" when shared), so each has its own lock.
+    # reconfigures its Rust backend on every encode through it ("Already borrowed" when shared), so the engine's
+    # has a lock; the prompt tokenizer is only called in ways that read its backend (the Rust encode_batch, decode,
+    # the template), so requests use it at once, up to PROMPT_THREADS (before: one lock, and 4 MB of one
+    # request's tool-call arguments held every other request's tokenisation for 11-13 s).
     prompt_tokenizer: object = None
     lock: threading.Lock = field(default_factory=threading.Lock)
-    prompt_lock: threading.Lock = field(default_factory=threading.Lock)
+    prompt_lock: threading.Semaphore = field(default_factory=lambda: threading.BoundedSemaphore(PROMPT_THREADS))
     max_token_chars: int = 1            # the longest token's text: n characters are at least n / this tokens
     token_texts: dict = field(default_factory=dict)     # id -> its text alone (logprobs), filled as needed
     tool_markup: frozenset[int] = frozenset()   # Gemma 4's tool-call tags: shown when tool calls are read
@@ -103,20 +107,30 @@ class TokenizerInfo:
                 text = self.token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
         return text
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None, **options) -> str:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None, limit: int | None = None,
+                    **options) -> str:
         """The conversation as the checkpoint's chat template writes it; options: add_generation_prompt (default
-        true), continue_final_message, and variables the template reads (serving/protocol.py's template_options)."""
+        true), continue_final_message, and variables the template reads (serving/protocol.py's template_options).
+        PromptTooLong, before rendering, when the text the template will write (rendered_chars) could not fit
+        `limit` tokens: Gemma's template writes the tools again in every system turn (1000 tools x 1000 system
+        turns, 147 KB sent, rendered for 23-26 s)."""
         options.setdefault("add_generation_prompt", True)
+        if limit is not None and (chars := rendered_chars(messages, tools)) > self.char_bound(limit):
+            raise PromptTooLong(chars // self.char_bound(1), exact=False)
         with self.prompt_lock:
             return self.prompt_tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **options)
+
+    def char_bound(self, tokens: int) -> int:
+        """The most characters `tokens` tokens can hold (a normaliser may merge up to 4 characters into one)."""
+        return 4 * self.max_token_chars * tokens
 
     def encode(self, text: str, add_special_tokens: bool = False, limit: int | None = None) -> list[int]:
         """Token ids of `text`; PromptTooLong past `limit` tokens. Text that cannot fit is refused before the
         tokenizer runs (a normaliser may merge up to 4 characters into one: the bound allows for it); otherwise
         the Rust tokenizer runs without the GIL (encode_batch) and the ids become a Python list only when they
         fit, so a huge prompt costs a worker thread, never the event loop."""
-        if limit is not None and len(text) > 4 * self.max_token_chars * limit:
-            raise PromptTooLong(len(text) // (4 * self.max_token_chars), exact=False)
+        if limit is not None and len(text) > self.char_bound(limit):
+            raise PromptTooLong(len(text) // self.char_bound(1), exact=False)
         with self.prompt_lock:
             enc = self.prompt_tokenizer.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
         if limit is not None and len(enc) > limit:
@@ -136,6 +150,27 @@ class TokenizerInfo:
     def chat_prompt(self, messages: list[dict], limit: int | None = None) -> list[int]:
         """Token ids of the conversation rendered with the checkpoint's own chat template."""
         return self.encode(self.render_chat(messages), limit=limit)
+
+
+def _text(value: Any) -> int:
+    """The characters of every string in `value` (keys too), walked without recursion."""
+    total, todo = 0, [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            todo += [*v.keys(), *v.values()]
+        elif isinstance(v, list):
+            todo += v
+    return total
+
+
+def rendered_chars(messages: list[dict], tools: list[dict] | None) -> int:
+    """The characters a chat template like Gemma's writes at least: every message's text and tool calls, the
+    tools' text once, and once more for every system turn (each repeats them)."""
+    tools_chars = _text(tools) if tools else 0
+    return tools_chars + sum(_text(m) + (tools_chars if m.get("role") == "system" else 0) for m in messages)
 
 
 class Detokenizer:

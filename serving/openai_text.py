@@ -277,7 +277,9 @@ async def chat(request: Request):
 
     def build(limit: int) -> list[int]:
         try:
-            text = ctx.info.render_chat(msgs, tools, **options)
+            text = ctx.info.render_chat(msgs, tools, limit, **options)
+        except PromptTooLong:
+            raise
         except Exception as e:             # e.g. the template rejects the conversation
             raise APIError(400, f"chat template: {e}", param="messages") from None
         return ctx.info.encode(text, limit=limit)

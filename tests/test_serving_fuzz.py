@@ -463,6 +463,22 @@ def test_slow_schemas_neither_hold_up_other_clients_nor_are_refused_for_queueing
         assert requests.post(url + CHAT, json=ask(i), timeout=120).status_code == 200
 
 
+@pytest.mark.parametrize("runtime", ["pytorch", "jax"])
+def test_conversations_too_large_to_render_are_refused_before_rendering(runtime_servers, runtime):
+    """4 MB of tool-call arguments, and 1000 tools x 1000 system turns (147 KB that the template writes a thousand
+    times over): each held every other client's tokenisation for 11-26 s behind one lock. Now their rendered size
+    is known before rendering: a context-length 400 ("at least"), beside a small chat and /health."""
+    tools = [{"type": "function", "function": {"name": f"f{i}", "description": "d"}} for i in range(1000)]
+    arguments = json.dumps({"a": "x" * 4_000_000})
+    answers, health = _huge_beside_small(runtime_servers[runtime], CHAT, [
+        {"model": "tiny", "messages": _called(arguments), "max_tokens": 4},
+        {"model": "tiny", "messages": [{"role": "system", "content": "s"}] * 1000 + ASK, "tools": tools,
+         "max_tokens": 4}])
+    assert [(answers[i][0], answers[i][1][:39]) for i in range(2)] == [
+        (400, "This model's maximum context length is ")] * 2
+    assert answers[2][0] == 200 and {code for code, _ in health} == {200}
+
+
 # Requests the HTTP parser itself refuses (uvicorn answered these with a plain-text 400).
 MALFORMED_HTTP = [b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %s\r\n\r\n{}" % v
                   for v in (b"abc", b"-1", b"1x", b"2, 3", b"99999999999999999999999999")] + \
