@@ -17,7 +17,7 @@ from serving.scheduler import Job
 
 async def json_response(build: Callable[[], dict]) -> Response:
     """The answer `build` makes, built and serialised in a worker thread: n=64 choices with 20 top logprobs per
-    token are megabytes of JSON, which held the event loop (and /health) for seconds."""
+    token are megabytes of JSON, which held the event loop (and /health) for 2 s."""
     def body() -> bytes:
         return json.dumps(build(), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 

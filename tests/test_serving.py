@@ -437,3 +437,43 @@ def test_the_stop_limits_are_exact():
                          (["ab"] * 63 + ["c" * (16_385 - 126)], "stop: more than 16384 characters")):
         with pytest.raises(APIError, match=message):
             parse(ChatRequest, body(bad))
+
+
+def test_a_large_answer_is_serialised_off_the_event_loop():
+    """64 choices of 220 tokens with 20 top logprobs each (~19 MB of JSON, as n=64 x top_logprobs 20 asks): built on
+    the event loop it held /health for 2 s. A coroutine that wakes every millisecond meanwhile is never held up for
+    a quarter of the answer's time, and the bytes are the JSON of the answer."""
+    import asyncio
+    import time
+
+    from serving.answering import json_response
+    from serving.generation import Logprob
+    from serving.openai_text import chat_logprobs
+
+    lps = [Logprob(f"tok{t}", -0.5, [(f"alt{k}", -1.0 - k) for k in range(20)]) for t in range(220)]
+
+    def build() -> dict:
+        return {"id": "x", "choices": [{"index": i, "message": {"role": "assistant", "content": "t" * 220},
+                                        "logprobs": chat_logprobs(lps)} for i in range(64)], "usage": {"n": 1}}
+
+    async def main():
+        gaps, done = [], asyncio.Event()
+
+        async def tick():
+            last = time.monotonic()
+            while not done.is_set():
+                await asyncio.sleep(0.001)
+                gaps.append(time.monotonic() - last)
+                last = time.monotonic()
+
+        ticker = asyncio.create_task(tick())
+        t0 = time.monotonic()
+        response = await json_response(build)
+        took = time.monotonic() - t0
+        done.set()
+        await ticker
+        return response, took, max(gaps)
+
+    response, took, worst = asyncio.run(main())
+    assert json.loads(response.body) == build() and len(response.body) > 10 * 2**20
+    assert worst < took / 4, (worst, took)
