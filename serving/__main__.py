@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(0: no cap; default: 2 GiB)")
     p.add_argument("--grammar-cache-bytes", type=_count, default=CACHE_BYTES,
                    help="bytes of compiled schemas the server holds, cached or in use; a new compile past it is a "
-                        "429 (default: 256 MiB)")
+                        "429 (default: 384 MiB)")
     p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1/* (as vllm serve; default: $VLLM_API_KEY)")
     p.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS origins, a JSON list")

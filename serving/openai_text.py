@@ -17,12 +17,13 @@ from typing import Any, Callable
 from fastapi import APIRouter, Request
 
 from serving.answering import collect, json_response, sse, stream
-from serving.generation import Delta, Finish, Logprob, PromptLogprob, PromptTooLong, SamplingParams, StopAutomaton
+from serving.generation import Delta, Finish, Logprob, PromptLogprob, SamplingParams, StopAutomaton
 from serving.protocol import (APIError, ChatRequest, CompletionRequest, ResponseFormat, messages, read,
                               template_options)
 from serving.scheduler import Job, QueueFull
 from serving.grammar_compile import POLL_S, GrammarBusy
 from serving.structured import ANY_OBJECT, InvalidGrammar
+from serving.tokenizer_info import PromptTooLong
 from serving.tool_calls import GemmaCalls, NamedCall, Reader, RequiredCalls, merge, required_schema
 
 router = APIRouter()

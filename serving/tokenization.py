@@ -7,7 +7,7 @@ import json
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from serving.generation import PromptTooLong
+from serving.tokenizer_info import PromptTooLong
 from serving.protocol import APIError, DetokenizeRequest, TokenizeRequest, messages, read, template_options
 
 router = APIRouter()

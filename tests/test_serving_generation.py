@@ -54,7 +54,7 @@ def test_chat_prompt_uses_the_checkpoints_template(info):
 def test_a_conversation_the_template_would_blow_up_is_refused_before_rendering(info):
     """Gemma's template writes the tools again in every system turn: 1000 tools x 1000 system turns (147 KB sent)
     rendered for 23-26 s before the length check. Its rendered size is known from the inputs first."""
-    from serving.generation import PromptTooLong, rendered_chars
+    from serving.tokenizer_info import PromptTooLong, rendered_chars
     tools = [{"type": "function", "function": {"name": f"f{i}", "description": "d"}} for i in range(1000)]
     turns = [{"role": "system", "content": "s"}] * 1000
     assert rendered_chars(turns, tools) == 1001 * rendered_chars([], tools) + 1000 * len("rolesystemcontents")
