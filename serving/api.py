@@ -115,7 +115,7 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
     app = FastAPI(title="g5g serving", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=_lifespan(ctx, load_engine, on_load_error, shutdown_grace))
     app.state.ctx = ctx
-    app.state.begin_shutdown = lambda: None          # replaced once the server runs
+    app.state.begin_shutdown = lambda on_drained=None: on_drained and on_drained()    # replaced once it runs
     app.add_middleware(Guard, max_body_bytes=max_body_bytes, api_key=api_key, body_timeout_s=body_timeout_s,
                        body_total_timeout_s=body_total_timeout_s)
     cors = {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers": ["*"], "allow_credentials": False,

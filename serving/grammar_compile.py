@@ -9,10 +9,10 @@
 - **Waiting holds no thread**: the API awaits a compile's future (serving/openai_text.py); `json_schema` waits in
   the caller's thread, for tests and tools.
 - **Memory**: compiled grammars are cached per schema, within `cache_bytes` (`--grammar-cache-bytes`, each index
-  counted by the memory it holds once loaded), least recently used out first; freed memory goes back to the system. The same budget bounds every compiled
-  grammar the server holds, cached or in a request's hands: while those in use fill it, a new compile is
-  GrammarBusy. A refusal that comes from the schema itself (too large, a compile past its time limit) is cached
-  like a grammar; one that comes from the server's load never is.
+  counted by the memory it holds once loaded), least recently used out first; freed memory goes back to the system.
+  The same budget bounds every compiled grammar the server holds, cached or in a request's hands: while those in use
+  fill it, a new compile is GrammarBusy. A refusal that comes from the schema itself (too large, a compile past its
+  time limit) is cached like a grammar; one that comes from the server's load never is.
 """
 from __future__ import annotations
 
@@ -71,8 +71,8 @@ class _Compile:
 
 
 class Grammars:
-    """Compiles grammars over a checkpoint's tokenizer (serving.tokenizer_info.TokenizerInfo), for a runtime whose logits
-    are `vocab_size` wide. The vocabulary is built on first use, not at boot. Compiled grammars are cached by the
+    """Compiles grammars over a checkpoint's tokenizer (serving.tokenizer_info.TokenizerInfo), for a runtime whose
+    logits are `vocab_size` wide. The vocabulary is built on first use, not at boot. Compiled grammars are cached by the
     schema's compact JSON (key order kept: it is the output's key order); one instance serves one tokenizer."""
 
     def __init__(self, info, vocab_size: int, timeout_s: float = COMPILE_TIMEOUT_S,
@@ -279,8 +279,9 @@ def build_index(schema_json: str, vocabulary, deadline: float, stop: threading.E
                 max_string: int = MAX_STRING_BOUND, max_regex_chars: int = MAX_REGEX_CHARS,
                 memory: int = COMPILE_MEMORY // COMPILES) -> tuple[Any, int]:
     """outlines-core's Index of the schema's regex (structured.schema_regex) over `vocabulary`, and the memory it
-    holds once loaded (LOADED_PER_PICKLED times its size as it crossed), built in a child process (the server's threads, memory and devices stay out of it)
-    that is killed at `deadline` or once `stop` is set (TimeoutError). Its reason (ValueError) if it cannot."""
+    holds once loaded (LOADED_PER_PICKLED times its size as it crossed), built in a child process (the server's
+    threads, memory and devices stay out of it) that is killed at `deadline` or once `stop` is set (TimeoutError).
+    Its reason (ValueError) if it cannot."""
     with tempfile.TemporaryFile() as payload:      # a file, not a pipe: no write to resume after a timeout
         pickle.dump((schema_json, max_string, max_regex_chars, vocabulary), payload)
         payload.seek(0)
