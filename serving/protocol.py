@@ -5,7 +5,8 @@ A request is parsed in one place (`parse`, in a worker thread: `read`): JSON tha
 too deep, integers too long, lone surrogates) is a 400 like any other malformed body. The work one request costs is
 bounded before it is done, as the body limit bounds its bytes: at most MAX_JSON_OBJECTS objects are built, and the
 parse and the validation of the messages run in small steps, so the worker thread hands the GIL back to the event
-loop (and other clients) between them. Integers (token ids) are counted the same way: at most MAX_JSON_INTS.
+loop (and other clients) between them. Integers (token ids) are counted the same way: at most MAX_JSON_INTS. JSON
+text inside the body (tool calls' `arguments`) is read by the same rules, within the same counts.
 """
 from __future__ import annotations
 

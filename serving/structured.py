@@ -6,11 +6,11 @@ schema may be is checked first, cheaply (its depth, integer bounds, string lengt
 unusable schema is the client's 400); the compile itself, regex and index, can grow quadratically with the schema
 and cannot be interrupted, so it runs in a process of its own, with capped memory, killed at the time limit or once
 every request waiting for it left: a compile nobody waits for keeps no core and no memory, and no compile holds the
-server's GIL. The result is cached per schema. The generation loop (serving/generation.py) gives each such request
-a `Matcher`: before every sampling step it writes the tokens the grammar allows next as a bitmask (bit i % 32 of
-int32 word i // 32 is token i, the layout outlines-core and the runtimes share) and after every generated token it
-advances. The runtime sets every other token's logit to MASKED before it samples (serving/engine.py). Why
-outlines-core: docs/serving.md.
+server's GIL (serving/grammar_compile.py: its workers, admission and cache). The generation loop
+(serving/generation.py) gives each such request a `Matcher`: before every sampling step it writes the tokens the
+grammar allows next as a bitmask (bit i % 32 of int32 word i // 32 is token i, the layout outlines-core and the
+runtimes share) and after every generated token it advances. The runtime sets every other token's logit to MASKED
+before it samples (serving/engine.py). Why outlines-core: docs/serving.md.
 """
 from __future__ import annotations
 
