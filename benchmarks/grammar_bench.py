@@ -143,7 +143,8 @@ def bench_serving(vocab, text, runs):
     import threading
     from types import SimpleNamespace
 
-    from serving.structured import Grammars, Matcher
+    from serving.grammar_compile import Grammars
+    from serving.structured import Matcher
 
     class Tokenizer:      # the synthetic vocabulary behind the one method serving.structured.token_bytes calls
         def get_vocab(self):
@@ -153,7 +154,7 @@ def bench_serving(vocab, text, runs):
                          and not t.startswith("<0x"))
     info = SimpleNamespace(prompt_tokenizer=Tokenizer(), prompt_lock=threading.Lock(), hidden_ids=specials,
                            stop_ids=frozenset([EOS]))
-    cold, cached = Grammars(info, VOCAB, cache_entries=0), Grammars(info, VOCAB)
+    cold, cached = Grammars(info, VOCAB, cache_bytes=0), Grammars(info, VOCAB)
     for grammars in (cold, cached):
         grammars.json_schema({"type": "integer"})         # builds the vocabulary, once per server
     compiles, hits = [], []

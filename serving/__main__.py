@@ -99,6 +99,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request body; a larger one gets a 413 before it is read (default: 16 MiB)")
     p.add_argument("--body-timeout", type=_seconds, default=10.0,
                    help="seconds a request body may pause before it is complete; then a 408 (0: no limit; default: 10)")
+    p.add_argument("--body-total-timeout", type=_seconds, default=60.0,
+                   help="seconds a request body may take in all, from its headers; then a 408 (0: no limit; "
+                        "default: 60)")
+    p.add_argument("--header-timeout", type=_seconds, default=10.0,
+                   help="seconds a connection may take to send a request's headers (from when it opened, or from "
+                        "the first byte of its next request); then a 408 and the connection closed (0: no limit; "
+                        "default: 10)")
+    p.add_argument("--max-connections", type=_count, default=1024,
+                   help="open connections; one more gets a 503 and is closed at once (0: as many as the "
+                        "descriptor limit allows, less 128 kept spare, which also caps this; default: 1024)")
+    from serving.grammar_compile import CACHE_BYTES, COMPILE_MEMORY, COMPILES
+
+    p.add_argument("--grammar-compiles", type=_positive, default=COMPILES,
+                   help="schema compiles (response_format, forced tools) run at once, each in its own process; "
+                        "twice as many more may wait, past that a 429 (default: %(default)s)")
+    p.add_argument("--grammar-memory", type=_count, default=COMPILE_MEMORY,
+                   help="bytes of address space for all schema compiles' processes together, shared equally "
+                        "(0: no cap; default: 2 GiB)")
+    p.add_argument("--grammar-cache-bytes", type=_count, default=CACHE_BYTES,
+                   help="bytes of compiled schemas the server holds, cached or in use; a new compile past it is a "
+                        "429 (default: 384 MiB)")
     p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1/* (as vllm serve; default: $VLLM_API_KEY)")
     p.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS origins, a JSON list")
@@ -141,8 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(load, model, args.served_model_name, max_waiting=args.max_waiting, on_load_error=on_load_error,
                      shutdown_grace=args.shutdown_timeout, max_body_bytes=args.max_body_bytes,
                      api_key=args.api_key, cors=cors, body_timeout_s=args.body_timeout,
-                     max_queue_wait=args.max_queue_wait, engine_stall_timeout=args.engine_stall_timeout)
-    server = make_server(app, args.host, args.port, args.shutdown_timeout, args.log_level)
+                     body_total_timeout_s=args.body_total_timeout,
+                     max_queue_wait=args.max_queue_wait, engine_stall_timeout=args.engine_stall_timeout,
+                     grammar_limits={"workers": args.grammar_compiles, "memory": args.grammar_memory,
+                                     "cache_bytes": args.grammar_cache_bytes})
+    server = make_server(app, args.host, args.port, args.shutdown_timeout, args.log_level,
+                         header_timeout_s=args.header_timeout, max_connections=args.max_connections)
     server.run()
     return 1 if failed else 0
 

@@ -41,7 +41,7 @@ from serving.metrics import Metrics
 from serving.middleware import Guard, http_protocol
 from serving.protocol import APIError, unavailable
 from serving.scheduler import Scheduler
-from serving.structured import Grammars
+from serving.grammar_compile import Grammars
 
 log = logging.getLogger("serving.api")
 
@@ -58,6 +58,7 @@ class Context:
     error: str | None = None
     draining: bool = False
     stall_limit: float = 0.0      # --engine-stall-timeout: /health is 503 once the engine is stuck this long (0: off)
+    grammar_limits: dict = field(default_factory=dict)     # Grammars' workers, memory, cache_bytes (flags)
 
     @property
     def info(self) -> TokenizerInfo:
@@ -69,7 +70,7 @@ class Context:
 
     @functools.cached_property
     def grammars(self) -> Grammars:
-        return Grammars(self.info, self.scheduler.engine.vocab_size)
+        return Grammars(self.info, self.scheduler.engine.vocab_size, **self.grammar_limits)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.name:
@@ -108,10 +109,11 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
                max_waiting: int = 64, on_load_error: Callable[[BaseException], None] | None = None,
                shutdown_grace: float = 5.0, max_body_bytes: int = 16 * 2**20, api_key: str | None = None,
                cors: dict | None = None, body_timeout_s: float = 10.0, max_queue_wait: float = 60.0,
+               grammar_limits: dict | None = None, body_total_timeout_s: float = 60.0,
                engine_stall_timeout: float = 0.0) -> FastAPI:
     """`load_engine` runs in the engine thread after the server starts listening; /health is 503 until it
-    returns and a warm-up has produced a token. `app.state.begin_shutdown()` (thread-safe; `Server` calls it on
-    SIGTERM) starts the drain: new requests get 503, running ones `shutdown_grace` seconds to finish, then
+    returns and a warm-up has produced a token. `app.state.begin_shutdown(on_drained=None)` (thread-safe; `Server`
+    calls it on SIGTERM) starts the drain: new requests get 503, running ones `shutdown_grace` seconds to finish, then
     every open stream ends with finish_reason "abort" and [DONE] and every other request gets a 503.
     `engine_stall_timeout` (seconds, 0: off): /health is also 503 while the engine has work and has finished no
     prefill or decode step for that long (a wedged CUDA call), so a liveness probe on /health restarts the pod."""
@@ -120,12 +122,14 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
     name = served_model_name or model_dir.name
     metrics = Metrics(name)
     ctx = Context(name, model_dir, metrics, Scheduler(metrics, max_waiting, max_queue_wait),
-                  stall_limit=engine_stall_timeout)
+                  stall_limit=engine_stall_timeout,
+                  grammar_limits=grammar_limits or {})
     app = FastAPI(title="g5g serving", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=_lifespan(ctx, load_engine, on_load_error, shutdown_grace))
     app.state.ctx = ctx
-    app.state.begin_shutdown = lambda: None          # replaced once the server runs
-    app.add_middleware(Guard, max_body_bytes=max_body_bytes, api_key=api_key, body_timeout_s=body_timeout_s)
+    app.state.begin_shutdown = lambda on_drained=None: on_drained and on_drained()    # replaced once it runs
+    app.add_middleware(Guard, max_body_bytes=max_body_bytes, api_key=api_key, body_timeout_s=body_timeout_s,
+                       body_total_timeout_s=body_total_timeout_s)
     cors = {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers": ["*"], "allow_credentials": False,
             **(cors or {})}
     app.add_middleware(CORSMiddleware, **cors)       # outermost: preflights never need the API key
@@ -188,11 +192,13 @@ def _lifespan(ctx: Context, load_engine: Callable[[], Engine],
     async def lifespan(app: FastAPI):
         loop, drains = asyncio.get_running_loop(), []
 
-        def start_drain() -> None:
+        def start_drain(on_drained: Callable[[], None] | None) -> None:
             if not drains:                                   # a second signal does not start a second drain
                 drains.append(loop.create_task(_drain(ctx, shutdown_grace)))   # held: the loop keeps weak refs
+                if on_drained is not None:
+                    drains[0].add_done_callback(lambda _: on_drained())
 
-        app.state.begin_shutdown = lambda: loop.call_soon_threadsafe(start_drain)
+        app.state.begin_shutdown = lambda on_drained=None: loop.call_soon_threadsafe(start_drain, on_drained)
         task = asyncio.create_task(_startup(ctx, load_engine, on_load_error))
         try:
             yield
@@ -267,12 +273,17 @@ async def embeddings():
 
 # ------------------------------------------------------------------------------------------------ server
 class Server(uvicorn.Server):
-    """uvicorn with our shutdown: SIGTERM/SIGINT start the app's drain (see create_app), and the process exits
-    with its own status (0 after a drain) instead of re-raising the signal. A second SIGINT forces the exit."""
+    """uvicorn with our shutdown: SIGTERM/SIGINT start the app's drain (see create_app) while the server still
+    listens (a new request gets a 503, not a refused connection); uvicorn's own shutdown follows the drain. The
+    process exits with its own status (0 after a drain) instead of re-raising the signal. A second signal ends the
+    drain's wait (a third SIGINT forces the exit)."""
+    draining = False
 
     def handle_exit(self, sig: int, frame) -> None:
-        self.config.app.state.begin_shutdown()
-        super().handle_exit(sig, frame)
+        if self.draining:
+            return super().handle_exit(sig, frame)
+        self.draining = True
+        self.config.app.state.begin_shutdown(lambda: super(Server, self).handle_exit(sig, frame))
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -287,8 +298,25 @@ class Server(uvicorn.Server):
                 signal.signal(s, handler)
 
 
-def server(app: FastAPI, host: str, port: int, shutdown_grace: float, log_level: str = "info") -> Server:
+def connection_limit(wanted: int, spare: int = 128) -> int:
+    """At most `wanted` connections (0: as many as descriptors allow), and always `spare` descriptors fewer than
+    the process may open (its soft limit raised to the hard one first, as vLLM raises it), so that accepting one
+    more never fails for want of a descriptor (model files, compile pipes, the answer to that connection)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    room = max(1, soft - spare) if soft != resource.RLIM_INFINITY else wanted or 2**20
+    return min(wanted, room) if wanted else room
+
+
+def server(app: FastAPI, host: str, port: int, shutdown_grace: float, log_level: str = "info",
+           header_timeout_s: float = 10.0, max_connections: int = 1024) -> Server:
     # uvicorn's own deadline is a backstop only: our drain answers every request by `shutdown_grace` (plus the
     # time the running generation takes to reach its next token).
-    return Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, http=http_protocol(),
+    protocol = http_protocol(header_timeout_s, connection_limit(max_connections))
+    return Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
                                  timeout_graceful_shutdown=shutdown_grace + 10))

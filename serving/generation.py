@@ -7,136 +7,16 @@ between decode steps and leave when they finish or their client goes away.
 """
 from __future__ import annotations
 
-import json
-import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from serving.engine import Engine, SamplingParams, TokenLogprobs
-from serving.structured import Matcher, mask_words, tokenizer_family
-from serving.tool_calls import MARKUP, RESPONSE_START
-
-# Gemma 4's control tokens that shape the output (see the checkpoint's tokenizer.json).
-TURN_END = "<turn|>"                            # end of a dialogue turn: always a stop token
-THOUGHT_START, THOUGHT_END = "<|channel>", "<channel|>"   # the thinking channel: never shown to the client
-
-
-# ------------------------------------------------------------------------------------------ tokenisation
-class PromptTooLong(ValueError):
-    def __init__(self, tokens: int, exact: bool = True):
-        super().__init__(f"{'' if exact else 'at least '}{tokens} tokens")
-        self.tokens, self.exact = tokens, exact
-
-
-@dataclass
-class TokenizerInfo:
-    """The checkpoint's tokenizer plus what the generation loop needs to know about its special tokens."""
-    tokenizer: object                   # the engine thread's: detokenising the output
-    stop_ids: frozenset[int]
-    hidden_ids: frozenset[int]          # special tokens: never detokenised for the client
-    thought_start: int | None
-    thought_end: int | None
-    default_sampling: dict = field(default_factory=dict)
-    # A second instance for requests (chat template, prompts, /tokenize), used from worker threads: a long prompt
-    # never waits on, nor stalls, the detokeniser of the generation in flight. transformers' fast tokenizer
-    # reconfigures its Rust backend on every encode ("Already borrowed" when shared), so each has its own lock.
-    prompt_tokenizer: object = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    prompt_lock: threading.Lock = field(default_factory=threading.Lock)
-    max_token_chars: int = 1            # the longest token's text: n characters are at least n / this tokens
-    token_texts: dict = field(default_factory=dict)     # id -> its text alone (logprobs), filled as needed
-    tool_markup: frozenset[int] = frozenset()   # Gemma 4's tool-call tags: shown when tool calls are read
-    tool_response: int | None = None            # RESPONSE_START's id: ends a reply that may call tools
-    family: str = "sentencepiece"               # how its tokens spell bytes (serving/structured.py's tokenizer_family)
-
-    @classmethod
-    def load(cls, model_dir: str | Path) -> "TokenizerInfo":
-        from transformers import AutoTokenizer
-
-        model_dir = Path(model_dir)
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        try:
-            family = tokenizer_family(tok)
-        except ValueError as e:       # refused at start, not answered with output the grammar did not mean
-            raise ValueError(f"{model_dir / 'tokenizer.json'}: {e}") from None
-        hidden = {i for i, t in tok.added_tokens_decoder.items() if t.special} | set(tok.all_special_ids)
-        vocab = tok.get_vocab()
-        stop = set()
-        gen: dict = {}
-        gen_path = model_dir / "generation_config.json"
-        if gen_path.exists():
-            gen = json.loads(gen_path.read_text())
-            eos = gen.get("eos_token_id")
-            stop |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if tok.eos_token_id is not None:
-            stop.add(tok.eos_token_id)
-        if TURN_END in vocab:
-            stop.add(vocab[TURN_END])
-        # Defaults a request doesn't set come from the checkpoint, as with vLLM's `--generation-config auto`;
-        # `do_sample: false` means greedy.
-        defaults = {}
-        if gen.get("do_sample") is False:
-            defaults["temperature"] = 0.0
-        for key in ("temperature", "top_p", "top_k"):
-            if gen.get("do_sample") is not False and gen.get(key) is not None:
-                defaults[key] = gen[key]
-        return cls(tok, frozenset(stop), frozenset(hidden), vocab.get(THOUGHT_START), vocab.get(THOUGHT_END),
-                   defaults, prompt_tokenizer=AutoTokenizer.from_pretrained(model_dir),
-                   max_token_chars=max(map(len, vocab), default=1),
-                   tool_markup=frozenset(vocab[t] for t in MARKUP if t in vocab),
-                   tool_response=vocab.get(RESPONSE_START), family=family)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.prompt_tokenizer)
-
-    def token_text(self, token: int) -> str:
-        """One token's text on its own, as vLLM names tokens in logprobs (engine thread: its tokenizer)."""
-        text = self.token_texts.get(token)
-        if text is None:
-            with self.lock:
-                text = self.token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
-        return text
-
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None, **options) -> str:
-        """The conversation as the checkpoint's chat template writes it; options: add_generation_prompt (default
-        true), continue_final_message, and variables the template reads (serving/protocol.py's template_options)."""
-        options.setdefault("add_generation_prompt", True)
-        with self.prompt_lock:
-            return self.prompt_tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **options)
-
-    def encode(self, text: str, add_special_tokens: bool = False, limit: int | None = None) -> list[int]:
-        """Token ids of `text`; PromptTooLong past `limit` tokens. Text that cannot fit is refused before the
-        tokenizer runs (a normaliser may merge up to 4 characters into one: the bound allows for it); otherwise
-        the Rust tokenizer runs without the GIL (encode_batch) and the ids become a Python list only when they
-        fit, so a huge prompt costs a worker thread, never the event loop."""
-        if limit is not None and len(text) > 4 * self.max_token_chars * limit:
-            raise PromptTooLong(len(text) // (4 * self.max_token_chars), exact=False)
-        with self.prompt_lock:
-            enc = self.prompt_tokenizer.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
-        if limit is not None and len(enc) > limit:
-            raise PromptTooLong(len(enc))
-        return enc.ids
-
-    def decode(self, ids: Sequence[int]) -> str:
-        with self.prompt_lock:
-            return self.prompt_tokenizer.decode(list(ids), skip_special_tokens=False,
-                                                clean_up_tokenization_spaces=False)
-
-    def token_strs(self, ids: Sequence[int]) -> list[str]:
-        """Each id's token as the vocabulary spells it (/tokenize's return_token_strs, as vLLM)."""
-        with self.prompt_lock:
-            return self.prompt_tokenizer.convert_ids_to_tokens(list(ids))
-
-    def chat_prompt(self, messages: list[dict], limit: int | None = None) -> list[int]:
-        """Token ids of the conversation rendered with the checkpoint's own chat template."""
-        return self.encode(self.render_chat(messages), limit=limit)
-
+from serving.structured import Matcher, mask_words
+from serving.tokenizer_info import TokenizerInfo
 
 class Detokenizer:
     """Turns generated token ids into text deltas: never splits a UTF-8 character across deltas, never shows

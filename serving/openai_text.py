@@ -15,13 +15,15 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
-from serving.generation import Delta, Finish, Logprob, PromptLogprob, PromptTooLong, SamplingParams, StopAutomaton
+from serving.answering import collect, json_response, sse, stream
+from serving.generation import Delta, Finish, Logprob, PromptLogprob, SamplingParams, StopAutomaton
 from serving.protocol import (APIError, ChatRequest, CompletionRequest, ResponseFormat, messages, read,
-                              template_options, unavailable)
+                              template_options)
 from serving.scheduler import Job, QueueFull
-from serving.structured import InvalidGrammar
+from serving.grammar_compile import POLL_S, GrammarBusy
+from serving.structured import ANY_OBJECT, InvalidGrammar
+from serving.tokenizer_info import PromptTooLong
 from serving.tool_calls import GemmaCalls, NamedCall, Reader, RequiredCalls, merge, required_schema
 
 router = APIRouter()
@@ -96,10 +98,12 @@ def sampling(ctx, req, prompt_len: int, max_tokens: int | None, top_logprobs: in
 def bad_words_ids(info, words) -> tuple[tuple[int, ...], ...]:
     """Each bad word's token ids, alone and after a space (a word mid-sentence), as vLLM bans them."""
     out = []
-    for word in words:
+    for i, word in enumerate(words):
+        if not word.strip():            # vLLM strips it to nothing and fails on the empty token list
+            raise APIError(400, f"bad_words.{i}: a word of only whitespace bans nothing", param=f"bad_words.{i}")
         alone = tuple(info.encode(word.lstrip()))
         spaced = tuple(info.encode(" " + word.lstrip()))
-        out += [alone] + ([spaced] if spaced and spaced[0] != alone[0] and len(spaced) == len(alone) else [])
+        out += [alone] + ([spaced] if alone and spaced and spaced[0] != alone[0] and len(spaced) == len(alone) else [])
     return tuple(seq for seq in out if seq)
 
 
@@ -131,45 +135,51 @@ def tool_plan(req: ChatRequest) -> tuple[list[dict] | None, Callable[[], Reader]
     return shown, lambda: NamedCall(name), params[name]
 
 
-def output_grammar(ctx, fmt: ResponseFormat | None, tool_schema: Any = None,
-                   gone: threading.Event | None = None) -> Any:
-    """The grammar the output follows (compiled here: call from a worker thread), or None for free text. `gone`:
-    set when the client left (a compile nobody waits for any more stops)."""
+def grammar_schema(fmt: ResponseFormat | None, tool_schema: Any = None) -> tuple[Any, str] | None:
+    """The JSON schema the output follows and the parameter that asked for it, or None for free text."""
+    if tool_schema is not None:
+        if fmt is not None and fmt.type != "text":
+            raise APIError(400, "response_format cannot be combined with tool_choice \"required\" or a named "
+                                "function (the call's arguments are already JSON)", param="response_format")
+        return tool_schema, "tools"
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return ANY_OBJECT, "response_format"
+    if fmt.json_schema is None:
+        raise APIError(400, "response_format: invalid JSON schema: type json_schema needs json_schema: {\"name\": "
+                            "…, \"schema\": {…}}", param="response_format")
+    return fmt.json_schema.schema_, "response_format"
+
+
+async def output_grammar(request: Request, fmt: ResponseFormat | None, tool_schema: Any = None) -> Any:
+    """The grammar the output follows, or None for free text. Compiled by the server's Grammars
+    (serving/grammar_compile.py: its own workers and admission) and awaited here, holding no thread; a compile
+    nobody waits for any more (its clients left) stops. Busy compiling: a 429, to retry."""
+    wanted = grammar_schema(fmt, tool_schema)
+    if wanted is None:
+        return None
+    (schema, param), grammars = wanted, request.app.state.ctx.grammars
     try:
-        if tool_schema is not None:
-            if fmt is not None and fmt.type != "text":
-                raise APIError(400, "response_format cannot be combined with tool_choice \"required\" or a named "
-                                    "function (the call's arguments are already JSON)", param="response_format")
-            try:
-                return ctx.grammars.json_schema(tool_schema, gone)
-            except InvalidGrammar as e:
-                raise APIError(400, f"tools: a function's parameters are not a usable JSON schema: {e}",
-                               param="tools") from None
-        if fmt is None or fmt.type == "text":
-            return None
-        if fmt.type == "json_object":
-            return ctx.grammars.json_object(gone)
-        if fmt.json_schema is None:
-            raise InvalidGrammar("type json_schema needs json_schema: {\"name\": …, \"schema\": {…}}")
-        return ctx.grammars.json_schema(fmt.json_schema.schema_, gone)
+        key, entry = await asyncio.to_thread(grammars.enter, schema)      # its checks walk the schema
+        gone, compiled = False, asyncio.wrap_future(entry.future)
+        try:
+            while True:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(compiled), POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        gone = True
+                        raise InvalidGrammar("its requester left") from None
+        finally:
+            grammars.leave(key, entry, gone)
+    except GrammarBusy as e:
+        raise APIError(429, f"server busy compiling schemas: {e}; retry later", "rate_limit_error", param=param,
+                       code="rate_limit_exceeded") from None
     except InvalidGrammar as e:
-        raise APIError(400, f"response_format: invalid JSON schema: {e}", param="response_format") from None
-
-
-async def while_connected(request: Request, fn: Callable[[threading.Event], Any]) -> Any:
-    """fn(gone) in a worker thread; `gone` is set if the client disconnects meanwhile."""
-    gone = threading.Event()
-
-    async def watch():
-        while not await request.is_disconnected():
-            await asyncio.sleep(0.25)
-        gone.set()
-
-    watcher = asyncio.create_task(watch())
-    try:
-        return await asyncio.to_thread(fn, gone)
-    finally:
-        watcher.cancel()
+        message = ("tools: a function's parameters are not a usable JSON schema" if param == "tools" else
+                   "response_format: invalid JSON schema")
+        raise APIError(400, f"{message}: {e}", param=param) from None
 
 
 GOLDEN = 0x9E3779B97F4A7C15     # 2**64 / golden ratio: choice i's seed is the request's plus i times this
@@ -184,9 +194,9 @@ async def submit(request: Request, prompts: list[tuple[list[int], SamplingParams
     stops = await asyncio.to_thread(StopAutomaton, prompts[0][1].stop)
     ctx = request.app.state.ctx
     ctx.check_serving()                    # again: the server may have begun shutting down while we tokenised
-    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    loop, events, started = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
     jobs = [Job(ids, params if params.seed is None or j == 0 else replace(params, seed=params.seed + j * GOLDEN),
-                loop, events=events, index=p * n + j, grammar=grammar, reveal=reveal, stops=stops)
+                loop, events=events, index=p * n + j, grammar=grammar, reveal=reveal, stops=stops, started=started)
             for p, (ids, params) in enumerate(prompts) for j in range(n)]
     try:
         ctx.scheduler.submit(*jobs)
@@ -201,10 +211,6 @@ def usage(fins: list[Finish], n: int | None = None) -> dict:
     prompt = sum(f.prompt_tokens for f in fins[::n or len(fins)])
     completion = sum(f.completion_tokens for f in fins)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def sse(body: Any) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
 def _lp(value: float) -> float:
@@ -272,13 +278,15 @@ async def chat(request: Request):
 
     def build(limit: int) -> list[int]:
         try:
-            text = ctx.info.render_chat(msgs, tools, **options)
+            text = ctx.info.render_chat(msgs, tools, limit, **options)
+        except PromptTooLong:
+            raise
         except Exception as e:             # e.g. the template rejects the conversation
             raise APIError(400, f"chat template: {e}", param="messages") from None
         return ctx.info.encode(text, limit=limit)
 
     ids = await prompt_ids(ctx, build, max_tokens, "messages")
-    grammar = await while_connected(request, lambda gone: output_grammar(ctx, req.response_format, tool_schema, gone))
+    grammar = await output_grammar(request, req.response_format, tool_schema)
     params = sampling(ctx, req, len(ids), max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                       req.prompt_logprobs)   # n checked
     readers = [new_reader() for _ in range(req.n)]     # each choice's text -> content and tool_calls deltas
@@ -316,7 +324,7 @@ async def chat(request: Request):
                             on_text, on_finish, end)
 
     results = await collect(request, jobs)
-    return JSONResponse({
+    return await json_response(lambda: {
         "id": rid, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": i, "message": merge(readers[i].feed(text) + readers[i].close()),
                      "logprobs": chat_logprobs(lps) if req.logprobs else None,
@@ -350,7 +358,7 @@ async def completions(request: Request):
             ctx.info.encode(prompt, add_special_tokens=True, limit=limit)
 
     ids = [await prompt_ids(ctx, build(prompt), req.max_tokens, "prompt") for prompt in prompts]
-    grammar = await while_connected(request, lambda gone: output_grammar(ctx, req.response_format, None, gone))
+    grammar = await output_grammar(request, req.response_format)
     echoes = [""] * len(prompts)
     if req.echo:
         echoes = [p if isinstance(p, str) else await asyncio.to_thread(ctx.info.decode, i)
@@ -388,102 +396,10 @@ async def completions(request: Request):
                             lambda i, fin: [chunk(i, "", None, fin.reason)], end)
 
     results = await collect(request, jobs)
-    return JSONResponse({
+    return await json_response(lambda: {
         **base, "choices": [{"index": i, "text": echoes[i // req.n] + text,
                              "logprobs": None if req.logprobs is None else completion_logprobs(
                                  (echoed(prompt, req.logprobs) if with_prompt else []) + lps, 0),
                              "finish_reason": fin.reason, "prompt_logprobs": prompt_logprobs(prompt)}
                             for i, (text, lps, fin, prompt) in enumerate(results)],
         "usage": usage([fin for _, _, fin, _ in results], req.n)})
-
-
-# -------------------------------------------------------------------------------------------- answering
-async def _stop_when_gone(request: Request, jobs: list[Job]) -> None:
-    """Stops the jobs' generations once the client hangs up (a task, cancelled when the answer is done)."""
-    while not await request.is_disconnected():
-        await asyncio.sleep(0.25)
-    for job in jobs:
-        job.cancelled.set()
-
-
-async def first_event(request: Request, jobs: list[Job]) -> tuple[int, Any]:
-    """The jobs' first (index, event), awaited before a stream's headers go out, so that a request the queue
-    refuses (429: no slot within --max-queue-wait) or the engine fails gets its status, not a 200 and an error
-    event. Stops the jobs if the client hangs up meanwhile."""
-    watcher = asyncio.create_task(_stop_when_gone(request, jobs))
-    try:
-        head = await jobs[0].events.get()
-        if isinstance(head[1], APIError):
-            raise head[1]
-        return head
-    except BaseException:
-        for job in jobs:
-            job.cancelled.set()
-        raise
-    finally:
-        watcher.cancel()
-
-
-async def collect(request: Request, jobs: list[Job]) -> list[tuple[str, list[Logprob], Finish, list | None]]:
-    """Each choice's whole text, logprobs, end and prompt logprobs; stops the generations if the client hangs up."""
-    watcher = asyncio.create_task(_stop_when_gone(request, jobs))
-    parts: list[list[str]] = [[] for _ in jobs]
-    lps: list[list[Logprob]] = [[] for _ in jobs]
-    prompts: list[list[PromptLogprob] | None] = [None] * len(jobs)
-    fins: dict[int, Finish] = {}
-    try:
-        while len(fins) < len(jobs):
-            i, ev = await jobs[0].events.get()
-            if isinstance(ev, APIError):
-                raise ev
-            if isinstance(ev, Delta):
-                parts[i].append(ev.text)
-                if ev.logprob:
-                    lps[i].append(ev.logprob)
-                if ev.prompt:
-                    prompts[i] = ev.prompt
-                continue
-            if jobs[i].shutdown and ev.reason == "abort":
-                raise unavailable("server is shutting down: request aborted")
-            fins[i] = ev
-        return [("".join(parts[i]), lps[i], fins[i], prompts[i]) for i in range(len(jobs))]
-    finally:
-        watcher.cancel()
-        for job in jobs:
-            job.cancelled.set()
-
-
-async def stream(request: Request, jobs: list[Job], first: list[str], on_text: Callable[[int, Delta], list[str]],
-                 on_finish: Callable[[int, Finish], list[str]], end: Callable[[list[Finish]], list[str]]):
-    """SSE over the choices' events as they come (each chunk names its choice's index): what `on_text` makes of
-    each token's Delta, what `on_finish` makes of each choice's end, then `end` and [DONE]. The headers go out with
-    the first event (first_event)."""
-    head = await first_event(request, jobs)
-
-    async def events():
-        try:
-            for line in first:
-                yield line
-            fins: dict[int, Finish] = {}
-            pending = [head]
-            while len(fins) < len(jobs):
-                i, ev = pending.pop() if pending else await jobs[0].events.get()
-                if isinstance(ev, Delta):
-                    for line in on_text(i, ev):
-                        yield line
-                elif isinstance(ev, Finish):
-                    fins[i] = ev
-                    for line in on_finish(i, ev):
-                        yield line
-                else:                      # an APIError from the engine thread, after headers went out
-                    yield sse({"error": ev.body()["error"]})
-                    break
-            else:
-                for line in end([fins[i] for i in range(len(jobs))]):
-                    yield line
-            yield "data: [DONE]\n\n"
-        finally:
-            for job in jobs:               # client gone (or done): stop generating, free the slots
-                job.cancelled.set()
-
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

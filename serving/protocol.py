@@ -5,7 +5,8 @@ A request is parsed in one place (`parse`, in a worker thread: `read`): JSON tha
 too deep, integers too long, lone surrogates) is a 400 like any other malformed body. The work one request costs is
 bounded before it is done, as the body limit bounds its bytes: at most MAX_JSON_OBJECTS objects are built, and the
 parse and the validation of the messages run in small steps, so the worker thread hands the GIL back to the event
-loop (and other clients) between them. Integers (token ids) are counted the same way: at most MAX_JSON_INTS.
+loop (and other clients) between them. Integers (token ids) are counted the same way: at most MAX_JSON_INTS. JSON
+text inside the body (tool calls' `arguments`) is read by the same rules, within the same counts.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import re
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 INT64 = (-2**63, 2**63 - 1)     # vLLM's seed range (torch.long)
@@ -66,6 +67,7 @@ class TextPart(_Strict):
 class CalledFunction(_Strict):
     name: str
     arguments: str                          # JSON text, as OpenAI sends it
+    _parsed: Any = PrivateAttr(default=None)    # `arguments` as read by `parse`, within the body's limits
 
 
 class ToolCall(_Strict):
@@ -279,27 +281,49 @@ def _too_many(limit: int, what: str) -> APIError:
     return APIError(400, f"request body has more than {limit} {what}")
 
 
-def _load(body: bytes) -> Any:
-    """json.loads, stopped past MAX_JSON_OBJECTS objects or MAX_JSON_INTS integers (a flat list of millions of
-    token ids is refused by count, before validation). The hooks, Python code run per object and per integer,
-    also let the interpreter switch threads in the middle of a long parse."""
-    objects = ints = 0
+class _Budget:
+    """What one request body may still build: MAX_JSON_OBJECTS objects and MAX_JSON_INTS integers, counted over the
+    body and the JSON texts inside it (tool calls' arguments) together."""
 
-    def hook(obj: dict) -> dict:
-        nonlocal objects
-        objects += 1
-        if objects > MAX_JSON_OBJECTS:
+    def __init__(self):
+        self.objects = self.ints = 0
+
+    def hook(self, obj: dict) -> dict:
+        self.objects += 1
+        if self.objects > MAX_JSON_OBJECTS:
             raise _too_many(MAX_JSON_OBJECTS, "JSON objects")
         return obj
 
-    def parse_int(text: str) -> int:
-        nonlocal ints
-        ints += 1
-        if ints > MAX_JSON_INTS:
+    def parse_int(self, text: str) -> int:
+        self.ints += 1
+        if self.ints > MAX_JSON_INTS:
             raise _too_many(MAX_JSON_INTS, "integers (token ids)")
         return int(text)
 
-    return json.loads(body, object_hook=hook, parse_int=parse_int)
+
+def _load(body: bytes | str, budget: _Budget) -> Any:
+    """json.loads, stopped once the budget is spent (a flat list of millions of token ids is refused by count,
+    before validation). The hooks, Python code run per object and per integer, also let the interpreter switch
+    threads in the middle of a long parse."""
+    return json.loads(body, object_hook=budget.hook, parse_int=budget.parse_int)
+
+
+def _strict_json(text: bytes | str, budget: _Budget, what: str, param: str | None = None) -> Any:
+    """JSON text as Python holds it, or the client's 400 naming `what`: too deep, a lone surrogate, past the
+    budget, or not JSON at all."""
+    try:
+        data = _load(text, budget)
+        # Lone surrogates ("\ud800") parse, but no tokenizer or response can encode them.
+        raw = text if isinstance(text, bytes) else text.encode(errors="surrogatepass")
+        if _may_hold_lone_surrogate(raw):         # the full check (one long call) only when one may be there
+            json.dumps(data, ensure_ascii=False).encode()
+    except RecursionError:
+        raise APIError(400, f"{what} is nested too deeply", param=param) from None
+    except UnicodeEncodeError:
+        raise APIError(400, f"{what} contains an invalid unicode escape (a lone surrogate)", param=param) from None
+    except (ValueError, UnicodeDecodeError) as e:      # JSONDecodeError, and integers with too many digits
+        raise APIError(400, f"{what} is not valid JSON: {e}", param=param) from None
+    return data
 
 
 def _validation_error(e: ValidationError, prefix: tuple = ()) -> APIError:
@@ -315,17 +339,8 @@ async def read(request, model: type[_Strict]) -> Any:
 
 def parse(model: type[_Strict], body: bytes) -> Any:
     """The request body as `model`, or an APIError(400) naming what is wrong."""
-    try:
-        data = _load(body)
-        # Lone surrogates ("\ud800") parse, but no tokenizer or response can encode them.
-        if _may_hold_lone_surrogate(body):         # the full check (one long call) only when one may be there
-            json.dumps(data, ensure_ascii=False).encode()
-    except RecursionError:
-        raise APIError(400, "request body is nested too deeply") from None
-    except UnicodeEncodeError:
-        raise APIError(400, "request body contains an invalid unicode escape (a lone surrogate)") from None
-    except (ValueError, UnicodeDecodeError) as e:      # JSONDecodeError, and integers with too many digits
-        raise APIError(400, f"request body is not valid JSON: {e}") from None
+    budget = _Budget()
+    data = _strict_json(body, budget, "request body")
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")
     unset = NULL_MEANS_DEFAULT.get(model, frozenset())
@@ -345,6 +360,9 @@ def parse(model: type[_Strict], body: bytes) -> Any:
                 valid.append(Message.model_validate(m))
             except ValidationError as e:
                 raise _validation_error(e, ("messages", i)) from None
+            for j, call in enumerate(valid[-1].tool_calls or ()):   # JSON text too: as strict as the body
+                where = f"messages.{i}.tool_calls.{j}.function.arguments"
+                call.function._parsed = _strict_json(call.function.arguments, budget, where, where)
         data = {**data, "messages": valid}
     try:
         req = model.model_validate(data)
@@ -432,10 +450,7 @@ def messages(msgs: list[Message]) -> list[dict]:
 
 
 def _called(call: ToolCall, where: str) -> dict:
-    try:
-        arguments = json.loads(call.function.arguments)
-    except ValueError:
-        arguments = None
+    arguments = call.function._parsed
     if not isinstance(arguments, dict):
         raise APIError(400, f"{where}.function.arguments: not a JSON object", param=f"{where}.function.arguments")
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}

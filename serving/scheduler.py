@@ -33,6 +33,9 @@ class Job:
     grammar: Any = None           # serving/structured.py: the grammar the output follows (None: free text)
     stops: Any = None             # params.stop's serving.generation.StopAutomaton, built off the engine thread
     reveal: frozenset[int] = frozenset()    # special tokens shown in the text (tool-call markup)
+    # Shared by a request's n choices: set once any of them has a slot. The request then waits no more: its other
+    # choices take slots as they come free and never expire (vLLM runs the n choices as one request).
+    started: threading.Event = field(default_factory=threading.Event)
 
     def send(self, ev: Any) -> None:
         """From the engine thread: hand an event, as (index, event), to the request's coroutine."""
@@ -55,9 +58,10 @@ class Scheduler:
     `max_waiting` is exactly how many requests may wait while every slot is busy, whatever their arrival timing;
     0 means no queue (a request is admitted only when a slot is free).
 
-    The wait (`--max-queue-wait`, seconds; 0: none): a job still waiting for a slot that long after it arrived is
-    answered 429 (its stream too: a stream's headers wait for its first event), rather than waiting on for minutes
-    (a CPU server with one slot).
+    The wait (`--max-queue-wait`, seconds; 0: none): a request none of whose choices has a slot that long after it
+    arrived is answered 429 (its stream too: a stream's headers wait for its first event), rather than waiting on
+    for minutes (a CPU server with one slot). Its choices are timed together: once one has a slot, the others wait
+    for theirs without a deadline.
     """
 
     def __init__(self, metrics: Metrics, max_waiting: int, max_queue_wait: float = 0.0):
@@ -157,6 +161,8 @@ class Scheduler:
                     self.wake.wait(timeout=1.0)
                     self.beat = time.monotonic()
                 joining = [self.queued.popleft() for _ in range(min(batch.free, len(self.queued)))]
+                for job in joining:
+                    job.started.set()
                 self.pending, self.joining = len(joining), joining
                 self.metrics.set_queue(self._live(), running=len(batch.live) + len(joining))
             for i, job in enumerate(joining):
@@ -180,14 +186,17 @@ class Scheduler:
             job.cancelled.set()
 
     def _expire(self) -> None:
-        """Engine thread: a 429 for each job that waited past max_queue_wait (the FIFO's oldest come first)."""
+        """Engine thread: a 429 for each job of a request that waited past max_queue_wait with none of its choices
+        started. The whole FIFO is looked at (at most slots + max_waiting jobs): a job that may not expire (a
+        sibling started) keeps the ones behind it from expiring."""
         if not self.max_queue_wait:
             return
         too_old = time.monotonic() - self.max_queue_wait
         with self.wake:
-            expired = []
-            while self.queued and self.queued[0].arrival < too_old:
-                expired.append(self.queued.popleft())
+            expired = [j for j in self.queued if j.arrival < too_old and not j.started.is_set()]
+            if expired:
+                gone = set(map(id, expired))
+                self.queued = deque(j for j in self.queued if id(j) not in gone)
         for job in expired:
             job.cancelled.set()
             self.metrics.finished(job.arrival, Finish("abort", len(job.prompt_ids), 0, []), running=self._running())

@@ -6,37 +6,26 @@ schema may be is checked first, cheaply (its depth, integer bounds, string lengt
 unusable schema is the client's 400); the compile itself, regex and index, can grow quadratically with the schema
 and cannot be interrupted, so it runs in a process of its own, with capped memory, killed at the time limit or once
 every request waiting for it left: a compile nobody waits for keeps no core and no memory, and no compile holds the
-server's GIL. The result is cached per schema. The generation loop (serving/generation.py) gives each such request
-a `Matcher`: before every sampling step it writes the tokens the grammar allows next as a bitmask (bit i % 32 of
-int32 word i // 32 is token i, the layout outlines-core and the runtimes share) and after every generated token it
-advances. The runtime sets every other token's logit to MASKED before it samples (serving/engine.py). Why
-outlines-core: docs/serving.md.
+server's GIL (serving/grammar_compile.py: its workers, admission and cache). The generation loop
+(serving/generation.py) gives each such request a `Matcher`: before every sampling step it writes the tokens the
+grammar allows next as a bitmask (bit i % 32 of int32 word i // 32 is token i, the layout outlines-core and the
+runtimes share) and after every generated token it advances. The runtime sets every other token's logit to MASKED
+before it samples (serving/engine.py). Why outlines-core: docs/serving.md.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import pickle
 import re
-import subprocess
-import sys
-import tempfile
-import threading
-import time
-from collections import OrderedDict
-from concurrent.futures import Future
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 MASKED = -1e30      # the logit a disallowed token gets: finite, so a row that allows nothing never makes NaNs
 
-# Bounds on one compile (environment, read at import): its time, and the size of the regex it starts from.
-COMPILE_TIMEOUT_S = float(os.environ.get("G5G_GRAMMAR_TIMEOUT_S", "30"))
+# The size of the regex a compile starts from (environment, read at import).
 MAX_REGEX_CHARS = int(os.environ.get("G5G_GRAMMAR_MAX_REGEX", "100000"))
 # A JSON string of at most n characters (maxLength, minLength) costs outlines-core's index time exponential in n
 # (tiny fixture: n = 12 0.3 s, 14 1.0 s, 16 4.5 s, 18 15 s, 20 over 20 s): refused past this bound before the build.
@@ -48,20 +37,12 @@ MAX_SCHEMA_DEPTH = int(os.environ.get("G5G_GRAMMAR_MAX_DEPTH", "64"))
 MAX_OPTIONAL_PROPERTIES = 160
 # An integer minimum/maximum past this magnitude is refused (its range regex would grow with its digits).
 MAX_INTEGER_BOUND = 2**63
-# The compile's process may map at most this much memory (bytes; 0: no limit): a schema whose regex explodes
-# (10 000 optional properties: a 1.5-billion-character regex) dies there, not in the server.
-COMPILE_MEMORY = int(os.environ.get("G5G_GRAMMAR_MAX_MEMORY", str(4 * 2**30)))
-CACHE_ENTRIES = 64
-POLL_S = 0.25       # how often a compile's waiters and its process look at their deadline and whether to stop
 
 # response_format json_object: outlines-core's own "any object" nests values 3 deep and costs ~30 s and ~330 MB
 # on a 262k vocabulary; this one (values: scalars, arrays of scalars, objects of scalars) costs ~6 s and ~90 MB.
 _SCALAR = {"type": ["string", "number", "boolean", "null"]}
 ANY_OBJECT = {"type": "object", "additionalProperties": {"anyOf": [
     _SCALAR, {"type": "array", "items": _SCALAR}, {"type": "object", "additionalProperties": _SCALAR}]}}
-
-
-ANY_OBJECT_KEY = json.dumps(ANY_OBJECT, separators=(",", ":"), ensure_ascii=False)
 
 
 def mask_words(vocab_size: int) -> int:
@@ -171,8 +152,8 @@ def _shown(n: int | float) -> str:
 
 def _depth(schema: Any, limit: int) -> None:
     """InvalidGrammar when `schema` nests objects and arrays more than `limit` deep (walked without recursion)."""
-    level = [schema]
-    for depth in range(limit + 1):
+    level = [schema]                    # the containers `depth` + 1 levels down
+    for depth in range(limit):
         level = [v for node in level for v in (node.values() if isinstance(node, dict) else
                                                node if isinstance(node, list) else ())
                  if isinstance(v, (dict, list))]
@@ -184,15 +165,16 @@ def _depth(schema: Any, limit: int) -> None:
 def _bounded_integers(schema: Any, ranges: dict[str, str], max_string: int = MAX_STRING_BOUND) -> Any:
     """`schema` with each integer subschema that has bounds (outlines-core ignores them) swapped for a string with
     a marker pattern; `ranges` gets each marker's regex, put in place of the marker's string after the compile.
-    A string length bound past `max_string`, and an object with more than MAX_OPTIONAL_PROPERTIES optional properties,
-    are refused here, before any regex or automaton is built."""
+    A string length bound past `max_string` (whatever `pattern` or `format` say: outlines-core builds the bounded
+    string then, not the pattern), and an object with more than MAX_OPTIONAL_PROPERTIES optional properties, are
+    refused here, before any regex or automaton is built."""
     if isinstance(schema, list):
         return [_bounded_integers(s, ranges, max_string) for s in schema]
     if not isinstance(schema, dict):
         return schema
     for key in ("maxLength", "minLength"):
         n = _number(schema.get(key))
-        if n is not None and n > max_string and "pattern" not in schema and "format" not in schema:
+        if n is not None and n > max_string:        # outlines-core takes the bound over a pattern or a format
             raise InvalidGrammar(f"too large: {key} {_shown(n)} (the automaton for a string of bounded length grows "
                                  f"exponentially with the bound; at most {max_string} here)")
     properties, required = schema.get("properties"), schema.get("required")
@@ -221,117 +203,14 @@ def _bounded_integers(schema: Any, ranges: dict[str, str], max_string: int = MAX
             for k, v in schema.items()}
 
 
-@dataclass
-class _Compile:
-    """One schema's compile: when it began, its result, how many requests wait on it, and the switch that stops it
-    (set when the last of them left before it finished)."""
-    started: float
-    future: Future = field(default_factory=Future)
-    waiting: int = 0
-    stop: threading.Event = field(default_factory=threading.Event)
-
-
 @dataclass(frozen=True)
 class Grammar:
-    """A compiled schema: outlines-core's index, the stop tokens that may end it, the mask width."""
+    """A compiled schema: outlines-core's index, the stop tokens that may end it, the mask width, and the index's
+    size as it crossed from its compile's process (what it holds in memory, near enough)."""
     index: Any
     stop_ids: frozenset[int]
     words: int
-
-
-class Grammars:
-    """Compiles grammars over a checkpoint's tokenizer (serving.generation.TokenizerInfo), for a runtime whose logits
-    are `vocab_size` wide. The vocabulary is built on first use, not at boot. Compiled grammars are kept in an LRU
-    keyed by the schema's compact JSON (key order kept: it is the output's key order); one instance serves one
-    tokenizer, so a repeated schema costs nothing."""
-
-    def __init__(self, info, vocab_size: int, timeout_s: float = COMPILE_TIMEOUT_S,
-                 max_regex_chars: int = MAX_REGEX_CHARS, cache_entries: int = CACHE_ENTRIES,
-                 max_string: int = MAX_STRING_BOUND):
-        self.info, self.vocab_size = info, vocab_size
-        self.timeout_s, self.max_regex_chars, self.cache_entries = timeout_s, max_regex_chars, cache_entries
-        self.max_string = max_string
-        self._vocabulary = None
-        self._lock, self._vocab_lock = threading.Lock(), threading.Lock()
-        self._cache: OrderedDict[str, _Compile] = OrderedDict()
-        # Two compiles of clients' schemas at a time (each stops at its time limit, or when its clients left);
-        # json_object's fixed grammar (bounded: seconds) does not queue behind them.
-        self._running = threading.Semaphore(2)
-
-    def json_schema(self, schema: Any, gone: threading.Event | None = None) -> Grammar:
-        """A compiled grammar for JSON valid against `schema`, written compactly (no free whitespace: a weak
-        model cannot stall in it). Waits at most the time limit; InvalidGrammar with the reason otherwise. `gone`:
-        set when the requester left; a compile that every requester left is stopped (and not cached)."""
-        _depth(schema, MAX_SCHEMA_DEPTH)                    # before anything recurses into it
-        _bounded_integers(schema, {}, self.max_string)      # what it refuses, refused before queueing a compile
-        key = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
-        with self._lock:
-            entry = self._cache.pop(key, None) or self._start(key)
-            self._cache[key] = entry                    # the most recently used last
-            while len(self._cache) > self.cache_entries:
-                self._cache.popitem(last=False)
-            entry.waiting += 1
-        deadline = entry.started + self.timeout_s
-        try:
-            while True:
-                try:
-                    return entry.future.result(timeout=min(POLL_S, max(0.0, deadline - time.monotonic())))
-                except TimeoutError:
-                    if time.monotonic() >= deadline:
-                        raise InvalidGrammar(f"compiling it takes longer than {self.timeout_s:g} s") from None
-                    if gone is not None and gone.is_set():
-                        raise InvalidGrammar("its requester left") from None
-        finally:
-            with self._lock:
-                entry.waiting -= 1
-                if gone is not None and gone.is_set() and not entry.waiting and not entry.future.done():
-                    entry.stop.set()
-                    if self._cache.get(key) is entry:
-                        del self._cache[key]
-
-    def json_object(self, gone: threading.Event | None = None) -> Grammar:
-        """Any JSON object (response_format json_object), nested at most two deep (ANY_OBJECT)."""
-        return self.json_schema(ANY_OBJECT, gone)
-
-    def _start(self, key: str) -> _Compile:
-        """Compile in a daemon thread: one still running past its time limit must not keep the server from exiting
-        (a pool's workers are joined at exit)."""
-        entry = _Compile(time.monotonic())
-
-        def run():
-            with self._running if key != ANY_OBJECT_KEY else contextlib.nullcontext():
-                try:
-                    entry.future.set_result(self._compile(key, entry.started + self.timeout_s, entry.stop))
-                except BaseException as e:      # handed to whoever waits on it
-                    entry.future.set_exception(e)
-
-        threading.Thread(target=run, name="grammar", daemon=True).start()
-        return entry
-
-    def _compile(self, schema_json: str, deadline: float, stop: threading.Event) -> Grammar:
-        if stop.is_set():                               # every requester left while it queued
-            raise InvalidGrammar(f"compiling it takes longer than {self.timeout_s:g} s")
-        try:
-            index = build_index(schema_json, self._vocab(), deadline, stop,
-                                max_string=self.max_string, max_regex_chars=self.max_regex_chars)
-        except ValueError as e:
-            # outlines-core's reason is its first line; the rest is advice to file bugs
-            raise InvalidGrammar(str(e).strip().split("\n")[0].strip()) from None
-        except TimeoutError:                            # its requesters gave up too (or left): refused for all
-            raise InvalidGrammar(f"compiling it takes longer than {self.timeout_s:g} s") from None
-        return Grammar(index, self.info.stop_ids, mask_words(self.vocab_size))
-
-    def _vocab(self):
-        from outlines_core import Vocabulary
-
-        with self._vocab_lock:
-            if self._vocabulary is None:
-                with self.info.prompt_lock:
-                    tokens = token_bytes(self.info.prompt_tokenizer, self.info.hidden_ids | self.info.stop_ids,
-                                         self.info.family)
-                # outlines-core knows one end token; Matcher lets any of the checkpoint's stop tokens end.
-                self._vocabulary = Vocabulary(min(self.info.stop_ids), tokens)
-            return self._vocabulary
+    nbytes: int = 0
 
 
 def schema_regex(schema_json: str, max_string: int = MAX_STRING_BOUND,
@@ -352,65 +231,6 @@ def schema_regex(schema_json: str, max_string: int = MAX_STRING_BOUND,
     if len(regex) > max_regex_chars:
         raise InvalidGrammar(f"too large: its regex has {len(regex)} characters, over the limit of {max_regex_chars}")
     return regex
-
-
-# The compile, as a program of its own: (schema JSON, bounds, outlines-core Vocabulary) pickled in, (ok, Index or
-# reason) out. On Linux it dies with the thread that started it (the server's), so no server exit leaves it
-# running; its address space is capped (COMPILE_MEMORY), and whatever it allocated goes back when it exits.
-_INDEX_PROGRAM = """
-import ctypes, os, pickle, resource, signal, sys
-try:
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
-except (OSError, AttributeError):
-    pass
-if os.getppid() != int(sys.argv[1]):                # the server went before that took effect
-    sys.exit(1)
-sys.path.insert(0, sys.argv[2])
-memory = int(sys.argv[3])
-if memory:
-    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-from outlines_core import Index
-from serving.structured import schema_regex
-schema_json, max_string, max_regex_chars, vocabulary = pickle.load(sys.stdin.buffer)
-try:
-    out = (True, Index(schema_regex(schema_json, max_string, max_regex_chars), vocabulary))
-except (ValueError, TypeError, RecursionError, MemoryError) as e:
-    out = (False, str(e) or type(e).__name__)
-pickle.dump(out, sys.stdout.buffer)
-"""
-_ROOT = str(Path(__file__).resolve().parents[1])       # where `serving` is imported from
-
-
-def build_index(schema_json: str, vocabulary, deadline: float, stop: threading.Event | None = None,
-                max_string: int = MAX_STRING_BOUND, max_regex_chars: int = MAX_REGEX_CHARS,
-                memory: int = COMPILE_MEMORY):
-    """outlines-core's Index of the schema's regex (schema_regex) over `vocabulary`, both built in a child process
-    (the server's threads, memory and devices stay out of it) that is killed at `deadline` or once `stop` is set
-    (TimeoutError). Its reason (ValueError) if it cannot."""
-    with tempfile.TemporaryFile() as payload:      # a file, not a pipe: no write to resume after a timeout
-        pickle.dump((schema_json, max_string, max_regex_chars, vocabulary), payload)
-        payload.seek(0)
-        proc = subprocess.Popen([sys.executable, "-c", _INDEX_PROGRAM, str(os.getpid()), _ROOT, str(memory)],
-                                stdin=payload, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        while True:
-            try:        # a retry goes on reading where the last call stopped
-                out, err = proc.communicate(None, min(POLL_S, max(0.0, deadline - time.monotonic())))
-                break
-            except subprocess.TimeoutExpired:
-                if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
-                    raise TimeoutError from None
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    if proc.returncode:             # e.g. past its memory
-        last = (err.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
-        raise ValueError(f"the compile stopped (exit code {proc.returncode}: {last})")
-    ok, result = pickle.loads(out)
-    if not ok:
-        raise ValueError(result)
-    return result
 
 
 class Matcher:

@@ -7,7 +7,7 @@ import json
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from serving.generation import PromptTooLong
+from serving.tokenizer_info import PromptTooLong
 from serving.protocol import APIError, DetokenizeRequest, TokenizeRequest, messages, read, template_options
 
 router = APIRouter()
@@ -35,7 +35,9 @@ async def tokenize(request: Request):
             ids = info.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False, limit=max_len)
         else:
             try:
-                text = info.render_chat(msgs, tools, **options)
+                text = info.render_chat(msgs, tools, max_len, **options)
+            except PromptTooLong:
+                raise
             except Exception as e:
                 raise APIError(400, f"chat template: {e}", param="messages") from None
             ids = info.encode(text, add_special_tokens=bool(req.add_special_tokens), limit=max_len)

@@ -421,3 +421,65 @@ def test_openais_nullable_fields_take_null_as_the_default(server):
     assert tok.status_code == 200 and tok.json()["token_strs"] is None, tok.text
     from serving.protocol import CompletionRequest, parse
     assert parse(CompletionRequest, b'{"prompt": "a", "max_tokens": null}').max_tokens is None
+
+
+def test_the_stop_limits_are_exact():
+    """64 stop strings and 16 384 characters in all are taken; one more of either is refused."""
+    from serving.protocol import APIError, ChatRequest, parse
+
+    def body(stop) -> bytes:
+        return json.dumps({"messages": [{"role": "user", "content": "hi"}], "stop": stop}).encode()
+
+    for ok in (["s"] * 64, "x" * 16_384, ["x" * 8_192] * 2, ["ab"] * 63 + ["c" * (16_384 - 126)]):
+        assert parse(ChatRequest, body(ok)).stop == ok
+    for bad, message in ((["s"] * 65, "stop: more than 64 stop strings"),
+                         ("x" * 16_385, "stop: more than 16384 characters"),
+                         (["ab"] * 63 + ["c" * (16_385 - 126)], "stop: more than 16384 characters")):
+        with pytest.raises(APIError, match=message):
+            parse(ChatRequest, body(bad))
+
+
+def test_a_large_answer_is_serialised_off_the_event_loop():
+    """64 choices of 220 tokens with 20 top logprobs each (~19 MB of JSON, as n=64 x top_logprobs 20 asks): built on
+    the event loop it held /health for 2 s. A coroutine that wakes every millisecond meanwhile is never held up for
+    a quarter of the answer's time, and the bytes are the JSON of the answer."""
+    import asyncio
+    import time
+
+    from serving.answering import json_response
+    from serving.generation import Logprob
+    from serving.openai_text import chat_logprobs
+
+    lps = [Logprob(f"tok{t}", -0.5, [(f"alt{k}", -1.0 - k) for k in range(20)]) for t in range(220)]
+
+    def build() -> dict:
+        return {"id": "x", "choices": [{"index": i, "message": {"role": "assistant", "content": "t" * 220},
+                                        "logprobs": chat_logprobs(lps)} for i in range(64)], "usage": {"n": 1}}
+
+    async def main():
+        gaps, done = [], asyncio.Event()
+
+        async def tick():
+            last = time.monotonic()
+            while not done.is_set():
+                await asyncio.sleep(0.001)
+                gaps.append(time.monotonic() - last)
+                last = time.monotonic()
+
+        ticker = asyncio.create_task(tick())
+        t0 = time.monotonic()
+        response = await json_response(build)
+        took = time.monotonic() - t0
+        done.set()
+        await ticker
+        return response, took, max(gaps)
+
+    import gc
+    gc.collect()
+    gc.freeze()         # as the server does after boot: a full collection walks this answer's objects only
+    try:
+        response, took, worst = asyncio.run(main())
+    finally:
+        gc.unfreeze()
+    assert json.loads(response.body) == build() and len(response.body) > 10 * 2**20
+    assert worst < took / 4, (worst, took)

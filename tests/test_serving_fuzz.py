@@ -38,6 +38,25 @@ BIG_INTS = [
 ]
 
 
+def _called(arguments: str) -> list[dict]:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return [{"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "user", "content": QUESTION}]
+
+
+# Round 4's causes of a 500 (issue 40), each with the 400 it gets now: tool-call arguments too deep, with a lone
+# surrogate, past the body's object limit; a bad word of only whitespace. (path, body, message).
+ROUND4 = [
+    *((path, {"model": "tiny", "messages": _called(args), "max_tokens": 2}, message)
+      for path in (CHAT, TOKENIZE) for args, message in (
+          ("[" * 5000, "messages.0.tool_calls.0.function.arguments is nested too deeply"),
+          ('{"a": "\\ud800"}', "messages.0.tool_calls.0.function.arguments contains an invalid unicode escape"),
+          (json.dumps({"a": [{}] * 70_000}), "request body has more than 65536 JSON objects"))),
+    *((path, {"model": "tiny", **prompt, "max_tokens": 2, "bad_words": words}, "bad_words.")
+      for path, prompt in ((CHAT, {"messages": ASK}), (COMPLETIONS, {"prompt": QUESTION}))
+      for words in (["  "], ["ok", "\t\n"])),
+]
+
+
 def _cases() -> list[tuple[str, str, bytes | None, dict]]:
     """(method, path, body, headers): each one distinct."""
     out = []
@@ -215,6 +234,8 @@ def _cases() -> list[tuple[str, str, bytes | None, dict]]:
                  [chr(0x4E00 + i) * 256 for i in range(64)]):
         post(CHAT, chat(stop=stop))
         post(COMPLETIONS, {"model": "tiny", "prompt": QUESTION, "max_tokens": 4, "stop": stop})
+    for path, body, _ in ROUND4:
+        post(path, body)
     # OpenAI's nullable fields, null: the default.
     for name in ("stream", "n", "ignore_eos", "min_tokens", "skip_special_tokens", "include_stop_str_in_output",
                  "add_generation_prompt", "continue_final_message", "top_logprobs", "stream_options",
@@ -333,6 +354,16 @@ def test_integers_past_int32(runtime_servers, runtime):
     assert got == [(status, "min_tokens" if status == 400 else True) for _, _, status in BIG_INTS]
 
 
+@pytest.mark.parametrize("runtime", ["pytorch", "jax"])
+def test_tool_call_arguments_and_bad_words_are_the_clients_400(runtime_servers, runtime):
+    """Each was a 500 (RecursionError, a TypeError in the tokenizer, an IndexError): tool-call arguments are read as
+    strictly as the body, within its limits, and a bad word that strips to nothing is refused."""
+    url = runtime_servers[runtime]
+    got = [(r.status_code, r.json()["error"]["message"][:len(message)])
+           for path, body, message in ROUND4 for r in [requests.post(url + path, json=body, timeout=60)]]
+    assert got == [(400, message) for _, _, message in ROUND4]
+
+
 def _huge_beside_small(url: str, path: str, bodies: list[dict]) -> tuple[dict, list]:
     """Post the huge `bodies` at once while /health is polled and a small chat is asked: ({i: (status, message,
     seconds, finished at)}, [(health status, seconds)]); the small chat is the last answer."""
@@ -406,6 +437,46 @@ def test_a_schema_slow_to_build_does_not_hold_up_other_clients(runtime_servers, 
     assert answers[0][:2] == (400, "response_format: invalid JSON schema: too large: its regex h")
     assert answers[1][0] == 200 and {code for code, _ in health} == {200}
     assert max(dt for _, dt in health) < answers[0][2] / 2, (health, answers)
+
+
+@pytest.mark.parametrize("runtime", ["pytorch", "jax"])
+def test_slow_schemas_neither_hold_up_other_clients_nor_are_refused_for_queueing(runtime_servers, runtime):
+    """Eight distinct schemas that take seconds each to compile, at once, beside a small chat. Their waits held
+    asyncio's default executor (6 threads on 2 cores): the chat waited 28-30 s; 3-4 of them got a cached 400 for
+    a deadline they spent queueing. Now: each is compiled (200) or refused at once as busy (429), none is a 400;
+    the chat takes less than half the slowest of them; one refused as busy compiles when sent again."""
+    def ask(i: int) -> dict:
+        schema = {"type": "object", "properties": {f"k{i}": {"type": "string", "maxLength": 14}},
+                  "required": [f"k{i}"]}
+        return {"model": "tiny", "messages": ASK, "max_tokens": 4,
+                "response_format": {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}}
+
+    url = runtime_servers[runtime]
+    answers, health = _huge_beside_small(url, CHAT, [ask(i) for i in range(8)])
+    statuses = [answers[i][0] for i in range(8)]
+    assert set(statuses) <= {200, 429} and 200 in statuses, [answers[i] for i in range(8)]
+    assert answers[8][0] == 200 and {code for code, _ in health} == {200}
+    assert answers[8][2] < max(answers[i][2] for i in range(8)) / 2, answers
+    busy = [i for i, status in enumerate(statuses) if status == 429]
+    for i in busy[:1]:
+        assert answers[i][1].startswith("server busy compiling schemas")
+        assert requests.post(url + CHAT, json=ask(i), timeout=120).status_code == 200
+
+
+@pytest.mark.parametrize("runtime", ["pytorch", "jax"])
+def test_conversations_too_large_to_render_are_refused_before_rendering(runtime_servers, runtime):
+    """4 MB of tool-call arguments, and 1000 tools x 1000 system turns (147 KB that the template writes a thousand
+    times over): each held every other client's tokenisation for 11-26 s behind one lock. Now their rendered size
+    is known before rendering: a context-length 400 ("at least"), beside a small chat and /health."""
+    tools = [{"type": "function", "function": {"name": f"f{i}", "description": "d"}} for i in range(1000)]
+    arguments = json.dumps({"a": "x" * 4_000_000})
+    answers, health = _huge_beside_small(runtime_servers[runtime], CHAT, [
+        {"model": "tiny", "messages": _called(arguments), "max_tokens": 4},
+        {"model": "tiny", "messages": [{"role": "system", "content": "s"}] * 1000 + ASK, "tools": tools,
+         "max_tokens": 4}])
+    assert [(answers[i][0], answers[i][1][:39]) for i in range(2)] == [
+        (400, "This model's maximum context length is ")] * 2
+    assert answers[2][0] == 200 and {code for code, _ in health} == {200}
 
 
 # Requests the HTTP parser itself refuses (uvicorn answered these with a plain-text 400).

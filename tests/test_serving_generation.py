@@ -51,6 +51,50 @@ def test_chat_prompt_uses_the_checkpoints_template(info):
                                           "<|turn>model\nHello<turn|>\n<|turn>user\nBye<turn|>\n<|turn>model\n")
 
 
+def test_a_conversation_the_template_would_blow_up_is_refused_before_rendering(info):
+    """Gemma's template writes the tools again in every system turn: 1000 tools x 1000 system turns (147 KB sent)
+    rendered for 23-26 s before the length check. Its rendered size is known from the inputs first."""
+    from serving.tokenizer_info import PromptTooLong, rendered_chars
+    tools = [{"type": "function", "function": {"name": f"f{i}", "description": "d"}} for i in range(1000)]
+    turns = [{"role": "system", "content": "s"}] * 1000
+    assert rendered_chars(turns, tools) == 1001 * rendered_chars([], tools) + 1000 * len("rolesystemcontents")
+    calls = [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": {"a": "x" * 4_000_000}}}]}]
+    for messages, tools_shown in ((turns, tools), (calls, None)):
+        with pytest.raises(PromptTooLong, match="at least"):
+            info.render_chat(messages, tools_shown, limit=256)
+    text = info.render_chat(turns[:2], tools[:3], limit=4096)       # what fits is rendered
+    assert text.count("<|tool>declaration:f2") == 2 and len(text) >= rendered_chars(turns[:2], tools[:3])
+
+
+def test_requests_tokenise_at_once_without_borrowing_errors(info):
+    """The prompt tokenizer serves several request threads at once (encode, decode, the template, token strings):
+    no "Already borrowed", and a short prompt is not held behind a long one (before: one lock for all)."""
+    import threading
+    errors, order = [], []
+
+    def busy(i: int):
+        try:
+            for _ in range(30):
+                ids = info.encode(f"{QUESTION} {i}", limit=4096)
+                assert info.decode(ids) == f"{QUESTION} {i}" and len(info.token_strs(ids)) == len(ids)
+                info.render_chat([{"role": "user", "content": str(i)}], limit=4096)
+        except Exception as e:      # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=busy, args=(i,)) for i in range(8)]
+    long = threading.Thread(target=lambda: order.append(("long", len(info.encode("word " * 3_000_000)))))
+    long.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    order.append(("short", 0))
+    long.join(120)
+    assert not errors, errors[:3]
+    assert [name for name, _ in order] == ["short", "long"]
+
+
 # ---------------------------------------------------------------------------------------- detokenisation
 def test_multibyte_characters_never_split(info):
     text = "héllo 🎉 wörld — ✓ 日本"

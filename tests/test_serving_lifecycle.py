@@ -5,6 +5,8 @@ PyTorch engine with a pause before each decode step (tests/fixtures/paced_runtim
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -87,12 +89,9 @@ def test_past_the_grace_period_streams_end_with_abort_and_the_rest_get_503(tiny_
         wait_until(lambda: in_flight(srv.url) == 3, what="one running, two queued")
         before = len(running.events)
         srv.terminate()
-        time.sleep(0.3)                        # draining, within the grace period: new requests are refused
-        try:
-            late = requests.post(f"{srv.url}/v1/chat/completions", json={"messages": ASK}, timeout=10)
-            assert late.status_code == 503 and late.json()["error"]["type"] == "service_unavailable"
-        except requests.ConnectionError:
-            pass                               # or not even accepted: uvicorn closed the listener
+        time.sleep(0.3)                        # draining, within the grace period: new requests get a 503
+        late = requests.post(f"{srv.url}/v1/chat/completions", json={"messages": ASK}, timeout=10)
+        assert late.status_code == 503 and late.json()["error"]["type"] == "service_unavailable"
         for c in (running, queued_stream, queued):
             c.join(60)
         assert srv.exited(60) == 0, srv.output[-3000:]
@@ -100,13 +99,13 @@ def test_past_the_grace_period_streams_end_with_abort_and_the_rest_get_503(tiny_
     # pace, so the 1 s grace holds at most 20, and the abort comes within one more (not after 200 steps).
     after = [c for c in running.chunks()[before:] if c["choices"] and c["choices"][0]["delta"].get("content")]
     assert len(after) <= 1 / 0.05 + 2, len(after)
-    for c in (running, queued_stream):
-        assert c.status == 200 and c.error is None
-        assert c.events[-1] == "data: [DONE]", c.events[-3:]
-        assert c.chunks()[-1]["choices"][0]["finish_reason"] == "abort"
+    assert running.status == 200 and running.error is None
+    assert running.events[-1] == "data: [DONE]", running.events[-3:]
+    assert running.chunks()[-1]["choices"][0]["finish_reason"] == "abort"
     assert any(c["choices"][0]["delta"].get("content") for c in running.chunks())   # it had generated text
-    assert queued.status == 503 and set(queued.json["error"]) == {"message", "type", "param", "code"}
-    assert "shutting down" in queued.json["error"]["message"]
+    for c in (queued, queued_stream):           # never started: a 503 (a stream's headers had not gone out)
+        assert c.status == 503 and set(c.json["error"]) == {"message", "type", "param", "code"}, (c.status, c.events)
+        assert "shutting down" in c.json["error"]["message"]
 
 
 def test_a_running_non_streamed_request_past_the_grace_period_gets_a_json_503(tiny_gemma4):
@@ -271,3 +270,115 @@ def test_abort_all_ends_requests_taken_from_the_queue_but_not_started(tiny_gemma
 
     aborted, ends = asyncio.run(main())
     assert (aborted, ends) == (3, [("abort", True)] * 3)
+
+
+def test_n_choices_wait_as_one_request(tiny_gemma4):
+    """One slot, --max-queue-wait 1, n=3 choices of 30 paced steps (1.5 s each): the second and third choice wait
+    for the slot while their siblings run, longer than 1 s, and must not expire (before: a 429 after the first,
+    or a 200 stream with an error event in it). Plain and streamed."""
+    body = {**LONG, "max_tokens": 30, "n": 3, "temperature": 1.0, "seed": 4}
+    with tiny_server(tiny_gemma4, "--max-waiting", "8", "--max-queue-wait", "1", pace=0.05) as srv:
+        plain = Call(srv.url, body)
+        plain.join(120)
+        streamed = Call(srv.url, {**body, "stream": True})
+        streamed.join(120)
+        assert plain.status == 200, (plain.status, plain.json)
+        assert [c["finish_reason"] for c in plain.json["choices"]] == ["length"] * 3
+        assert streamed.status == 200 and streamed.events[-1] == "data: [DONE]", streamed.events[-3:]
+        chunks = [json.loads(e.removeprefix("data: ")) for e in streamed.events[:-1]]
+        assert not [c for c in chunks if "error" in c]
+        assert sorted(ch["index"] for c in chunks for ch in c["choices"] if ch["finish_reason"]) == [0, 1, 2]
+
+
+def _expiring(jobs_ago: list[float], max_queue_wait: float = 1.0):
+    """A Scheduler whose FIFO holds jobs that arrived `ago` seconds back, and the loop their events go to."""
+    from serving.generation import SamplingParams
+    from serving.metrics import Metrics
+    from serving.scheduler import Job, Scheduler
+
+    loop = asyncio.new_event_loop()
+    sched = Scheduler(Metrics("t"), max_waiting=8, max_queue_wait=max_queue_wait)
+    now = time.monotonic()
+    jobs = [Job([2, 5], SamplingParams(temperature=0.0, max_tokens=4), loop, arrival=now - ago) for ago in jobs_ago]
+    sched.queued.extend(jobs)
+    return sched, jobs, loop
+
+
+def _answers(loop, jobs) -> list:
+    """What each job was sent (an error's status), once the loop ran the callbacks the engine thread queued."""
+    loop.run_until_complete(asyncio.sleep(0))
+    out = [j.events.get_nowait()[1] if not j.events.empty() else None for j in jobs]
+    loop.close()
+    return [getattr(ev, "status", ev) for ev in out]
+
+
+def test_a_cancelled_head_of_the_queue_does_not_hold_back_the_expiry_behind_it():
+    """The FIFO's head left (cancelled) while queued; the jobs behind it waited past --max-queue-wait: each gets
+    its 429, and only the young one stays queued."""
+    sched, jobs, loop = _expiring([5.0, 4.0, 3.0, 0.0])
+    jobs[0].cancelled.set()
+    sched._expire()
+    assert list(sched.queued) == [jobs[3]]
+    assert _answers(loop, jobs)[1:] == [429, 429, None]
+
+
+def test_a_choice_whose_sibling_has_a_slot_never_expires():
+    """Choices 0 and 1 of one request: 0 has a slot (taken from the queue), so 1 waits on without a deadline; an
+    older-than-the-limit request behind it still expires."""
+    import threading
+    sched, jobs, loop = _expiring([5.0, 5.0, 3.0])
+    jobs[0].started = jobs[1].started = threading.Event()
+    sched.queued.popleft().started.set()
+    sched._expire()
+    assert list(sched.queued) == [jobs[1]]
+    assert _answers(loop, jobs)[1:] == [None, 429]
+
+
+# ------------------------------------------------------------------------------------------ connections
+def _status_line(sock, timeout: float = 30.0) -> bytes:
+    """The first line the server sends on `sock` (b"" if it closes without one)."""
+    sock.settimeout(timeout)
+    answer = b""
+    try:
+        while b"\r\n" not in answer and (chunk := sock.recv(4096)):
+            answer += chunk
+    except TimeoutError:
+        return b"no answer"
+    return answer.split(b"\r\n", 1)[0]
+
+
+def _trickle(sock, data: bytes, gap: float) -> None:
+    """Send `data` a byte every `gap` seconds, until the server answers (or closes) or it is all sent."""
+    import select
+    with contextlib.suppress(OSError):
+        for byte in data:
+            sock.sendall(bytes([byte]))
+            if select.select([sock], [], [], gap)[0]:
+                return
+
+
+def test_idle_slow_and_surplus_connections_are_answered_and_closed(tiny_gemma4):
+    """--header-timeout 1, --max-connections 3, --body-total-timeout 2. An idle connection and one that sends its
+    headers a byte at a time get a 408 and are closed (before: kept for ever, 20 100 of them ran the server out
+    of descriptors); a fourth connection while three are open gets a 503 at once; a body that comes a byte every
+    0.3 s (each gap well inside --body-timeout 10) gets a 408 once it has taken 2 s in all. /health answers after."""
+    import socket
+    with tiny_server(tiny_gemma4, "--header-timeout", "1", "--max-connections", "3", "--body-total-timeout", "2",
+                     "--body-timeout", "10") as srv:
+        host, port = srv.url.removeprefix("http://").split(":")
+        address = (host, int(port))
+        idle = [socket.create_connection(address, timeout=10) for _ in range(3)]
+        with socket.create_connection(address, timeout=10) as surplus:
+            assert _status_line(surplus) == b"HTTP/1.1 503 Service Unavailable"
+        assert [_status_line(s) for s in idle] == [b"HTTP/1.1 408 Request Timeout"] * 3
+        for s in idle:
+            s.close()
+        with socket.create_connection(address, timeout=10) as slow:
+            _trickle(slow, b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: x\r\n" * 20, 0.1)
+            assert _status_line(slow) == b"HTTP/1.1 408 Request Timeout"
+        with socket.create_connection(address, timeout=10) as body:
+            body.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n")
+            _trickle(body, b" " * 99, 0.3)
+            assert _status_line(body) == b"HTTP/1.1 408 Request Timeout"
+        assert requests.get(f"{srv.url}/health", timeout=10).status_code == 200

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from serving.generation import Delta, Detokenizer, Finish, SamplingParams, TokenizerInfo, generate
-from serving.structured import (ANY_OBJECT, MASKED, Grammars, InvalidGrammar, integer_regex, mask_words,
-                                token_bytes)
+from serving.grammar_compile import Grammars, GrammarBusy
+from serving.structured import (MASKED, InvalidGrammar, _bounded_integers, _depth, integer_regex,
+                                mask_words, token_bytes)
 from serving.tool_calls import GemmaCalls, NamedCall, RequiredCalls, merge, parse_call, required_schema
 from tests.fixtures.batching import Job, run_in_batch
 from devtools.tiny_gemma4 import QUESTION
@@ -98,12 +99,19 @@ def test_integer_bounds_become_an_exact_regex(lo, hi):
     assert not any(rx.fullmatch(t) for t in ("-0", "01", "007", "+1", ""))
 
 
-def test_a_repeated_schema_is_compiled_once(info):
-    grammars = Grammars(info, len(info.prompt_tokenizer), cache_entries=2)
+def test_a_repeated_schema_is_compiled_once_and_the_cache_is_bounded_in_bytes(info):
+    """The cache holds compiled grammars up to cache_bytes (their indexes' sizes), least recently used out first;
+    before it held 64 whatever their size (64 of Gemma's 131 MiB indexes: 8 GiB)."""
+    sizes = {k: Grammars(info, len(info.prompt_tokenizer)).json_schema(s).nbytes
+             for k, s in (("schema", SCHEMA), ("integer", {"type": "integer"}), ("boolean", {"type": "boolean"}))}
+    assert min(sizes.values()) > 0
+    grammars = Grammars(info, len(info.prompt_tokenizer), cache_bytes=sizes["schema"] + sizes["integer"])
     first = grammars.json_schema(SCHEMA)
     assert grammars.json_schema(json.loads(json.dumps(SCHEMA))) is first
     grammars.json_schema({"type": "integer"})
+    assert grammars.cached_bytes == sizes["schema"] + sizes["integer"]
     grammars.json_schema({"type": "boolean"})                  # evicts SCHEMA, the least recently used
+    assert grammars.cached_bytes == sizes["integer"] + sizes["boolean"] <= grammars.cache_bytes
     assert grammars.json_schema(SCHEMA) is not first
 
 
@@ -112,6 +120,8 @@ def test_compile_limits_refuse_instead_of_hanging(info):
         Grammars(info, len(info.prompt_tokenizer), max_regex_chars=50).json_schema(SCHEMA)
     with pytest.raises(InvalidGrammar, match="longer than 0 s"):
         Grammars(info, len(info.prompt_tokenizer), timeout_s=0).json_schema(SCHEMA)
+    with pytest.raises(InvalidGrammar, match="the compile stopped"):        # its process past its share
+        Grammars(info, len(info.prompt_tokenizer), workers=2, memory=2 * 48 * 2**20).json_schema(SCHEMA)
 
 
 def test_a_matcher_walks_a_valid_instance_to_a_stop_token(info, grammars):
@@ -276,7 +286,11 @@ def test_a_long_bounded_string_is_refused_before_its_automaton_is_built(info):
     """{"type": "string", "maxLength": 100000} kept a core busy for minutes after its client had the 30 s 400."""
     grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=60)
     for schema in ({"type": "string", "maxLength": 100000},
-                   {"type": "object", "properties": {"a": {"type": "string", "minLength": 17}}}):
+                   {"type": "object", "properties": {"a": {"type": "string", "minLength": 17}}},
+                   # outlines-core builds the bounded string, not the pattern (a maxLength of 1e9 with a pattern
+                   # passed every check and took its compile to the OOM range)
+                   {"type": "string", "pattern": "^a+$", "maxLength": 10**9},
+                   {"type": "string", "format": "email", "minLength": 17}):
         with pytest.raises(InvalidGrammar, match="too large: m..Length 1.*at most 16"):
             grammars.json_schema(schema)
     assert grammars.json_schema({"type": "string", "maxLength": 12}) is not None
@@ -344,7 +358,7 @@ def test_a_compile_dies_with_its_server(tiny_gemma4):
 import os, threading, time
 from pathlib import Path
 from serving.generation import TokenizerInfo
-from serving.structured import Grammars
+from serving.grammar_compile import Grammars
 info = TokenizerInfo.load({str(tiny_gemma4)!r})
 grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=120, max_string=40)
 threading.Thread(target=grammars.json_schema, args=({{"type": "string", "maxLength": 30}},), daemon=True).start()
@@ -379,29 +393,83 @@ os._exit(0)
     assert compiles() == []
 
 
-def test_slow_compiles_do_not_starve_json_object(info):
-    """Two clients' compiles that outlast their requests hold both compile slots; json_object's fixed grammar
-    must not wait for them (it got the time-limit 400 too)."""
+def _held_workers(grammars: Grammars, n: int):
+    """Make the next `n` compiles hold their workers until the returned event is set; (release, started)."""
     import threading
-    grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=5)
-    compile, release, busy = grammars._compile, threading.Event(), threading.Semaphore(0)
+    compile, release, started = grammars._compile, threading.Event(), threading.Semaphore(0)
+    held = [n]
 
-    def slow_unless_json_object(key, deadline, stop):
-        if key != json.dumps(ANY_OBJECT, separators=(",", ":")):
-            busy.release()
-            release.wait(30)                    # a compile that goes on
+    def held_then_compiled(key, deadline, stop):
+        if held[0] > 0:
+            held[0] -= 1
+            started.release()
+            release.wait(60)                    # a compile that goes on, holding its worker
         return compile(key, deadline, stop)
 
-    grammars._compile = slow_unless_json_object
-    slow = [threading.Thread(target=grammars.json_schema, args=({"type": "integer", "minimum": i},), daemon=True)
-            for i in range(2)]
-    for t in slow:
+    grammars._compile = held_then_compiled
+    return release, started
+
+
+def test_a_schema_is_never_refused_for_time_it_spent_queueing(info):
+    """One worker, a 2 s limit: a compile holds the worker for 3 s while json_object and SCHEMA wait for it. Their
+    deadlines run from the start of their own compiles, so both compile (before: the deadline ran from queueing,
+    and the refusal was cached: the same schema sent later to an idle server got the same 400 at once)."""
+    import threading
+    grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=2, workers=1)
+    grammars.json_schema({"type": "boolean"})           # the vocabulary, built once
+    release, started = _held_workers(grammars, 1)
+
+    def held():
+        with pytest.raises(InvalidGrammar, match="longer than 2 s"):     # held in its compile past the limit
+            grammars.json_schema({"type": "integer"})
+
+    threading.Thread(target=held, daemon=True).start()
+    assert started.acquire(timeout=10)
+    got = {}
+    waiters = [threading.Thread(target=lambda k=k, f=f: got.update({k: f()}), daemon=True)
+               for k, f in (("object", grammars.json_object), ("schema", lambda: grammars.json_schema(SCHEMA)))]
+    for t in waiters:
         t.start()
-    try:
-        assert busy.acquire(timeout=10) and busy.acquire(timeout=10)     # both slots taken
-        assert grammars.json_object().words == mask_words(len(info.prompt_tokenizer))
-    finally:
-        release.set()
+    time.sleep(3)                                       # past the limit, queued
+    release.set()
+    for t in waiters:
+        t.join(120)
+    assert sorted(got) == ["object", "schema"] and all(g.words == mask_words(len(info.prompt_tokenizer))
+                                                       for g in got.values())
+
+
+def test_busy_compiling_is_refused_at_once_and_never_cached(info):
+    """One worker, one waiting place, both taken: a third schema (json_object too: it is inside the same limit)
+    is GrammarBusy at once, and compiles when sent again once the worker is free."""
+    import threading
+    grammars = Grammars(info, len(info.prompt_tokenizer), workers=1, queued=1)
+    release, started = _held_workers(grammars, 1)
+    for schema in ({"type": "integer"}, {"type": "boolean"}):
+        threading.Thread(target=grammars.json_schema, args=(schema,), daemon=True).start()
+    assert started.acquire(timeout=10)
+    while grammars.in_flight < 2:
+        time.sleep(0.01)
+    for ask in (lambda: grammars.json_schema(SCHEMA), grammars.json_object):
+        with pytest.raises(GrammarBusy, match=r"2 schemas are compiling or waiting to \(at most 2\)"):
+            ask()
+    release.set()
+    while grammars.in_flight:
+        time.sleep(0.01)
+    assert grammars.json_schema(SCHEMA) is grammars.json_schema(SCHEMA)
+
+
+def test_grammars_in_use_past_the_budget_make_a_new_compile_busy(info):
+    """The byte budget covers every compiled grammar the server holds: one a request holds is not freed by
+    leaving the cache, so a new compile past the budget is GrammarBusy until it is let go."""
+    import gc
+    grammars = Grammars(info, len(info.prompt_tokenizer), cache_bytes=1)
+    held = grammars.json_schema(SCHEMA)
+    assert grammars.live_bytes == held.nbytes > grammars.cache_bytes
+    with pytest.raises(GrammarBusy, match="compiled schemas in use hold"):
+        grammars.json_schema({"type": "integer"})
+    del held
+    gc.collect()
+    assert grammars.live_bytes == 0 and grammars.json_schema({"type": "integer"}) is not None
 
 
 def test_a_mask_after_an_unmasked_step_is_never_served_by_the_speculative_step(engines):
@@ -567,3 +635,83 @@ def test_too_many_optional_properties_are_refused_before_any_regex(grammars):
     assert len(grammars._cache) == cached        # no compile was started
     assert grammars.json_schema({"type": "object", "properties": {f"p{i}": {"type": "boolean"} for i in range(50)},
                                  "required": [f"p{i}" for i in range(50)]}) is not None
+
+
+# -------------------------------------------------------------------------------- the schema limits' edges
+def _nest(levels: int) -> dict:
+    """`levels` objects, each inside the last."""
+    schema: dict = {}
+    for _ in range(levels - 1):
+        schema = {"a": schema}
+    return schema
+
+
+def test_the_depth_limit_is_exact():
+    """64 levels of objects and arrays pass, 65 do not (65 did)."""
+    _depth(_nest(64), 64)
+    _depth([[[[{}]]]], 5)
+    with pytest.raises(InvalidGrammar, match="nested more than 64 levels deep"):
+        _depth(_nest(65), 64)
+    with pytest.raises(InvalidGrammar, match="nested more than 4 levels deep"):
+        _depth([[[[{}]]]], 4)
+
+
+def _object(optional: int, required: int) -> dict:
+    names = [f"p{i}" for i in range(optional + required)]
+    return {"type": "object", "properties": {n: {"type": "integer"} for n in names}, "required": names[optional:]}
+
+
+def test_the_optional_property_limit_is_exact_and_counts_only_optional_ones():
+    """160 optional properties pass the check, 161 do not; required ones never count (200 properties of which 40
+    required is 160 optional)."""
+    for ok in (_object(160, 0), _object(160, 40), _object(0, 500)):
+        _bounded_integers(ok, {})
+    for bad, n in ((_object(161, 0), 161), (_object(161, 39), 161)):
+        with pytest.raises(InvalidGrammar, match=f"too large: {n} optional properties in one object"):
+            _bounded_integers(bad, {})
+
+
+@pytest.mark.parametrize("key", ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"])
+def test_the_integer_bound_limit_is_exact(key):
+    """±2**63 is enforced; one past it is refused."""
+    at = 2**63 if "aximum" in key else -(2**63)
+    ranges: dict = {}
+    _bounded_integers({"type": "integer", key: at}, ranges)
+    assert len(ranges) == 1
+    step = 1 if at > 0 else -1
+    past = at + step + (step if key.startswith("exclusive") else 0)
+    with pytest.raises(InvalidGrammar, match="is past the largest this server enforces"):
+        _bounded_integers({"type": "integer", key: past}, {})
+
+
+@pytest.mark.parametrize("bounds,allowed", [
+    ({"exclusiveMinimum": 5, "maximum": 8}, [6, 7, 8]), ({"minimum": 5, "exclusiveMaximum": 8}, [5, 6, 7]),
+    ({"exclusiveMinimum": 4.5, "exclusiveMaximum": 7.5}, [5, 6, 7]), ({"minimum": 5, "maximum": 5}, [5]),
+    ({"exclusiveMinimum": -3, "exclusiveMaximum": -1}, [-2]), ({"minimum": -0.5, "maximum": 0.5}, [0]),
+])
+def test_integer_bounds_exclusive_and_equal(bounds, allowed):
+    """Exclusive bounds leave their own value out; minimum == maximum allows exactly that one."""
+    import re
+    ranges: dict = {}
+    _bounded_integers({"type": "integer", **bounds}, ranges)
+    rx = re.compile(*ranges.values())
+    assert [n for n in range(-20, 20) if rx.fullmatch(str(n))] == allowed
+
+
+def test_integer_ranges_are_exact_across_digit_counts():
+    """Every range between small bounds, and random ranges over up to 9 digits checked around their ends and at
+    every power of ten: the digit-by-digit regex allows exactly lo..hi."""
+    import random
+    import re
+    pairs = [(lo, hi) for lo in range(-25, 125, 3) for hi in range(lo, 125, 4)]
+    rng = random.Random(7)
+    for _ in range(300):
+        a, b = (rng.randint(-10**rng.randint(1, 9), 10**rng.randint(1, 9)) for _ in range(2))
+        pairs.append((min(a, b), max(a, b)))
+    for lo, hi in pairs:
+        rx = re.compile(integer_regex(lo, hi))
+        probes = {*range(-30, 130), *range(lo - 12, lo + 12), *range(hi - 12, hi + 12),
+                  *(s * (10**k + d) for k in range(10) for d in (-1, 0, 1) for s in (1, -1)),
+                  *(rng.randint(lo, hi) for _ in range(20))}
+        wrong = [n for n in probes if bool(rx.fullmatch(str(n))) != (lo <= n <= hi)]
+        assert not wrong, (lo, hi, wrong[:5])

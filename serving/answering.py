@@ -1,0 +1,130 @@
+"""Answering a request from its jobs' events (serving/scheduler.py): the whole answer (collect, then
+json_response, built off the event loop) or an SSE stream (stream), each stopping the generations once the
+client hangs up; a stream's headers wait for its first event, so a refusal from the queue is its status."""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Callable
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from serving.generation import Delta, Finish, Logprob, PromptLogprob
+from serving.protocol import APIError, unavailable
+from serving.scheduler import Job
+
+
+async def json_response(build: Callable[[], dict]) -> Response:
+    """The answer `build` makes, built and serialised in a worker thread, one choice at a time: n=64 choices with 20
+    top logprobs per token are 19 MB of JSON, which held the event loop (and /health) for 2 s, and json.dumps holds
+    the GIL for the whole of one call (0.4 s for those 19 MB on a loaded 2-core box)."""
+    def body() -> bytes:
+        answer = build()
+        choices = ",".join(map(_dumps, answer["choices"]))
+        # `"choices":[]` can only be the key: a quote inside a string value is written escaped
+        return _dumps({**answer, "choices": []}).replace('"choices":[]', f'"choices":[{choices}]', 1).encode()
+
+    return Response(await asyncio.to_thread(body), media_type="application/json")
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def sse(body: Any) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def _stop_when_gone(request: Request, jobs: list[Job]) -> None:
+    """Stops the jobs' generations once the client hangs up (a task, cancelled when the answer is done)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
+    for job in jobs:
+        job.cancelled.set()
+
+
+async def first_event(request: Request, jobs: list[Job]) -> tuple[int, Any]:
+    """The jobs' first (index, event), awaited before a stream's headers go out, so that a request the queue
+    refuses (429: no slot within --max-queue-wait), the engine fails or the shutdown aborts before it started
+    (503) gets its status, not a 200 and an error event or an empty "abort". Stops the jobs if the client hangs up
+    meanwhile."""
+    watcher = asyncio.create_task(_stop_when_gone(request, jobs))
+    try:
+        head = await jobs[0].events.get()
+        if isinstance(head[1], APIError):
+            raise head[1]
+        if isinstance(head[1], Finish) and head[1].reason == "abort" and jobs[head[0]].shutdown:
+            raise unavailable("server is shutting down: request aborted")      # before its headers: a 503
+        return head
+    except BaseException:
+        for job in jobs:
+            job.cancelled.set()
+        raise
+    finally:
+        watcher.cancel()
+
+
+async def collect(request: Request, jobs: list[Job]) -> list[tuple[str, list[Logprob], Finish, list | None]]:
+    """Each choice's whole text, logprobs, end and prompt logprobs; stops the generations if the client hangs up."""
+    watcher = asyncio.create_task(_stop_when_gone(request, jobs))
+    parts: list[list[str]] = [[] for _ in jobs]
+    lps: list[list[Logprob]] = [[] for _ in jobs]
+    prompts: list[list[PromptLogprob] | None] = [None] * len(jobs)
+    fins: dict[int, Finish] = {}
+    try:
+        while len(fins) < len(jobs):
+            i, ev = await jobs[0].events.get()
+            if isinstance(ev, APIError):
+                raise ev
+            if isinstance(ev, Delta):
+                parts[i].append(ev.text)
+                if ev.logprob:
+                    lps[i].append(ev.logprob)
+                if ev.prompt:
+                    prompts[i] = ev.prompt
+                continue
+            if jobs[i].shutdown and ev.reason == "abort":
+                raise unavailable("server is shutting down: request aborted")
+            fins[i] = ev
+        return [("".join(parts[i]), lps[i], fins[i], prompts[i]) for i in range(len(jobs))]
+    finally:
+        watcher.cancel()
+        for job in jobs:
+            job.cancelled.set()
+
+
+async def stream(request: Request, jobs: list[Job], first: list[str], on_text: Callable[[int, Delta], list[str]],
+                 on_finish: Callable[[int, Finish], list[str]], end: Callable[[list[Finish]], list[str]]):
+    """SSE over the choices' events as they come (each chunk names its choice's index): what `on_text` makes of
+    each token's Delta, what `on_finish` makes of each choice's end, then `end` and [DONE]. The headers go out with
+    the first event (first_event)."""
+    head = await first_event(request, jobs)
+
+    async def events():
+        try:
+            for line in first:
+                yield line
+            fins: dict[int, Finish] = {}
+            pending = [head]
+            while len(fins) < len(jobs):
+                i, ev = pending.pop() if pending else await jobs[0].events.get()
+                if isinstance(ev, Delta):
+                    for line in on_text(i, ev):
+                        yield line
+                elif isinstance(ev, Finish):
+                    fins[i] = ev
+                    for line in on_finish(i, ev):
+                        yield line
+                else:                      # an APIError from the engine thread, after headers went out
+                    yield sse({"error": ev.body()["error"]})
+                    break
+            else:
+                for line in end([fins[i] for i in range(len(jobs))]):
+                    yield line
+            yield "data: [DONE]\n\n"
+        finally:
+            for job in jobs:               # client gone (or done): stop generating, free the slots
+                job.cancelled.set()
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
