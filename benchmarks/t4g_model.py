@@ -241,15 +241,17 @@ def t4g_kernel_s(k: dict, c: dict = POINT, here: dict | None = None) -> tuple[fl
 
 
 def predict(kernels: list[dict], wall_ms: float, rows: int, c: dict = POINT, here: dict | None = None,
-            overlap: bool = True) -> dict:
+            overlap: bool = True, least_bytes: float = 0.0) -> dict:
     """The T4G step for one step's kernels (t4g_kernel_s) and this GPU's wall time per step. Two lanes run at once
     (launches are asynchronous; our runtimes dispatch a step ahead): the GPU's, the kernels' T4G times, and the
     host's, this GPU's host work times the Graviton2 factor. overlap: the step is the slower lane, the host's work
     taken as the whole wall time here (its upper bound: all of it when this GPU is host-bound, as eager decode is);
-    else (no overlap, the pessimistic bound) the kernels plus the host time this GPU left uncovered."""
+    else (no overlap, the pessimistic bound) the kernels plus the host time this GPU left uncovered. least_bytes:
+    what the step must read at the least (the memory plan's weights a token): the GPU lane is never shorter than
+    reading them, whatever ncu could not profile (kernels inside CUDA graphs with conditional nodes)."""
     timed = [t4g_kernel_s(k, c, here) for k in kernels]
     here_ms = sum(k["dur_ns"] for k in kernels) / 1e6
-    gpu_ms = sum(t for t, _ in timed) * 1e3
+    gpu_ms = max(sum(t for t, _ in timed) * 1e3, least_bytes / c["t4g_bandwidth_Bps"] * 1e3)
     uncovered = max(0.0, wall_ms - here_ms)
     host_ms = (wall_ms if overlap else uncovered) * c["host_factor"]
     by: dict[str, float] = {}
@@ -259,7 +261,7 @@ def predict(kernels: list[dict], wall_ms: float, rows: int, c: dict = POINT, her
     step = max(gpu_ms, host_ms) if overlap else gpu_ms + host_ms
     return {"kernels": len(kernels), "dram_bytes": int(sum(k.get(m, 0.0) for k in kernels for m in DRAM)),
             "kernel_ms_here": round(here_ms, 3), "wall_ms_here": wall_ms, "host_ms_here": round(uncovered, 3),
-            "t4g_kernel_ms": round(gpu_ms, 3), "t4g_host_ms": round(host_ms, 3), "t4g_step_ms": round(step, 3),
+            "t4g_kernel_ms": round(gpu_ms, 3), "weights_floor_ms": round(least_bytes / c["t4g_bandwidth_Bps"] * 1e3, 3), "t4g_host_ms": round(host_ms, 3), "t4g_step_ms": round(step, 3),
             "bound_by": "host" if host_ms > gpu_ms else "gpu",
             "t4g_ms_by_bound": {b: round(v, 3) for b, v in sorted(by.items())},
             "unprofiled_kernels": len(missed), "unprofiled_ms_here": round(sum(k["dur_ns"] for k in missed) / 1e6, 3),
@@ -275,13 +277,14 @@ def cell_prediction(raw: dict) -> dict:
         wall = raw.get(f"step_ms_{live}")
         if not kernels or wall is None:
             continue
-        p = predict(kernels, wall, live, POINT, here)
+        least = raw.get("plan_streamed_bytes") or 0
+        p = predict(kernels, wall, live, POINT, here, least_bytes=least)
         # optimistic: both lanes at their least (host: only the time the GPU left uncovered here), overlapped;
         # pessimistic: no overlap at all
-        opt = predict(kernels, wall, live, OPTIMISTIC, here)
+        opt = predict(kernels, wall, live, OPTIMISTIC, here, least_bytes=least)
         opt_step = max(opt["t4g_kernel_ms"], opt["host_ms_here"] * OPTIMISTIC["host_factor"])
-        p["range_tok_s"] = [predict(kernels, wall, live, PESSIMISTIC, here, overlap=False)["predicted_tok_s"],
-                            round(live * 1e3 / opt_step, 1)]
+        p["range_tok_s"] = [predict(kernels, wall, live, PESSIMISTIC, here, overlap=False,
+                                    least_bytes=least)["predicted_tok_s"], round(live * 1e3 / opt_step, 1)]
         out[f"step{live}"] = p
         out[f"predicted_tok_s_{live}"] = p["predicted_tok_s"]
         out[f"predicted_step_ms_{live}"] = p["t4g_step_ms"]
@@ -599,9 +602,8 @@ def main() -> int:
         t0 = time.perf_counter()
         raw = measure_cell(runtime, dirs[scheme], env, a, ncu, name)
         raw["cell_s"] = round(time.perf_counter() - t0, 1)
-        if runtime != "transformers":
-            raw["plan_streamed_bytes"] = memory_plan.plan_checkpoint(dirs[scheme], None, CONTEXT, SLOTS,
-                                                                     text_only=True, lm_head=lm).streamed_per_token
+        raw["plan_streamed_bytes"] = memory_plan.plan_checkpoint(dirs[scheme], None, CONTEXT, SLOTS,
+                                                                 text_only=True, lm_head=lm).streamed_per_token
         raws[name] = raw
         (rawdir / f"{name}.json").write_text(json.dumps(raw))
         head["total_s"] = round(time.perf_counter() - t_all, 1)

@@ -106,6 +106,9 @@ def test_a_step_is_the_slower_lane_and_the_pessimistic_bound_adds_them():
     serial = tm.predict([weights], wall_ms=8.0, rows=1, c=C, here=HERE, overlap=False)
     assert serial["t4g_step_ms"] == pytest.approx(10.0 + 7.0 * C["host_factor"])  # only the uncovered 7 ms here
     assert serial["host_ms_here"] == pytest.approx(7.0)
+    # kernels ncu could not profile never make the GPU lane shorter than reading the plan's weights
+    hidden = tm.predict([kernel(1000)], wall_ms=1.5, rows=1, c=C, here=HERE, least_bytes=bw * 12e-3)
+    assert hidden["t4g_kernel_ms"] == pytest.approx(12.0) and hidden["weights_floor_ms"] == pytest.approx(12.0)
 
 
 def test_a_cells_range_brackets_its_point_and_calibration_reports_its_error():
