@@ -208,22 +208,16 @@ def main(argv: list[str] | None = None) -> int:
         earlier = [{"note": prev.get("report_note"), "report": prev["vllm_report"]}, *earlier]
     if earlier:
         r["earlier_vllm_reports"] = earlier
-    notes = dict(n.split("=", 1) for n in a.discovery_note)
-    found = dict(prev.get("discovery", {}))
-    for spec in a.discovery:
-        name, _, log = spec.rpartition("=")
-        found[name] = {**discovery(Path(log).read_text(errors="replace")), "log": Path(log).name,
-                       "project_commit": fresh["project_commit"], "note": notes.get(name, "")}
-    if found:
-        r["discovery"] = found
-    hnotes = dict(n.split("=", 1) for n in a.headers_note)
-    compiled = dict(prev.get("headers", {}))
-    for spec in a.headers:
-        name, _, log = spec.rpartition("=")
-        compiled[name] = {**header_stage(Path(log).read_text(errors="replace")), "log": Path(log).name,
-                          "project_commit": fresh["project_commit"], "note": hnotes.get(name, "")}
-    if compiled:
-        r["headers"] = compiled
+    for key, specs, note_specs, read in (("discovery", a.discovery, a.discovery_note, discovery),
+                                          ("headers", a.headers, a.headers_note, header_stage)):
+        notes = dict(n.split("=", 1) for n in note_specs)
+        logs = dict(prev.get(key, {}))          # NAME=LOG: the earlier reports kept, this run's added
+        for spec in specs:
+            name, _, log = spec.rpartition("=")
+            logs[name] = {**read(Path(log).read_text(errors="replace")), "log": Path(log).name,
+                          "project_commit": fresh["project_commit"], "note": notes.get(name, "")}
+        if logs:
+            r[key] = logs
     r["remaining"] = a.remaining or prev.get("remaining", [])
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(r, indent=2) + "\n")

@@ -85,7 +85,7 @@ CONSTANTS = {
 POINT = {k: c["value"] for k, c in CONSTANTS.items()}
 OPTIMISTIC = {k: c["optimistic"] for k, c in CONSTANTS.items()}
 PESSIMISTIC = {k: c["pessimistic"] for k, c in CONSTANTS.items()}
-HERE_CLOCK_HZ = 1.98e9      # an H200's SM clock under load (nvidia-smi, KINDS.md 2026-10-28); the run records its own
+HERE_CLOCK_HZ = 1.98e9      # an H200's SM clock under load (nvidia-smi on the lent H200); each run records its own
 HERE_SMS = 132              # H200 SXM; the run records its own
 ANCHORS = {
     "transformers_eager_step_ms_1": {
