@@ -85,8 +85,9 @@ CONSTANTS = {
 POINT = {k: c["value"] for k, c in CONSTANTS.items()}
 OPTIMISTIC = {k: c["optimistic"] for k, c in CONSTANTS.items()}
 PESSIMISTIC = {k: c["pessimistic"] for k, c in CONSTANTS.items()}
-HERE_CLOCK_HZ = 1.98e9      # an H200's SM clock under load (nvidia-smi on the lent H200); each run records its own
-HERE_SMS = 132              # H200 SXM; the run records its own
+# the GPU the kernels were traced on, where a record does not say (each run records its own): an H200 SXM's SMs and
+# its SM clock under load (nvidia-smi on the lent H200)
+HERE = {"clock_hz": 1.98e9, "sms": 132}
 ANCHORS = {
     "transformers_eager_step_ms_1": {
         "value": 93.2, "source": "transformers eager decode (fp16, SDPA, dynamic cache, ~5 650 launches a step), "
@@ -97,7 +98,8 @@ ANCHORS = {
 }
 TURING = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false", "G5G_PACKED_SMS": "40", "G5G_PACKED_ARCH": "75"}
 DRAM = ("dram__bytes_read.sum", "dram__bytes_write.sum")
-METRICS = (*DRAM, "smsp__inst_executed.sum", "smsp__inst_executed_pipe_fma.sum", "gpu__time_duration.sum")
+COUNTERS = (*DRAM, "smsp__inst_executed.sum", "smsp__inst_executed_pipe_fma.sum")   # what a kernel takes from ncu
+METRICS = (*COUNTERS, "gpu__time_duration.sum")
 SCHEMES = ("fp16", "w8a16", "w4a16")
 SLOTS, CONTEXT = 8, 1024
 LIVE = (1, SLOTS)               # live sequences per step: one stream, eight
@@ -218,7 +220,7 @@ def join(traced: list[dict], profiled: list[dict]) -> list[dict]:
     for k in traced:
         q = queues.get(base_name(k["name"]))
         row = q.pop(0) if q else None
-        out.append({**k, **{m: row[m] for m in METRICS[:-1]}, "profiled": True} if row else k)
+        out.append({**k, **{m: row[m] for m in COUNTERS}, "profiled": True} if row else k)
     return out
 
 
@@ -226,7 +228,7 @@ def join(traced: list[dict], profiled: list[dict]) -> list[dict]:
 def t4g_kernel_s(k: dict, c: dict = POINT, here: dict | None = None) -> tuple[float, str]:
     """(seconds on a T4G, the bound that sets it) for one kernel: the largest of its DRAM bytes, its issue time
     (FP32 at Turing's rate), its duration here scaled by clock and SM waves, and the launch floor."""
-    here = here or {"clock_hz": HERE_CLOCK_HZ, "sms": HERE_SMS}
+    here = here or HERE
     dur = k.get("dur_ns", k.get("gpu__time_duration.sum", 0.0)) / 1e9
     blocks = k.get("blocks", 1)
     waves = min(blocks, here["sms"]) / min(blocks, c["t4g_sms"])     # 1 up to 40 blocks, then the SMs' ratio
@@ -241,19 +243,20 @@ def t4g_kernel_s(k: dict, c: dict = POINT, here: dict | None = None) -> tuple[fl
 
 
 def predict(kernels: list[dict], wall_ms: float, rows: int, c: dict = POINT, here: dict | None = None,
-            overlap: bool = True, least_bytes: float = 0.0) -> dict:
+            overlap: bool = True, host_all_wall: bool = True, least_bytes: float = 0.0) -> dict:
     """The T4G step for one step's kernels (t4g_kernel_s) and this GPU's wall time per step. Two lanes run at once
     (launches are asynchronous; our runtimes dispatch a step ahead): the GPU's, the kernels' T4G times, and the
-    host's, this GPU's host work times the Graviton2 factor. overlap: the step is the slower lane, the host's work
-    taken as the whole wall time here (its upper bound: all of it when this GPU is host-bound, as eager decode is);
-    else (no overlap, the pessimistic bound) the kernels plus the host time this GPU left uncovered. least_bytes:
-    what the step must read at the least (the memory plan's weights a token): the GPU lane is never shorter than
-    reading them, whatever ncu could not profile (kernels inside CUDA graphs with conditional nodes)."""
+    host's, this GPU's host work times the Graviton2 factor. overlap: the step is the slower lane (else, the
+    pessimistic bound, their sum). host_all_wall: the host's work is the whole wall time here (its upper bound: all
+    of it when this GPU is host-bound, as eager decode is); else only the time this GPU's kernels left uncovered.
+    least_bytes: what the step must read at the least (the memory plan's weights a token): the GPU lane is never
+    shorter than reading them, whatever ncu could not profile (kernels inside CUDA graphs with conditional nodes)."""
     timed = [t4g_kernel_s(k, c, here) for k in kernels]
     here_ms = sum(k["dur_ns"] for k in kernels) / 1e6
-    gpu_ms = max(sum(t for t, _ in timed) * 1e3, least_bytes / c["t4g_bandwidth_Bps"] * 1e3)
+    floor_ms = least_bytes / c["t4g_bandwidth_Bps"] * 1e3
+    gpu_ms = max(sum(t for t, _ in timed) * 1e3, floor_ms)
     uncovered = max(0.0, wall_ms - here_ms)
-    host_ms = (wall_ms if overlap else uncovered) * c["host_factor"]
+    host_ms = (wall_ms if host_all_wall else uncovered) * c["host_factor"]
     by: dict[str, float] = {}
     for t, b in timed:
         by[b] = by.get(b, 0.0) + t * 1e3
@@ -261,7 +264,8 @@ def predict(kernels: list[dict], wall_ms: float, rows: int, c: dict = POINT, her
     step = max(gpu_ms, host_ms) if overlap else gpu_ms + host_ms
     return {"kernels": len(kernels), "dram_bytes": int(sum(k.get(m, 0.0) for k in kernels for m in DRAM)),
             "kernel_ms_here": round(here_ms, 3), "wall_ms_here": wall_ms, "host_ms_here": round(uncovered, 3),
-            "t4g_kernel_ms": round(gpu_ms, 3), "weights_floor_ms": round(least_bytes / c["t4g_bandwidth_Bps"] * 1e3, 3), "t4g_host_ms": round(host_ms, 3), "t4g_step_ms": round(step, 3),
+            "t4g_kernel_ms": round(gpu_ms, 3), "weights_floor_ms": round(floor_ms, 3),
+            "t4g_host_ms": round(host_ms, 3), "t4g_step_ms": round(step, 3),
             "bound_by": "host" if host_ms > gpu_ms else "gpu",
             "t4g_ms_by_bound": {b: round(v, 3) for b, v in sorted(by.items())},
             "unprofiled_kernels": len(missed), "unprofiled_ms_here": round(sum(k["dur_ns"] for k in missed) / 1e6, 3),
@@ -270,28 +274,27 @@ def predict(kernels: list[dict], wall_ms: float, rows: int, c: dict = POINT, her
 
 def cell_prediction(raw: dict) -> dict:
     """A cell's figures from its raw record: per step (one stream, eight) the point prediction and the range."""
-    here = raw.get("here") or {"clock_hz": HERE_CLOCK_HZ, "sms": HERE_SMS}
+    here = raw.get("here") or HERE
     out: dict = {}
     for live in LIVE:
         kernels = raw.get("steps", {}).get(str(live))
         wall = raw.get(f"step_ms_{live}")
         if not kernels or wall is None:
             continue
-        least = raw.get("plan_streamed_bytes") or 0
-        p = predict(kernels, wall, live, POINT, here, least_bytes=least)
+        weights = raw.get("plan_streamed_bytes") or 0
+        p = predict(kernels, wall, live, POINT, here, least_bytes=weights)
         # optimistic: both lanes at their least (host: only the time the GPU left uncovered here), overlapped;
-        # pessimistic: no overlap at all
-        opt = predict(kernels, wall, live, OPTIMISTIC, here, least_bytes=least)
-        opt_step = max(opt["t4g_kernel_ms"], opt["host_ms_here"] * OPTIMISTIC["host_factor"])
-        p["range_tok_s"] = [predict(kernels, wall, live, PESSIMISTIC, here, overlap=False,
-                                    least_bytes=least)["predicted_tok_s"], round(live * 1e3 / opt_step, 1)]
+        # pessimistic: the same host time, with no overlap at all
+        p["range_tok_s"] = [
+            predict(kernels, wall, live, c, here, overlap, host_all_wall=False, least_bytes=weights)["predicted_tok_s"]
+            for c, overlap in ((PESSIMISTIC, False), (OPTIMISTIC, True))]
         out[f"step{live}"] = p
         out[f"predicted_tok_s_{live}"] = p["predicted_tok_s"]
         out[f"predicted_step_ms_{live}"] = p["t4g_step_ms"]
     if "step1" in out:
         out["bytes_per_token"] = out["step1"]["dram_bytes"]
-        least = min(k["dur_ns"] for k in raw["steps"]["1"]) / 1e9
-        out["launch_floor_scaled_s"] = round(least * here["clock_hz"] / POINT["t4g_clock_hz"], 9)
+        smallest = min(k["dur_ns"] for k in raw["steps"]["1"]) / 1e9
+        out["launch_floor_scaled_s"] = round(smallest * here["clock_hz"] / POINT["t4g_clock_hz"], 9)
     return out
 
 
@@ -450,7 +453,7 @@ def gpu_clock_hz() -> float:
                              capture_output=True, text=True, timeout=20).stdout.split()
         return float(out[0]) * 1e6
     except (OSError, ValueError, IndexError, subprocess.SubprocessError):
-        return HERE_CLOCK_HZ
+        return HERE["clock_hz"]
 
 
 # ------------------------------------------------------------------------------------------------ parent
@@ -496,7 +499,8 @@ def run_child(args: list[str], env: dict, result: Path, timeout: int, ncu: list[
     return {**json.loads(result.read_text()), "child_s": round(time.perf_counter() - t0, 1)}
 
 
-def measure_cell(runtime: str, ckpt: Path, env: dict, a, ncu: str | None, name: str) -> dict:
+def measure_cell(runtime: str, ckpt: Path, env: dict, a, ncu: str | None, metrics: tuple[str, ...],
+                 name: str) -> dict:
     """A cell's raw record: the measure child's timings and traced steps, joined with the ncu child's rows."""
     env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     common = [runtime, str(ckpt), "--steps", str(a.steps), "--work", str(a.work)]
@@ -512,7 +516,7 @@ def measure_cell(runtime: str, ckpt: Path, env: dict, a, ncu: str | None, name: 
     got = run_child(common + ["--profile"], env, a.work / f"{name}-ncu.json", CELL_TIMEOUT_S,
                     [ncu, "--profile-from-start", "off", "--clock-control", "none", "--cache-control", "all",
                      "--kernel-name", ncu_filter(names), "--launch-count", str(a.ncu_budget + len(LIVE)),
-                     "--metrics", ",".join(available(ncu, METRICS)), "--csv", "--page", "raw", "--print-units", "base",
+                     "--metrics", ",".join(metrics), "--csv", "--page", "raw", "--print-units", "base",
                      "--log-file", str(log)])
     raw.update(ncu_child_s=got.get("child_s"), ncu_load_s=got.get("load_s"), ncu_names=len(names))
     try:
@@ -582,6 +586,7 @@ def main() -> int:
 
     from serving import memory_plan
     ncu = None if a.no_ncu else shutil.which("ncu")
+    metrics = available(ncu, METRICS) if ncu else METRICS
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     head = {"started": started, "command": " ".join(sys.argv), "turing_env": TURING, "ncu": ncu, "steps": a.steps,
             "metrics": METRICS, "ncu_budget": a.ncu_budget,
@@ -600,7 +605,7 @@ def main() -> int:
         name = f"{runtime}-{scheme}" + ("+int8head" if lm == "int8" else "")
         env = {**TURING, "G5G_LM_HEAD": lm, "TORCHINDUCTOR_CACHE_DIR": str(a.work / "inductor")}
         t0 = time.perf_counter()
-        raw = measure_cell(runtime, dirs[scheme], env, a, ncu, name)
+        raw = measure_cell(runtime, dirs[scheme], env, a, ncu, metrics, name)
         raw["cell_s"] = round(time.perf_counter() - t0, 1)
         raw["plan_streamed_bytes"] = memory_plan.plan_checkpoint(dirs[scheme], None, CONTEXT, SLOTS,
                                                                  text_only=True, lm_head=lm).streamed_per_token

@@ -103,7 +103,7 @@ def test_a_step_is_the_slower_lane_and_the_pessimistic_bound_adds_them():
     assert tm.predict([weights], 1.5, rows=8, c=C, here=HERE)["predicted_tok_s"] == pytest.approx(800.0)
     host_bound = tm.predict([weights], wall_ms=8.0, rows=1, c=C, here=HERE)    # eager: the host launches all step
     assert host_bound["bound_by"] == "host" and host_bound["t4g_step_ms"] == pytest.approx(8.0 * C["host_factor"])
-    serial = tm.predict([weights], wall_ms=8.0, rows=1, c=C, here=HERE, overlap=False)
+    serial = tm.predict([weights], wall_ms=8.0, rows=1, c=C, here=HERE, overlap=False, host_all_wall=False)
     assert serial["t4g_step_ms"] == pytest.approx(10.0 + 7.0 * C["host_factor"])  # only the uncovered 7 ms here
     assert serial["host_ms_here"] == pytest.approx(7.0)
     # kernels ncu could not profile never make the GPU lane shorter than reading the plan's weights
