@@ -21,7 +21,7 @@ import numpy as np
 
 from serving.generation import Delta, Finish, SamplingParams, TokenizerInfo, generate
 
-RUNTIMES = {"pytorch": "serving.pytorch_runtime", "jax": "serving.jax_runtime"}
+RUNTIMES = {"pytorch": "serving.torch_runtime", "jax": "serving.jax_runtime"}
 
 
 def main() -> int:

@@ -32,7 +32,7 @@ t0 = time.perf_counter()
 if runtime == "jax":
     from serving.jax_runtime import load, compile_counts
 else:
-    from serving.pytorch_runtime import load
+    from serving.torch_runtime import load
 t_import = time.perf_counter() - t0
 engine = load(model_dir)
 boot = time.perf_counter() - t0

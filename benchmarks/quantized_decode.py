@@ -4,7 +4,7 @@ shapes with random weights (no download), beside transformers.
     python benchmarks/quantized_decode.py OUT_DIR [--phase kernels|models] [--shapes e2b,e4b] [--tiny]
 
 kernels: every distinct packed linear of the shapes, 1 and 8 rows. PyTorch: cuBLAS fp16 (F.linear) against
-  serving/packed_matmul.py's GEMV (its own config for this GPU, a T4G's grid, and the GEMV_SWEEP around it) and
+  serving/torch_runtime/packed_matmul.py's GEMV (its own config for this GPU, a T4G's grid, and the GEMV_SWEEP around it) and
   its dot kernel (KERNEL_CONFIG); the device's copy bandwidth first, each kernel's packed GB/s as a share of it;
   JAX (unless --kernel-runtimes torch): an fp16 dot against model.matmul on Packed int8/int4, as a dot and as the
   multiply-reduce (G5G_JAX_PACKED_DOT), each as a ratio to the fp16 dot (vs_fp16) and a share of JAX's own copy
@@ -102,8 +102,8 @@ def copy_bandwidth() -> float:
 def kernels_torch(n: int, k: int, rows: int, copy_bw: float) -> dict:
     import torch
     import quantize
-    from serving import packed_matmul
-    from serving.packed_matmul import PackedLinear, gemv, packed_mm
+    from serving.torch_runtime import packed_matmul
+    from serving.torch_runtime.packed_matmul import PackedLinear, gemv, packed_mm
 
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -355,8 +355,8 @@ def measure_engine(runtime: str, ckpt: Path, steps: int) -> dict:
     t0 = time.perf_counter()
     if runtime == "pytorch":
         import torch
-        from serving import pytorch_runtime
-        engine = pytorch_runtime.load(ckpt, max_context=context, slots=slots)
+        from serving.torch_runtime import load
+        engine = load(ckpt, max_context=context, slots=slots)
         gpu = torch.cuda.is_available()
         held, peak = (torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()) if gpu else (None, None)
     else:

@@ -145,7 +145,7 @@ def measure_server(runtime: str, ckpt: Path, work: Path, runs: int, p: dict, tor
 def measure_peer(ckpt: Path, runs: int, p: dict) -> dict:
     """transformers `generate(cache_implementation="static")`, eager, on the PyTorch runtime's model."""
     import torch
-    from serving.pytorch_runtime import load
+    from serving.torch_runtime import load
 
     model = load(ckpt, max_context=1024).model
     res: dict = {"transformers": __import__("transformers").__version__, "torch": torch.__version__}
@@ -187,12 +187,12 @@ def measure_peer(ckpt: Path, runs: int, p: dict) -> dict:
 # --------------------------------------------------------------------------------------------- profile
 def profile_torch(ckpt: Path, p: dict) -> dict:
     """The PyTorch engine in-process with SLOTS slots: wall time per engine.step with 1 and SLOTS live greedy
-    sequences (in the first slots: the rows a step decodes, torch_attention.rows()), waiting for each step's tokens (G5G_TORCH_PIPELINE=0) and with the next step dispatched ahead (=1),
+    sequences (in the first slots: the rows a step decodes, attention.rows()), waiting for each step's tokens (G5G_TORCH_PIPELINE=0) and with the next step dispatched ahead (=1),
     and how many steps ahead were used and thrown away."""
     import torch
     from serving.engine import SamplingParams
-    from serving.pytorch_runtime import load
-    from serving.torch_attention import rows
+    from serving.torch_runtime import load
+    from serving.torch_runtime.attention import rows
 
     eng = load(ckpt, max_context=1024, slots=SLOTS)
     greedy = SamplingParams(temperature=0.0, max_tokens=1 << 20)      # no row ends: every step has one ahead

@@ -7,7 +7,7 @@ scaled duration and launch floor).
 
 Cases (CASES; E2B's shapes, 8 rows, random data), each with its peer in the same run:
 - attention-S: one decode step's attention of a full layer (8 query heads over 1 KV head of 512) over S keys,
-  through serving/torch_attention.py's `attend` (each K/V read once) against transformers' own SDPA path (which
+  through serving/torch_runtime/attention.py's `attend` (each K/V read once) against transformers' own SDPA path (which
   copies K/V per query head whenever a mask is passed); the SDPA backends sm_75 has (memory-efficient, math).
 - SCHEME-ROWS (w8a16, w4a16; 1 or 8 rows): E2B's gate|up product with packed weights in the JAX runtime, XLA's
   Triton GEMM off (sm_75 has none): the multiply-reduce the runtime takes there, against the packed dot it
@@ -43,7 +43,7 @@ def attention(keys: int, tiny: bool) -> dict:
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from serving import torch_attention
+    from serving.torch_runtime.attention import attend
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dt = torch.float16 if dev == "cuda" else torch.float32
@@ -53,7 +53,7 @@ def attention(keys: int, tiny: bool) -> dict:
     mask = torch.arange(s, device=dev).view(1, 1, 1, s) <= torch.randint(s // 2, s, (ROWS, 1, 1, 1), device=dev)
     layer = types.SimpleNamespace(num_key_value_groups=HEADS // KV_HEADS, is_causal=True, layer_idx=0)
     least = (k.numel() + v.numel() + 2 * q.numel()) * k.element_size()
-    return {"ours": (lambda: torch_attention.attend(layer, q, k, v, mask, scaling=1.0), least),
+    return {"ours": (lambda: attend(layer, q, k, v, mask, scaling=1.0), least),
             "transformers_sdpa": (lambda: sdpa_attention_forward(layer, q, k, v, mask, scaling=1.0), least)}
 
 
@@ -122,8 +122,8 @@ def child(case: str, path: str | None, tiny: bool, result: Path | None) -> None:
     paths = build(tiny)
     gpu = torch.cuda.is_available()
     if gpu and framework == "torch":
-        from serving import torch_attention
-        torch_attention.turing_backends()
+        from serving.torch_runtime.attention import turing_backends
+        turing_backends()
     if path is not None:            # ncu profiles between cudaProfilerStart and Stop (process-wide: JAX's too)
         call, _ = paths[path]
         for _ in range(3):

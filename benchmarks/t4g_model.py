@@ -321,8 +321,8 @@ class EngineRunner:
 
     def __init__(self, runtime: str, ckpt: Path, settings_dir: Path):
         if runtime == "pytorch":
-            from serving import pytorch_runtime
-            self.engine = pytorch_runtime.load(ckpt, max_context=CONTEXT, slots=SLOTS)
+            from serving.torch_runtime import load
+            self.engine = load(ckpt, max_context=CONTEXT, slots=SLOTS)
         else:
             from serving.jax_runtime import Settings, load
             self.engine = load(ckpt, Settings(buckets=(64, CONTEXT), cache_dir=str(settings_dir / "jaxcache"),

@@ -16,10 +16,14 @@ import sys
 from pathlib import Path
 
 
+# --runtime NAME where it is not the package's name less `_runtime` (the images and manifests say "pytorch")
+RUNTIME_NAMES = {"torch_runtime": "pytorch"}
+
+
 def runtimes(package_dir: Path = Path(__file__).parent) -> dict[str, str]:
     """--runtime NAME -> its module: every serving/<NAME>_runtime module or package (a new runtime is a module)."""
-    return {m.name.removesuffix("_runtime"): f"serving.{m.name}" for m in pkgutil.iter_modules([str(package_dir)])
-            if m.name.endswith("_runtime")}
+    return {RUNTIME_NAMES.get(m.name, m.name.removesuffix("_runtime")): f"serving.{m.name}"
+            for m in pkgutil.iter_modules([str(package_dir)]) if m.name.endswith("_runtime")}
 
 
 RUNTIMES = runtimes()

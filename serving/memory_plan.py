@@ -27,12 +27,12 @@ SCALE_BYTES = 2                 # fp16 scales, one per output row (channel) or p
 # runtime quantises at load, G5G_LM_HEAD=int8; the tied embedding stays 16-bit for the gather, so a tied head adds
 # the int8 copy to the resident bytes and streams only it).
 LM_HEADS = ("fp16", "int8")
-# What the PyTorch runtime's attention and sampler hold beside weights and KV (serving/torch_attention.py,
-# serving/torch_sampler.py): a prompt's queries are attended ATTENTION_QUERY_CHUNK at a time, each query head's row of
+# What the PyTorch runtime's attention and sampler hold beside weights and KV (serving/torch_runtime/attention.py,
+# serving/torch_runtime/sampling.py): a prompt's queries are attended ATTENTION_QUERY_CHUNK at a time, each query head's row of
 # keys costing its boolean mask, SDPA's fp16 additive mask and the math backend's float32 scores and probabilities;
 # per slot and vocabulary entry the sampler keeps bias, counts (float32, int32) and held, seen (bool), and a step's
 # logits, their adjusted copies, the noise's int64 hash words and the top-k values and ids stay under 64 bytes,
-# plus the float32 logits of the step dispatched ahead (serving/torch_pipeline.py), alive beside this one's.
+# plus the float32 logits of the step dispatched ahead (serving/torch_runtime/pipeline.py), alive beside this one's.
 ATTENTION_QUERY_CHUNK = 256
 PREFILL_BYTES_PER_SCORE = 1 + 2 + 4 + 4
 SAMPLER_STATE_BYTES = 4 + 4 + 1 + 1

@@ -1,6 +1,6 @@
 """Read compressed-tensors "pack-quantized" weights (tools/quantize.py writes them), in numpy: as the signed
 integers and scales the runtimes keep on the device (`unpack`; their matmuls dequantise inside the product:
-serving/packed_matmul.py for PyTorch, jax_runtime/model.py's `matmul` for JAX), or back to floats (`dequantise`).
+serving/torch_runtime/packed_matmul.py for PyTorch, jax_runtime/model.py's `matmul` for JAX), or back to floats (`dequantise`).
 
 Only what tools/quantize.py writes is accepted: symmetric int4/int8, one scale per output channel or per group,
 values packed little-endian into int32 words with an offset of 2**(bits-1) (compressed-tensors' pack_to_int32;

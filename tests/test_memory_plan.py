@@ -73,7 +73,7 @@ def test_cli_fits_exit_status_and_breakdown(capsys, tiny_gemma4):
 
 
 def test_refusal_is_one_line_when_the_plan_does_not_fit(tiny_gemma4):
-    """What the PyTorch server raises at startup on a GPU (serving/pytorch_runtime.load): weights + KV + overhead
+    """What the PyTorch server raises at startup on a GPU (serving/torch_runtime/engine.load): weights + KV + overhead
     against the device's memory."""
     need = mp.plan_checkpoint(tiny_gemma4, None, 64, 1, text_only=True).total
     assert mp.refusal(tiny_gemma4, 64, 1, need + mp.MIB) is None        # whole MiB: floored
@@ -172,8 +172,8 @@ def test_the_pytorch_plan_counts_what_its_cache_attention_and_sampler_hold(tiny_
     attention and sampler: the cache and the sampler's state are exactly what a loaded engine allocates (float32 on
     a CPU, twice the plan's fp16), and a prompt chunk's scores are counted at the chunk the attention uses."""
     torch = pytest.importorskip("torch")
-    from serving import torch_attention
-    from serving.pytorch_runtime import load
+    from serving.torch_runtime import attention
+    from serving.torch_runtime import load
 
     slots, context = 4, 128
     engine = load(tiny_gemma4, max_context=context, slots=slots)
@@ -184,7 +184,7 @@ def test_the_pytorch_plan_counts_what_its_cache_attention_and_sampler_hold(tiny_
     assert state == slots * engine.vocab_size * mp.SAMPLER_STATE_BYTES
     raw = json.loads((tiny_gemma4 / "config.json").read_text())
     heads = raw["text_config"]["num_attention_heads"]
-    assert torch_attention.QUERY_CHUNK == mp.ATTENTION_QUERY_CHUNK
+    assert attention.QUERY_CHUNK == mp.ATTENTION_QUERY_CHUNK
     assert plan.attention == (heads * min(mp.ATTENTION_QUERY_CHUNK, context) * context * mp.PREFILL_BYTES_PER_SCORE
                               + slots * engine.vocab_size * (mp.SAMPLER_STATE_BYTES + mp.SAMPLER_STEP_BYTES))
     assert plan.total == plan.weights + plan.kv + plan.attention + plan.overhead

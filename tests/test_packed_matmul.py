@@ -1,4 +1,4 @@
-"""serving/packed_matmul.py: the PyTorch runtime's packed int8/int4 linears, against compressed-tensors' own
+"""serving/torch_runtime/packed_matmul.py: the PyTorch runtime's packed int8/int4 linears, against compressed-tensors' own
 decompress. The Triton kernels run here in Triton's interpreter (TRITON_INTERPRET=1, in a child process: the
 flag is read when a kernel is defined) and are compiled for a T4G (sm_75) with no GPU; on a GPU
 benchmarks/quantized_decode.py --phase kernels checks and times them."""
@@ -18,8 +18,8 @@ pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import PackedQuantizationCompressor  # noqa: E402
 from compressed_tensors.quantization import QuantizationScheme  # noqa: E402
 
-from serving import packed_matmul  # noqa: E402
-from serving.packed_matmul import PackedLinear, pack_model  # noqa: E402
+from serving.torch_runtime import packed_matmul  # noqa: E402
+from serving.torch_runtime.packed_matmul import PackedLinear, pack_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -58,7 +58,7 @@ def test_kernel_in_triton_interpreter_matches_the_reference():
         import sys, torch
         sys.path.insert(0, "tools")
         from tests.test_packed_matmul import CASES, _packed
-        from serving.packed_matmul import packed_mm, KERNEL_CONFIG
+        from serving.torch_runtime.packed_matmul import packed_mm, KERNEL_CONFIG
         for scheme, group in CASES:
             packed, ref, bits = _packed(scheme, group, out=72, cols=640)
             layer_bytes = packed["weight_packed"].view(torch.uint8).reshape(72, -1)[:, :640 * bits // 8]
@@ -84,7 +84,7 @@ def test_gemv_in_triton_interpreter_matches_the_reference():
         import sys, torch
         sys.path.insert(0, "tools")
         from tests.test_packed_matmul import CASES, _packed
-        from serving.packed_matmul import packed_mm, gemv
+        from serving.torch_runtime.packed_matmul import packed_mm, gemv
         for scheme, group in CASES:
             packed, ref, bits = _packed(scheme, group, out=72, cols=1024)
             w = packed["weight_packed"].view(torch.uint8).reshape(72, -1)[:, :1024 * bits // 8].contiguous()
@@ -177,7 +177,7 @@ def test_a_missing_compiler_or_triton_is_named_before_a_gpu_load(monkeypatch):
     import importlib.util
     import shutil
 
-    from serving import packed_matmul
+    from serving.torch_runtime import packed_matmul
 
     monkeypatch.setattr(shutil, "which", lambda c: "/usr/bin/" + c)
     assert packed_matmul.kernel_missing() is None        # the dev extra pins triton

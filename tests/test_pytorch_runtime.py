@@ -22,7 +22,7 @@ CONTEXT = 128
 def engines(tiny_gemma4):
     """(one-slot StaticCache engine, SLOTS-slot SlotKV engine) over the fixture."""
     import torch
-    from serving.pytorch_runtime import load
+    from serving.torch_runtime import load
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield load(tiny_gemma4, max_context=CONTEXT), load(tiny_gemma4, max_context=CONTEXT, slots=SLOTS)
@@ -55,7 +55,7 @@ def test_slot_cache_gives_the_static_cache_logits(engines):
 
 
 def test_slots_setting_is_a_positive_integer():
-    from serving.pytorch_runtime import slots_from_env
+    from serving.torch_runtime.engine import slots_from_env
     assert slots_from_env({}) == 1 and slots_from_env({"G5G_TORCH_SLOTS": "8"}) == 8
     # the measured default: continuous batching on a GPU, one slot on a CPU; the variable wins on both
     assert slots_from_env({}, "cuda") == 8 and slots_from_env({}, "cpu") == 1
@@ -86,8 +86,8 @@ def test_int8_lm_head_keeps_the_embedding_and_tracks_the_fp16_logits(engines, ti
     """G5G_LM_HEAD=int8: the head becomes an int8 PackedLinear (the tied embedding, which the gather reads, stays
     16-bit) and a greedy decode's logits stay within int8 rounding of the fp16 head's; a bad value is one line."""
     import torch
-    from serving import packed_matmul
-    from serving.pytorch_runtime import lm_head_from_env, load
+    from serving.torch_runtime import packed_matmul
+    from serving.torch_runtime.engine import lm_head_from_env, load
 
     monkeypatch.setenv("G5G_LM_HEAD", "int8")
     q = load(tiny_gemma4, max_context=CONTEXT)
@@ -106,7 +106,7 @@ def test_compile_cache_survives_a_restart_where_asked(tmp_path):
     leaves torch's temporary one; an explicit TORCHINDUCTOR_CACHE_DIR wins."""
     from pathlib import Path
 
-    from serving.pytorch_runtime import inductor_env
+    from serving.torch_runtime.engine import inductor_env
     assert inductor_env({}) == {"TORCHINDUCTOR_CACHE_DIR": str(Path("~/.cache/g5g-torch").expanduser())}
     assert inductor_env({"G5G_TORCH_CACHE_DIR": str(tmp_path)}) == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
     assert inductor_env({"G5G_TORCH_CACHE_DIR": ""}) == {}

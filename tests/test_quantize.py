@@ -126,8 +126,8 @@ def _runtime_logits(runtime: str, model_dir: Path, ids: list[int]) -> np.ndarray
     with packed weights multiplied as on a GPU without Triton GEMM (G5G_JAX_PACKED_DOT=reduce: the decode steps'
     products are model.matmul's multiply-reduce, the prefill's a dot)."""
     if runtime == "pytorch":
-        from serving import pytorch_runtime
-        engine = pytorch_runtime.load(model_dir, device="cpu", slots=1)
+        from serving.torch_runtime import load
+        engine = load(model_dir, device="cpu", slots=1)
         with torch.no_grad():
             return engine.model(torch.tensor([ids])).logits[0].float().numpy()
     from serving.engine import SamplingParams
@@ -320,16 +320,16 @@ def test_runtimes_hold_the_packed_weights_the_plan_counts(tiny_quantised, scheme
     import jax
     import ml_dtypes
 
-    from serving import pytorch_runtime
+    from serving.torch_runtime import load
     from serving.jax_runtime import checkpoint, config, model
-    from serving.packed_matmul import PackedLinear
+    from serving.torch_runtime.packed_matmul import PackedLinear
 
     out = tiny_quantised[1][scheme]
     bits = memory_plan.SCHEMES[scheme][0]
     n_packed = sum(k.endswith("_packed") for k in memory_plan.safetensors_headers(out))
     plan = memory_plan.plan_checkpoint(out, None, 64, 1, text_only=True)
 
-    torch_model = pytorch_runtime.load(out, device="cpu", slots=1).model
+    torch_model = load(out, device="cpu", slots=1).model
     layers = [m for m in torch_model.modules() if isinstance(m, PackedLinear)]
     assert len(layers) == n_packed and all(m.bits == bits for m in layers)
     # the plan counts fp16 scales and 16-bit everything else; the CPU runtime holds float32: compare packed bytes

@@ -383,7 +383,7 @@ def test_a_runtime_built_from_another_runtime_links_the_chain(tmp_path):
 
 @pytest.mark.parametrize("profile", ["g5g", "g4dn", "cpu"])
 def test_the_cuda_pytorch_image_has_triton_and_its_compiler(profile):
-    """The PyTorch image's GPU paths (the compiled decode step, serving/packed_matmul.py's kernel) need triton, pinned
+    """The PyTorch image's GPU paths (the compiled decode step, serving/torch_runtime/packed_matmul.py's kernel) need triton, pinned
     to torch's tested release (a source-built torch declares none), and a C compiler for its launcher; a CPU image
     needs neither."""
     _, files = rendered(profile)

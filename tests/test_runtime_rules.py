@@ -99,7 +99,7 @@ def test_python_m_serving_runtimes_are_the_serving_runtime_modules(tmp_path):
     (tmp_path / "other_runtime" / "__init__.py").write_text("")
     (tmp_path / "helpers.py").write_text("")
     assert serving_runtimes(tmp_path) == {"llama": "serving.llama_runtime", "other": "serving.other_runtime"}
-    assert serving_runtimes() == {"jax": "serving.jax_runtime", "pytorch": "serving.pytorch_runtime"}
+    assert serving_runtimes() == {"jax": "serving.jax_runtime", "pytorch": "serving.torch_runtime"}
 
 
 def test_fits_takes_the_serving_runtimes_of_the_manifests():

@@ -24,7 +24,7 @@ def _jax_draws(logits, params: SamplingParams, n: int, **kw) -> list[int]:
 def _torch_draws(logits, params: SamplingParams, n: int) -> list[int]:
     """The same on PyTorch's batched sampler: n rows of the one slot, at positions 0..n-1."""
     import torch
-    from serving.torch_sampler import Sampler
+    from serving.torch_runtime.sampling import Sampler
 
     sampler = Sampler(1, len(logits), torch.device("cpu"))
     sampler.set(0, DeviceRow.of(params, len(logits)), params.seed64(), [])
@@ -144,7 +144,7 @@ def test_both_runtimes_adjust_logits_alike():
     torch = pytest.importorskip("torch")
     import jax.numpy as jnp
     from serving.jax_runtime import sampling as js
-    from serving.torch_sampler import Sampler
+    from serving.torch_runtime.sampling import Sampler
 
     rng = np.random.default_rng(4)
     v, n = 300, len(ADJUSTED)

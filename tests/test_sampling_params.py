@@ -19,10 +19,10 @@ CROSS_ATOL = 2e-3       # the two runtimes' logprobs (their logits agree within 
 @pytest.fixture(scope="module")
 def engines(tiny_gemma4):
     import torch
-    from serving import pytorch_runtime
+    from serving.torch_runtime import load
     n = torch.get_num_threads()
     torch.set_num_threads(1)
-    out = {"pytorch": pytorch_runtime.load(tiny_gemma4), "pytorch_batched": pytorch_runtime.load(tiny_gemma4, slots=3)}
+    out = {"pytorch": load(tiny_gemma4), "pytorch_batched": load(tiny_gemma4, slots=3)}
     if _has_jax():
         from serving.jax_runtime import Settings, load
         out["jax"] = load(tiny_gemma4, Settings(buckets=(32, 64, 256), dtype="float32", cache_dir=None, slots=3,

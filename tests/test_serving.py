@@ -48,7 +48,7 @@ def torch_one_thread():
 
 @pytest.fixture(scope="module")
 def engine(tiny_gemma4, torch_one_thread):
-    from serving.pytorch_runtime import load
+    from serving.torch_runtime import load
     return load(tiny_gemma4)
 
 

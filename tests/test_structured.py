@@ -49,7 +49,7 @@ def test_mask_keeps_exactly_the_allowed_logits(runtime):
                                                     jnp.full((1, mask_words(vocab)), -1, jnp.int32)))[0], logits)
     else:
         torch = pytest.importorskip("torch")
-        from serving.torch_sampler import apply_mask
+        from serving.torch_runtime.sampling import apply_mask
         got = apply_mask(torch.tensor(logits[None]), only(vocab, allowed)[None]).numpy()[0]
     want = np.full(vocab, MASKED, np.float32)
     want[allowed] = logits[allowed]
@@ -146,7 +146,7 @@ def engines(tiny_gemma4):
 
     from serving.jax_runtime import Settings
     from serving.jax_runtime import load as load_jax
-    from serving.pytorch_runtime import load as load_torch
+    from serving.torch_runtime import load as load_torch
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield {"pytorch": load_torch(tiny_gemma4),

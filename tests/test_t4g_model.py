@@ -185,7 +185,7 @@ def test_the_measure_runs_its_children_on_cpu(tmp_path):
 
 def test_t4g_kernels_runs_each_case_beside_its_peers_on_cpu(tmp_path):
     """benchmarks/t4g_kernels.py on CPU (tiny shapes, no ncu): each path of a case timed, and checked to compute what
-    the runtime's own path computes (transformers' SDPA attention against serving/torch_attention.py's; the packed
+    the runtime's own path computes (transformers' SDPA attention against serving/torch_runtime/attention.py's; the packed
     dot and the fp16 dot against the JAX runtime's multiply-reduce)."""
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "t4g_kernels.py"), str(tmp_path), "--tiny",
                         "--no-ncu", "--cases", "attention-1024,w4a16-8"], capture_output=True, text=True, timeout=300)

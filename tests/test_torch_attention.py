@@ -1,4 +1,4 @@
-"""serving/torch_attention.py: the PyTorch runtime's attention over SlotKV, against transformers' eager attention
+"""serving/torch_runtime/attention.py: the PyTorch runtime's attention over SlotKV, against transformers' eager attention
 (the reference implementation, K/V expanded per query head) and a full recompute of every sequence."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from serving import torch_attention  # noqa: E402
+from serving.torch_runtime import attention  # noqa: E402
 from serving.engine import SamplingParams  # noqa: E402
 
 CONTEXT = 128
@@ -27,21 +27,21 @@ def _eager(query, key, value, mask):
 def test_folded_groups_are_eager_attention(monkeypatch, heads, kv_heads, queries):
     """Query heads folded into the query axis (in chunks of queries) give what eager attention gives over K/V
     repeated per head, under any mask that leaves each query a key."""
-    monkeypatch.setattr(torch_attention, "QUERY_CHUNK", 3)
+    monkeypatch.setattr(attention, "QUERY_CHUNK", 3)
     g = torch.Generator().manual_seed(heads * queries)
     rows, keys, dim = 3, 21, 16
     q = torch.randn(rows, queries, heads, dim, generator=g).transpose(1, 2)     # as the model lays it out
     k, v = (torch.randn(rows, kv_heads, keys, dim, generator=g) for _ in range(2))
     mask = torch.rand(rows, 1, queries, keys, generator=g) < 0.6
     mask[..., 0] = True
-    got, _ = torch_attention.attend(None, q, k, v, mask, scaling=1.0)
+    got, _ = attention.attend(None, q, k, v, mask, scaling=1.0)
     torch.testing.assert_close(got, _eager(q, k, v, mask), atol=1e-5, rtol=1e-5)
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_gemma4):
     """(a 4-slot engine, the fixture's model with transformers' eager attention and no cache)."""
-    from serving.pytorch_runtime import load
+    from serving.torch_runtime import load
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     reference = load(tiny_gemma4, max_context=CONTEXT).model
@@ -104,7 +104,7 @@ def test_a_decode_step_reads_the_cache_where_it_lies(engines, monkeypatch):
 
     monkeypatch.setattr(hf_sdpa, "repeat_kv", no_copies)
     monkeypatch.setattr(hf_gemma4, "repeat_kv", no_copies)
-    monkeypatch.setattr(torch_attention.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
     token = engine.start(1, [5, 6, 7], SamplingParams(temperature=0.0))
     read.clear()
     engine.step({1: token})

@@ -1,4 +1,4 @@
-"""The PyTorch runtime's step dispatched ahead (serving/torch_pipeline.py, G5G_TORCH_PIPELINE=1, forced on here: on
+"""The PyTorch runtime's step dispatched ahead (serving/torch_runtime/pipeline.py, G5G_TORCH_PIPELINE=1, forced on here: on
 a CPU the step ahead just runs early), against the same engine waiting for each step's tokens: the same tokens,
 logprobs and finishes, whoever joins, finishes or is fed something else; and how many steps ahead were thrown
 away where none must be and where some must."""
@@ -39,7 +39,7 @@ def _batch(engine, info, jobs):
 
 
 def test_the_setting_is_on_on_a_gpu_off_on_a_cpu_and_the_variable_wins():
-    from serving.torch_pipeline import pipeline_from_env
+    from serving.torch_runtime.pipeline import pipeline_from_env
     assert pipeline_from_env({}, "cuda") and not pipeline_from_env({}, "cpu")
     assert pipeline_from_env({"G5G_TORCH_PIPELINE": "1"}, "cpu")
     assert not pipeline_from_env({"G5G_TORCH_PIPELINE": "0"}, "cuda")

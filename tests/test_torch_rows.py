@@ -1,4 +1,4 @@
-"""The PyTorch runtime decodes the live rows only: a step takes the first rows() slots (torch_attention.ROWS), so a
+"""The PyTorch runtime decodes the live rows only: a step takes the first rows() slots (attention.ROWS), so a
 lone stream on an 8-slot engine decodes one row, not eight. Observed at the model's compiled call (the rows it is
 fed), at SlotKV.update (the K/V rows each layer writes and reads) and at the sampler (the logits' rows), with the
 step dispatched ahead on and off; the answers are those of the same requests alone."""
@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 from serving.engine import SamplingParams  # noqa: E402
 from serving.generation import generate  # noqa: E402
-from serving.torch_attention import ladder, rows  # noqa: E402
+from serving.torch_runtime.attention import ladder, rows  # noqa: E402
 from tests.fixtures.batching import Job, run_in_batch, summary, torch_engines  # noqa: E402
 from devtools.tiny_gemma4 import ANSWER, QUESTION  # noqa: E402
 

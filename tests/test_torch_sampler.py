@@ -1,4 +1,4 @@
-"""serving/torch_sampler.py: every slot's next token in one pass, against the per-slot sampler the PyTorch runtime
+"""serving/torch_runtime/sampling.py: every slot's next token in one pass, against the per-slot sampler the PyTorch runtime
 used before it (kept below as the reference, verbatim in its math): the same distributions, tested statistically,
 and a row's draws independent of the batch it is in."""
 from __future__ import annotations
@@ -10,13 +10,13 @@ from serving.engine import DeviceRow, SamplingParams
 
 torch = pytest.importorskip("torch")
 
-from serving.torch_sampler import FLOOR, Sampler  # noqa: E402
+from serving.torch_runtime.sampling import FLOOR, Sampler  # noqa: E402
 
 V = 48
 
 
 def _reference_adjust(logits, row: DeviceRow, counts, seen, held: bool):
-    """The per-slot adjustments (serving/pytorch_runtime.py before the batched sampler)."""
+    """The per-slot adjustments (serving/torch_runtime/engine.py before the batched sampler)."""
     x = logits
     held_ids = list(row.held) if held else []
     if row.bias or held_ids:
@@ -184,7 +184,7 @@ def test_a_rows_draws_do_not_depend_on_its_batch(history):
 
 def test_hashed_noise_is_standard_gumbel():
     """The noise behind the draws: mean Euler's gamma, variance pi^2 / 6, no correlation between neighbours."""
-    from serving.torch_sampler import gumbel, row_keys, _mix
+    from serving.torch_runtime.sampling import gumbel, row_keys, _mix
 
     keys = row_keys(torch.tensor([[0, 7], [1, 7], [0, 8]]), torch.tensor([0, 0, 5]))
     g = gumbel(keys, _mix(torch.arange(200_000))).double()

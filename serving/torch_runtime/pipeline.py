@@ -4,14 +4,14 @@ A step's tokens go back to the host by a non-blocking copy into pinned memory, a
 recorded after that copy, not on the stream: before waiting, the engine dispatches the next step, fed the chosen
 tokens where they lie on the device, at the next positions. So the GPU decodes step t+1 while the host
 detokenises step t, checks its stops and runs the scheduler. What a step ahead does is undone or overwritten when
-the next request turns out otherwise (serving/pytorch_runtime.py's `step` checks; docs/serving.md says why each
+the next request turns out otherwise (serving/torch_runtime/engine.py's `step` checks; docs/serving.md says why each
 holds):
 - K/V: it wrote each row's entries at the row's next position; a row fed another token there writes them again
   before any layer reads them, a row that finished wrote into a freed slot whose next prompt starts from 0, and a
   prompt started after it runs after it on the stream;
 - penalty counts: `Run.undo` takes its fed tokens back out;
 - sampling: draws are keyed by (seed, position), so the step ahead draws what the requested one would.
-A step decodes the first rows (torch_attention.rows()) that hold its live slots: a step ahead is never wider than
+A step decodes the first rows (attention.rows()) that hold its live slots: a step ahead is never wider than
 the step it follows (its slots are among that step's), and a `start`, the one way a wider step can be asked for,
 throws the step ahead away first.
 """
@@ -79,7 +79,7 @@ class Run:
     """One dispatched decode step: what it was fed, its logits and chosen tokens on the device, their copies on
     their way to the host, and `fed`: for a step dispatched ahead, the tokens it was fed as the host learns them."""
     live: list[int]
-    ids: torch.Tensor               # [rows] tokens fed to the first rows slots (torch_attention.rows())
+    ids: torch.Tensor               # [rows] tokens fed to the first rows slots (attention.rows())
     counted: torch.Tensor           # [rows] 1 where the fed token entered the penalty counts
     logits: torch.Tensor            # [rows, vocab] float32, a copy of its own
     chosen: torch.Tensor            # [rows]

@@ -15,11 +15,13 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from serving import memory_plan, packed_matmul, quantized, torch_attention
+from serving import memory_plan, quantized
 from serving.engine import DeviceRow, SamplingParams, TokenLogprobs
-from serving.torch_attention import SlotKV, ladder, rows, span
-from serving.torch_pipeline import INPUTS, Run, Stager, pipeline_from_env
-from serving.torch_sampler import Sampler
+
+from . import attention, packed_matmul
+from .attention import SlotKV, ladder, rows, span
+from .pipeline import INPUTS, Run, Stager, pipeline_from_env
+from .sampling import Sampler
 
 log = logging.getLogger("serving.pytorch")
 
@@ -50,10 +52,10 @@ class _StaticKV:
 
 
 class TorchEngine:
-    """serving.engine.Engine over a transformers causal LM, next tokens chosen on the device (serving/torch_sampler.py,
+    """serving.engine.Engine over a transformers causal LM, next tokens chosen on the device (sampling.py,
     every slot in one pass). One slot: transformers' StaticCache (sequences run one after another). More
-    (G5G_TORCH_SLOTS; 8 on a GPU by default): continuous batching over SlotKV (serving/torch_attention.py), every
-    live sequence decoded in one forward, over the first rows() slots only (torch_attention.ROWS)."""
+    (G5G_TORCH_SLOTS; 8 on a GPU by default): continuous batching over SlotKV (attention.py), every
+    live sequence decoded in one forward, over the first rows() slots only (attention.ROWS)."""
 
     def __init__(self, model, text_config, device: torch.device, max_context: int, slots: int = 1):
         self.model = model
@@ -72,7 +74,7 @@ class TorchEngine:
         self.warm_slots = tuple(b - 1 for b in ladder(slots))
         # a step's host inputs cross in one copy, from pinned memory on a GPU so that it does not wait
         self._stager = Stager(slots, device)
-        # the next decode step, dispatched before this one's tokens reach the host (serving/torch_pipeline.py)
+        # the next decode step, dispatched before this one's tokens reach the host (pipeline.py)
         self.pipeline = pipeline_from_env(os.environ, device.type)
         self._ahead: Run | None = None
         # steps dispatched ahead that the next call took, and those thrown away (as the JAX runtime's)
@@ -355,7 +357,7 @@ def load(model_dir: str | Path, device: str | None = None, max_context: int | No
     hf_logging.set_verbosity_error()     # the towers' tensors are "unexpected" for a text model, by design
     qargs = quantized.weight_args({"quantization_config": getattr(config, "quantization_config", None)})
     try:
-        if qargs:    # compressed-tensors: the packed linears stay packed (serving/packed_matmul.py)
+        if qargs:    # compressed-tensors: the packed linears stay packed (packed_matmul.py)
             if dev.type == "cuda" and (why := packed_matmul.kernel_missing()):
                 raise ValueError(f"{model_dir}: {why}")
             state, packed = _quantised_text(model_dir, dtype)
@@ -385,9 +387,9 @@ def load(model_dir: str | Path, device: str | None = None, max_context: int | No
             except OSError as e:
                 log.warning("G5G_TORCH_CACHE_DIR %s unusable (%s): compiling without a persistent cache", path, e)
     if slots > 1:        # SlotKV's attention: each K/V read once, on the SDPA backends sm_75 has
-        model.set_attn_implementation(torch_attention.register())
+        model.set_attn_implementation(attention.register())
         if dev.type == "cuda":
-            torch_attention.turing_backends()
+            attention.turing_backends()
     log.info("loaded %s on %s as %s (%d layers, context %d, %d slot%s, %s LM head)", model_dir, dev, dtype,
              text_config.num_hidden_layers, context, slots, "s" * (slots > 1), head)
     return TorchEngine(model, text_config, dev, context, slots)
