@@ -4,7 +4,8 @@
   engine, buildx, binfmt or base image is a failure with the skip's reason, never a quiet skip.
 - In CI (CI=true, or G5G_REQUIRE_E2E=1), a skipped unit test fails too: a missing jax or torch, an unreachable
   package index, a missing cmake would otherwise pass the suite without testing what they guard. A test whose skip
-  is about an optional input, not the product (marked `optional`), may still skip.
+  is about an optional input, not the product (marked `optional`), may still skip, and so may a test that needs a
+  CUDA GPU (marked `gpu`: `pytest -m gpu`, tests/test_gpu.py) on a machine without one.
 - In CI a module skipped while it is collected (a module-level `pytest.importorskip("torch")`) fails the same way:
   it becomes one failing test named `<module>::skipped-at-collection`, and the rest of the run goes on. A module
   cannot be marked optional (it was never imported): skip inside its tests for that.
@@ -26,7 +27,8 @@ def _in_ci() -> bool:
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if not report.skipped or hasattr(report, "wasxfail") or item.get_closest_marker("optional"):
+    if not report.skipped or hasattr(report, "wasxfail") or item.get_closest_marker("optional") \
+            or item.get_closest_marker("gpu"):
         return
     reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
     if item.get_closest_marker("e2e"):

@@ -1,0 +1,135 @@
+"""`pytest -m gpu`: both servers on CUDA, serving the tiny checkpoint (fp16, w8a16, w4a16), on this GPU's own paths
+and on sm_75's paths forced (SM75 below). Where no CUDA GPU is present every test skips, saying so (CPU CI runs
+them as skips: tests/e2e/plugin.py lets a `gpu` test skip there). docs/developing.md says how to run them.
+
+Every server the module needs is started at once (one boot's wait, not fourteen) and kept for the module; each
+server's log stays in the test's tmp directory, and a server that fails to boot fails the suite with its log's tail.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from devtools.server import launch, serving_argv, serving_env
+from devtools.tiny_gemma4 import ANSWER, QUESTION
+from g5g import wire
+
+pytestmark = pytest.mark.gpu
+
+# sm_75's paths on a newer GPU. PyTorch: the packed kernels configured for Turing's compute capability and 40 SMs
+# (SDPA keeps only memory-efficient and math wherever slots > 1, on every GPU: serving/torch_runtime/engine.py).
+# JAX: no Triton GEMM (gated to sm_80 and up in XLA), which sends packed weights down the multiply-reduce.
+SM75 = {"pytorch": {"G5G_PACKED_ARCH": "75", "G5G_PACKED_SMS": "40"},
+        "jax": {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}}
+# name: (runtime, checkpoint, environment)
+SERVERS = {
+    "pytorch": ("pytorch", "fp16", {}),
+    "pytorch-no-pipeline": ("pytorch", "fp16", {"G5G_TORCH_PIPELINE": "0"}),
+    "pytorch-one-slot": ("pytorch", "fp16", {"G5G_TORCH_SLOTS": "1"}),
+    **{f"pytorch-{q}": ("pytorch", q, {}) for q in ("w8a16", "w4a16")},
+    "jax": ("jax", "fp16", {}),
+    **{f"jax-{q}": ("jax", q, {}) for q in ("w8a16", "w4a16")},
+}
+SERVERS |= {f"{name}-sm75": (rt, ckpt, SM75[rt]) for name, (rt, ckpt, _) in list(SERVERS.items())
+            if name not in ("pytorch-no-pipeline", "pytorch-one-slot")}
+# How much of the fixture's answer each checkpoint keeps, greedy: int4 leaves it after 47 characters on a CPU in
+# float32 (tests/test_quantize.py); on a GPU's float16 the fork may come a little earlier.
+KEEPS = {"fp16": len(ANSWER), "w8a16": len(ANSWER), "w4a16": 40}
+BOOT_S = 900
+MAX_TOKENS = 64
+
+
+def _cuda() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    return None if torch.cuda.is_available() else "no CUDA GPU here (the gpu suite runs where one is: pytest -m gpu)"
+
+
+@pytest.fixture(scope="module")
+def servers(request, tmp_path_factory):
+    """{name: base URL} of every server in SERVERS, booted together, stopped at the end."""
+    if why := _cuda():
+        pytest.skip(why)
+    tiny_gemma4 = request.getfixturevalue("tiny_gemma4")
+    from tools import quantize
+    tmp = tmp_path_factory.mktemp("gpu")
+    checkpoints = {"fp16": tiny_gemma4}
+    for scheme in ("w8a16", "w4a16"):
+        quantize.quantize(tiny_gemma4, tmp / scheme, scheme, log=lambda *_: None)
+        checkpoints[scheme] = tmp / scheme
+    started = {}
+    try:
+        for name, (runtime, ckpt, env) in SERVERS.items():
+            argv, url = serving_argv(runtime, checkpoints[ckpt], "--served-model-name", "tiny")
+            jax = {"G5G_JAX_CACHE_DIR": str(tmp / "jax-cache"), "G5G_JAX_BUCKETS": "32,64,256",
+                   "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.04"} if runtime == "jax" else {}
+            started[name] = launch(argv, url, log=tmp / f"{name}.log",
+                                   env=serving_env(G5G_TORCH_CACHE_DIR=str(tmp / f"inductor-{name}"), **jax, **env))
+        for srv in started.values():
+            srv.wait(timeout=BOOT_S)
+        yield {name: srv.url for name, srv in started.items()}
+    finally:
+        for srv in started.values():
+            srv.stop()
+
+
+def _chat(url: str, stream: bool = False, prompt: str = QUESTION, **kw) -> wire.Answer:
+    payload = {**wire.chat_payload("tiny", prompt, kw.pop("max_tokens", 200), stream), **kw}
+    with requests.Session() as s:
+        ans = (wire.stream_chat if stream else wire.chat)(s, url, payload, timeout=300)
+    assert ans.success, ans.error
+    return ans
+
+
+@pytest.mark.parametrize("name", sorted(SERVERS))
+def test_chat_answer_streamed_and_not(servers, name):
+    """The fixture's answer (as far as the checkpoint keeps it), the same streamed and not."""
+    keep = KEEPS[SERVERS[name][1]]
+    plain, streamed = _chat(servers[name]), _chat(servers[name], stream=True)
+    assert plain.text[:keep] == ANSWER[:keep], plain.text
+    assert streamed.text == plain.text and streamed.finish_reason == plain.finish_reason
+
+
+PROMPTS = [QUESTION, "Tell me about reliability.", "What is SRE?", "Hello", "Explain operations.",
+           "software engineering", "scalable systems", "Why?"]
+
+
+def _answers(url: str, concurrent: bool) -> list[str]:
+    """Greedy answers to PROMPTS (MAX_TOKENS each, the eos ignored), all at once or one after another."""
+    ask = lambda p: _chat(url, prompt=p, max_tokens=MAX_TOKENS, ignore_eos=True).text      # noqa: E731
+    if not concurrent:
+        return [ask(p) for p in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(ask, PROMPTS))
+
+
+@pytest.mark.parametrize("name", sorted(SERVERS))
+def test_concurrent_greedy_answers_are_the_answers_alone(servers, name):
+    assert _answers(servers[name], concurrent=True) == _answers(servers[name], concurrent=False)
+
+
+def _seeded(url: str) -> list[str]:
+    """Seeded samples of PROMPTS, all at once: the same seed gives the same tokens whatever shares the batch."""
+    ask = lambda i: _chat(url, prompt=PROMPTS[i], max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.8,  # noqa
+                          top_p=0.95, seed=100 + i).text
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(ask, range(len(PROMPTS))))
+
+
+@pytest.mark.parametrize("other", ["pytorch-no-pipeline", "pytorch-one-slot"])
+def test_pytorch_pipeline_off_and_one_slot_answer_as_the_default(servers, other):
+    """Pipeline on = off, eight slots = one: the same greedy and seeded answers to concurrent requests."""
+    base, alt = servers["pytorch"], servers[other]
+    assert _answers(alt, concurrent=True) == _answers(base, concurrent=True)
+    assert _seeded(alt) == _seeded(base)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in SERVERS if n.endswith("-sm75")))
+def test_sm75_paths_answer_as_this_gpus_own(servers, name):
+    """sm_75's kernels (forced) give this GPU's own greedy answers, on every checkpoint."""
+    assert _answers(servers[name], concurrent=True) == _answers(servers[name.removesuffix("-sm75")], concurrent=True)
+
