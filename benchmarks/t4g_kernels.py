@@ -6,9 +6,11 @@ scaled duration and launch floor).
     python benchmarks/t4g_kernels.py OUT_DIR [--cases NAME,...] [--tiny] [--no-ncu]
 
 Cases (CASES; E2B's shapes, 8 rows, random data), each with its peer in the same run:
-- attention-S: one decode step's attention of a full layer (8 query heads over 1 KV head of 512) over S keys,
-  through serving/torch_runtime/attention.py's `attend` (each K/V read once) against transformers' own SDPA path (which
-  copies K/V per query head whenever a mask is passed); the SDPA backends sm_75 has (memory-efficient, math).
+- attention-S-ROWS: one decode step's attention of a full layer (8 query heads over 1 KV head of 512) over S keys
+  for ROWS sequences, through serving/torch_runtime/attention.py's `attend` (two GEMMs over the keys, each K/V read
+  once) against the memory-efficient SDPA kernel on the same folded heads (the runtime's path before: one CTA per
+  row) and transformers' own SDPA path (which copies K/V per query head whenever a mask is passed); the SDPA
+  backends sm_75 has (memory-efficient, math).
 - SCHEME-ROWS (w8a16, w4a16; 1 or 8 rows): E2B's gate|up product with packed weights in the JAX runtime, XLA's
   Triton GEMM off (sm_75 has none): the multiply-reduce the runtime takes there, against the packed dot it
   replaces (a dequantised copy first, on cuBLAS) and the fp16 dot of the same weight (cuBLAS).
@@ -31,29 +33,39 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.t4g_model import CONSTANTS, METRICS, TURING, parse_ncu, t4g_kernel_s  # noqa: E402
 
-ROWS, HEADS, KV_HEADS, HEAD_DIM = 8, 8, 1, 512       # E2B's full-attention layers
+HEADS, KV_HEADS, HEAD_DIM = 8, 1, 512       # E2B's full-attention layers
 WIDTHS = {"e2b": (1536, 6144)}                       # hidden, mlp (gate|up fused: 2 x mlp outputs)
 
 
 # ------------------------------------------------------------------------------------------------ the cases
-def attention(keys: int, tiny: bool) -> dict:
-    """{path: (call, bytes it must move)}: one decode step's attention of a full layer over `keys` keys."""
+def attention(keys: int, rows: int, tiny: bool) -> dict:
+    """{path: (call, bytes it must move)}: one decode step's attention of a full layer over `keys` keys, `rows`
+    sequences: the runtime's (two GEMMs over the keys), the memory-efficient SDPA kernel it replaced (query heads
+    folded, one CTA per row), transformers' SDPA path."""
     import types
 
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    import torch.nn.functional as F
 
     from serving.torch_runtime.attention import attend
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dt = torch.float16 if dev == "cuda" else torch.float32
     d, s = (64, 128) if tiny else (HEAD_DIM, keys)
-    q = torch.randn(ROWS, HEADS, 1, d, device=dev, dtype=dt)
-    k, v = (torch.randn(ROWS, KV_HEADS, s, d, device=dev, dtype=dt) for _ in range(2))
-    mask = torch.arange(s, device=dev).view(1, 1, 1, s) <= torch.randint(s // 2, s, (ROWS, 1, 1, 1), device=dev)
+    q = torch.randn(rows, HEADS, 1, d, device=dev, dtype=dt)
+    k, v = (torch.randn(rows, KV_HEADS, s, d, device=dev, dtype=dt) for _ in range(2))
+    mask = torch.arange(s, device=dev).view(1, 1, 1, s) <= torch.randint(s // 2, s, (rows, 1, 1, 1), device=dev)
+    folded = q.reshape(rows, KV_HEADS, HEADS // KV_HEADS, d)
+
+    def memory_efficient():
+        o = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=1.0)
+        return o.reshape(rows, HEADS, 1, d).transpose(1, 2)
     layer = types.SimpleNamespace(num_key_value_groups=HEADS // KV_HEADS, is_causal=True, layer_idx=0)
     least = (k.numel() + v.numel() + 2 * q.numel()) * k.element_size()
     return {"ours": (lambda: attend(layer, q, k, v, mask, scaling=1.0), least),
+            "memory_efficient": (memory_efficient, least),
             "transformers_sdpa": (lambda: sdpa_attention_forward(layer, q, k, v, mask, scaling=1.0), least)}
 
 
@@ -90,8 +102,8 @@ def packed(scheme: str, rows: int, tiny: bool) -> dict:
 
 
 CASES = {
-    "attention-1024": ("torch", lambda tiny: attention(1024, tiny)),
-    "attention-4096": ("torch", lambda tiny: attention(4096, tiny)),
+    **{f"attention-{keys}-{rows}": ("torch", lambda tiny, s=keys, r=rows: attention(s, r, tiny))
+       for keys in (512, 1024, 4096) for rows in (1, 8)},
     **{f"{scheme}-{rows}": ("jax", lambda tiny, s=scheme, r=rows: packed(s, r, tiny))
        for scheme in ("w8a16", "w4a16") for rows in (1, 8)},
 }

@@ -185,15 +185,15 @@ def test_the_measure_runs_its_children_on_cpu(tmp_path):
 
 def test_t4g_kernels_runs_each_case_beside_its_peers_on_cpu(tmp_path):
     """benchmarks/t4g_kernels.py on CPU (tiny shapes, no ncu): each path of a case timed, and checked to compute what
-    the runtime's own path computes (transformers' SDPA attention against serving/torch_runtime/attention.py's; the packed
+    the runtime's own path computes (SDPA's attention against serving/torch_runtime/attention.py's GEMMs; the packed
     dot and the fp16 dot against the JAX runtime's multiply-reduce)."""
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "t4g_kernels.py"), str(tmp_path), "--tiny",
-                        "--no-ncu", "--cases", "attention-1024,w4a16-8"], capture_output=True, text=True, timeout=300)
+                        "--no-ncu", "--cases", "attention-1024-8,w4a16-8"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     cases = json.loads((tmp_path / "t4g_kernels.json").read_text())["cases"]
-    rows = cases["attention-1024"]
-    assert list(rows) == ["ours", "transformers_sdpa"]
-    assert rows["transformers_sdpa"]["max_abs_diff_vs_first"] < 1e-4
+    rows = cases["attention-1024-8"]
+    assert list(rows) == ["ours", "memory_efficient", "transformers_sdpa"]
+    assert all(rows[p]["max_abs_diff_vs_first"] < 1e-4 for p in ("memory_efficient", "transformers_sdpa"))
     assert rows["ours"]["ms_here_over_ours"] == 1.0 and rows["transformers_sdpa"]["ms_here"] > 0
     rows = cases["w4a16-8"]
     assert list(rows) == ["reduce", "packed_dot", "fp16_dot"]

@@ -81,7 +81,7 @@ def test_concurrent_sequences_are_their_eager_recompute(engines):
 
 
 def test_a_decode_step_reads_the_cache_where_it_lies(engines, monkeypatch):
-    """No expanded copy: transformers' repeat_kv is never called, every K/V that SDPA reads is a view of SlotKV's
+    """No expanded copy: transformers' repeat_kv is never called, every K/V that a decode step's GEMMs read is a view of SlotKV's
     own buffers, and sliding layers hold only their window."""
     import transformers.integrations.sdpa_attention as hf_sdpa
     import transformers.models.gemma4.modeling_gemma4 as hf_gemma4
@@ -93,18 +93,18 @@ def test_a_decode_step_reads_the_cache_where_it_lies(engines, monkeypatch):
     assert kv.window == 16 and any(kv.ring.values())
     buffers = {t.untyped_storage().data_ptr() for t in (*kv.k.values(), *kv.v.values())}
     read = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    one_query = attention.one_query
 
-    def spy(q, k, v, **kw):
+    def spy(q, k, v, mask, scaling):
         read.append((k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr(), k.shape[1], q.shape[1]))
-        return sdpa(q, k, v, **kw)
+        return one_query(q, k, v, mask, scaling)
 
     def no_copies(*_):
         raise AssertionError("repeat_kv")
 
     monkeypatch.setattr(hf_sdpa, "repeat_kv", no_copies)
     monkeypatch.setattr(hf_gemma4, "repeat_kv", no_copies)
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(attention, "one_query", spy)
     token = engine.start(1, [5, 6, 7], SamplingParams(temperature=0.0))
     read.clear()
     engine.step({1: token})

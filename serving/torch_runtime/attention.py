@@ -6,6 +6,11 @@ passed: on Gemma 4 (8 query heads, 1 KV head) that is 8 copies of the cache per 
 takes as many KV heads as query heads. So `attend` folds each group of query heads into the query axis instead:
 [rows, kv_heads, group x queries, head_dim] against K/V [rows, kv_heads, keys, head_dim] is ordinary attention, and
 K/V are read where they lie. It is registered with transformers as the attention implementation ATTENTION.
+
+A decode step (one query per row) does not go through SDPA: the memory-efficient kernel gives each (row, KV head)
+one CTA that streams every key, so a lone stream's attention ran on one of a T4's 40 SMs, its time growing with the
+context. `one_query` is two batched GEMMs instead (scores over every key, then the weighted sum of values), each
+spread over the keys, with float32 scores and softmax as the memory-efficient kernel keeps them.
 """
 from __future__ import annotations
 
@@ -25,6 +30,9 @@ def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     rows, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
+    if q_len == 1:
+        o = one_query(query.reshape(rows, kv_heads, group, dim), key, value, attention_mask, scaling)
+        return o.reshape(rows, 1, heads, dim), None
     out = []
     for i in range(0, q_len, QUERY_CHUNK):
         q = query[:, :, i:i + QUERY_CHUNK]
@@ -37,6 +45,27 @@ def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         out.append(o.reshape(rows, heads, n, dim))
     o = out[0] if len(out) == 1 else torch.cat(out, 2)
     return o.transpose(1, 2).contiguous(), None
+
+
+def one_query(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+              scaling: float | None) -> torch.Tensor:
+    """q [rows, kv_heads, group, D] (a row's query heads of each KV head), key/value [rows, kv_heads, S, D], mask
+    [rows, 1, 1, S]: [rows, kv_heads, group, D]. Each KV head's K/V is a strided view of the cache, which the GEMMs
+    read as it lies (no copy, and no reshape whose copy would depend on whether S is the whole cache)."""
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    out = []
+    for h in range(key.shape[1]):
+        scores = _float_bmm(q[:, h], key[:, h].transpose(1, 2)) * scale          # [rows, group, S]
+        p = torch.softmax(scores.masked_fill(~mask[:, 0], float("-inf")), dim=-1).to(q.dtype)
+        out.append(torch.bmm(p, value[:, h]))
+    return torch.stack(out, 1)
+
+
+def _float_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b accumulated and returned in float32 (cuBLAS keeps its float32 accumulator for 16-bit inputs)."""
+    if a.dtype == torch.float32:
+        return torch.bmm(a, b)
+    return torch.bmm(a, b, out_dtype=torch.float32) if a.is_cuda else torch.bmm(a.float(), b.float())
 
 
 def register() -> str:
