@@ -56,6 +56,14 @@ def linked(prefix: str) -> bool:
     return any(d.startswith(prefix) for d in loaded())
 
 
+def kineto_with_cupti(show: str, libraries: set[str]) -> bool:
+    """Both, for either alone is another torch: -DHAS_CUPTI among show()'s CXX_FLAGS (kineto's CUPTI code compiled
+    in: PyPI's CUDA 2.14.1 lists it, a CPU build does not) and libcupti among the libraries loaded with torch (CUPTI
+    linked as a shared library, torch's USE_CUPTI_SO default and PyPI's, so the image's CUPTI wheel is the one used).
+    libcupti loaded without the flag is a CPU-only kineto beside some other user of CUPTI."""
+    return bool(re.search(r"-DHAS_CUPTI\b", show)) and any(d.startswith("libcupti.so") for d in libraries)
+
+
 # Evidence in the compiled library itself, whatever the build was told: a flag's kernels leave their names there
 # (the host side registers every __global__ by name; PyPI's 2.14 libtorch_cuda.so has both).
 NAMES = {"USE_MEM_EFF_ATTENTION": ("memory-efficient attention's Turing kernels",
@@ -109,7 +117,7 @@ def installed(want: dict[str, bool]) -> list[str]:
                      lambda: dist and torch.distributed.is_nccl_available()),
         "USE_SYSTEM_NCCL": ("the system's libnccl.so linked (not NCCL built into torch)", lambda: linked("libnccl.so")),
         "USE_KINETO": ("kineto built with CUPTI (-DHAS_CUPTI in torch.__config__.show() and libcupti loaded with torch)",
-                       lambda: "-DHAS_CUPTI" in show and linked("libcupti.so")),
+                       lambda: kineto_with_cupti(show, loaded())),
         "USE_MEM_EFF_ATTENTION": (
             "memory-efficient attention (its sm_75 kernels in libtorch_cuda.so and "
             "torch.backends.cuda.mem_efficient_sdp_enabled())",

@@ -573,6 +573,7 @@ def sass_check(nvidia_venv, *args, cuobjdump: str | None = None) -> subprocess.C
                           env=env, timeout=300)
 
 
+@pytest.mark.slow   # four nvcc compiles
 def test_check_sass_counts_sass_not_ptx_and_only_means_exactly_the_arch_list(nvidia_venv, nvcc, tmp_path):
     """Real libraries compiled here: PTX for 7.5 is not SASS for 7.5 (issue 41); `--only 7.5` fails a library that
     also has sm_80 (a build that ignored TORCH_CUDA_ARCH_LIST) or carries PTX (issue 36, item 3)."""
@@ -614,6 +615,13 @@ def test_check_sass_fails_when_cuobjdump_fails_or_the_library_is_truncated(nvidi
     assert sass_check(nvidia_venv, "7.5", str(nccl)).returncode == 0
     r = sass_check(nvidia_venv, "7.5", str(nccl), cuobjdump=str(crash))
     assert r.returncode == 1 and "cuobjdump failed (exit 1)" in r.stderr, r.stdout + r.stderr
+    # "does not contain device code" passes a host-only library only with cuobjdump's own exit status for it (255)
+    (tmp_path / "h.c").write_text("int f(void) { return 1; }\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(tmp_path / "host.so"), str(tmp_path / "h.c")], check=True,
+                   timeout=60)
+    assert "no device code" in sass_check(nvidia_venv, "7.5", str(tmp_path / "host.so")).stdout
+    r = sass_check(nvidia_venv, "7.5", str(tmp_path / "host.so"), cuobjdump=str(crash))
+    assert r.returncode == 1 and "cuobjdump failed (exit 1)" in r.stderr and "does not contain device code" in r.stderr
     cut = tmp_path / "libnccl.so.2"
     with nccl.open("rb") as src, cut.open("wb") as dst:
         dst.write(src.read(60_000_000))
@@ -659,6 +667,23 @@ def test_check_torch_kineto_needs_both_cupti_hints(nvidia_venv):
     bad = subprocess.run([sys.executable, str(CHECK_TORCH), "installed", "USE_KINETO=1"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "USE_KINETO=1: kineto built with CUPTI" in bad.stderr, bad.stdout + bad.stderr
+
+
+def test_check_torch_kineto_rule_takes_the_flag_and_the_library_together():
+    """Issue 41: each CUPTI hint alone is refused, both ways round. The CXX_FLAGS are those of PyPI's CUDA torch
+    2.14.1 (read from its libtorch_cpu.so) and of the CPU wheel; no CUDA torch runs here, so the rule is called."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_torch", CHECK_TORCH)
+    ct = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ct)
+    cuda = "CXX_FLAGS= -fvisibility-inlines-hidden -DUSE_PTHREADPOOL -DNDEBUG -DUSE_KINETO -DHAS_CUPTI -DUSE_FBGEMM -O2,"
+    cpu = cuda.replace(" -DHAS_CUPTI", "")
+    with_cupti, without = {"libtorch_cuda.so", "libcupti.so.13"}, {"libtorch_cuda.so", "libcudart.so.13"}
+    assert ct.kineto_with_cupti(cuda, with_cupti)
+    assert not ct.kineto_with_cupti(cuda, without)      # compiled with CUPTI, none loaded (static or not linked)
+    assert not ct.kineto_with_cupti(cpu, with_cupti)    # CPU-only kineto; libcupti is someone else's
+    assert not ct.kineto_with_cupti(cpu, without)
 
 
 def test_check_torch_reads_the_kernels_names_in_the_library(tmp_path):
