@@ -317,6 +317,9 @@ def test_check_sass_requires_the_arch_and_fails_on_what_it_cannot_read(nvidia_ve
         return subprocess.run(["bash", str(REPO / "dockerfiles/check-sass.sh"), *args], capture_output=True,
                               text=True, env=env, timeout=120)
     assert check("7.5", nccl).returncode == 0
+    for archs in ("", " "):   # TORCH_CUDA_ARCH_LIST unset: nothing to hold the library to is not a pass
+        r = check(archs, nccl)
+        assert r.returncode == 2 and "no ARCH given" in r.stderr, r.stdout + r.stderr
     r = check("6.1", nccl)
     assert r.returncode == 1 and "no sm_61 SASS" in r.stderr
     r = check("--only", "7.5", nccl)
