@@ -20,14 +20,16 @@ import sys
 from pathlib import Path
 
 TRUE = {"1", "ON", "YES", "TRUE", "Y"}
+FALSE = {"0", "OFF", "NO", "FALSE", "N"}   # what a flag may ask; anything else is a typo, not OFF
 
 
 def wanted(flags: list[str]) -> dict[str, bool]:
     out = {}
     for f in flags:
         name, eq, value = f.partition("=")
-        if not eq or not re.fullmatch(r"[A-Z][A-Z0-9_]*", name):
-            sys.exit(f"check-torch: {f!r}: expected NAME=VALUE (e.g. USE_CUDNN=1)")
+        if not eq or not re.fullmatch(r"[A-Z][A-Z0-9_]*", name) or value.upper() not in TRUE | FALSE:
+            sys.exit(f"check-torch: {f!r}: expected NAME=VALUE, VALUE one of 1 ON YES TRUE Y or 0 OFF NO FALSE N "
+                     f"(e.g. USE_CUDNN=1)")
         out[name] = value.upper() in TRUE
     return out
 

@@ -492,7 +492,10 @@ def test_check_torch_reads_the_cmake_cache(tmp_path):
     assert "USE_CUDSS: not in" in bad.stderr and "did not pass it to CMake" in bad.stderr
     missing = check_torch("cmake-cache", str(tmp_path / "nope.txt"), "USE_CUDNN=1")
     assert missing.returncode == 1 and "cannot read the configure's cache" in missing.stderr
-    assert check_torch("cmake-cache", str(cache), "use_cudnn").returncode != 0  # not NAME=VALUE
+    for flag in ("use_cudnn=1", "USE_CUDNN", "USE_CUDNN=", "USE_CUDNN=of", "USE_CUDNN=2"):   # a typo is not OFF
+        r = check_torch("cmake-cache", str(cache), flag)
+        assert r.returncode == 1 and r.stderr == f"check-torch: {flag!r}: expected NAME=VALUE, VALUE one of 1 ON YES " \
+                                                 f"TRUE Y or 0 OFF NO FALSE N (e.g. USE_CUDNN=1)\n", r.stderr
 
 
 def test_check_torch_fails_a_torch_without_cudnn_nccl_or_cupti():
