@@ -683,7 +683,7 @@ def test_check_torch_kineto_rule_takes_the_flag_and_the_library_together():
     spec = importlib.util.spec_from_file_location("check_torch", CHECK_TORCH)
     ct = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ct)
-    cuda = "CXX_FLAGS= -fvisibility-inlines-hidden -DUSE_PTHREADPOOL -DNDEBUG -DUSE_KINETO -DHAS_CUPTI -DUSE_FBGEMM -O2,"
+    cuda = "CXX_FLAGS= -fvisibility-inlines-hidden -DNDEBUG -DUSE_KINETO -DHAS_CUPTI -DUSE_FBGEMM -O2,"
     cpu = cuda.replace(" -DHAS_CUPTI", "")
     with_cupti, without = {"libtorch_cuda.so", "libcupti.so.13"}, {"libtorch_cuda.so", "libcudart.so.13"}
     assert ct.kineto_with_cupti(cuda, with_cupti)

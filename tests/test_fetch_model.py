@@ -75,8 +75,8 @@ def test_a_sha256_that_is_not_a_file_and_64_hex_digits_is_refused_whatever_the_c
 def test_the_users_sha256_is_compared_with_the_hubs_listing_before_anything_is_downloaded(hub, tmp_path):
     right, wrong = sha(FILES["model.safetensors"]), "0" * 64
     r, dest = fetch_hf(hub, tmp_path, f"model.safetensors={wrong.upper()}")
-    assert r.returncode == 1 and r.stderr == (f"fetch_model: model.sha256.model.safetensors: {wrong.upper()} but the Hub "
-                                              f"lists {right} at {REPO_ID}@{hub.COMMIT}\n"), r.stderr
+    assert r.returncode == 1 and r.stderr == (f"fetch_model: model.sha256.model.safetensors: {wrong.upper()} but "
+                                              f"the Hub lists {right} at {REPO_ID}@{hub.COMMIT}\n"), r.stderr
     assert downloads(hub) == [] and not dest.exists()
     r, dest = fetch_hf(hub, tmp_path, f"model.safetensors={right}", "extra.bin=" + "1" * 64)
     assert r.returncode == 1 and r.stderr == (f"fetch_model: model.sha256.extra.bin: not in the Hub's listing at "
@@ -117,8 +117,8 @@ def test_a_model_directory_is_reused_only_when_checked_against_the_hashes_asked_
     dest.mkdir(parents=True)
     (dest / "model.safetensors").write_bytes(FILES["model.safetensors"])   # right bytes, but never checked here
     assert fm.main(argv) == 1
-    assert capsys.readouterr().err == f"fetch_model: {dest}: exists without a .verified record (not a checked fetch): " \
-                                      f"remove it\n"
+    assert capsys.readouterr().err == (f"fetch_model: {dest}: exists without a .verified record "
+                                       f"(not a checked fetch): remove it\n")
     assert sorted(p.name for p in dest.iterdir()) == ["model.safetensors"] and partial.is_dir()
     (dest / "model.safetensors").unlink()                                    # an empty directory is nothing yet
     assert fm.main(argv) == 0 and (dest / ".verified").is_file() and not partial.exists()
@@ -127,7 +127,8 @@ def test_a_model_directory_is_reused_only_when_checked_against_the_hashes_asked_
     assert fm.main(argv + ["--sha256", f"model.safetensors={other}"]) == 1
     assert capsys.readouterr().err == (
         f"fetch_model: model.sha256.model.safetensors: {other}, but {dest} was checked against "
-        f"sha256:{sha(FILES['model.safetensors'])}: another checkpoint needs another revision or URI (or remove {dest})\n")
+        f"sha256:{sha(FILES['model.safetensors'])}: another checkpoint needs another revision or URI "
+        f"(or remove {dest})\n")
     assert fm.main(argv + ["--sha256", f"generation_config.json={other}"]) == 1
     assert "generation_config.json: " in capsys.readouterr().err
     (dest / ".verified").write_text("{}")                                    # not a record this script wrote

@@ -11,7 +11,8 @@ DIR with a `.verified` record; `.partial/<pod>` directories of fetches that died
 removed first. DIR with its record, checked against the --sha256 list given now, is never fetched again: on a shared
 PVC, every pod that starts after the first checked fetch reuses it (pods that start together each fetch; the first to
 finish publishes, the others drop their copies). DIR without a record, or checked against other hashes, is refused.
-Runs with the serving image's python3 (huggingface_hub comes with transformers and vLLM); stdlib otherwise. An error is one line on stderr and exit 1 (the kubelet retries the init container).
+Runs with the serving image's python3 (huggingface_hub comes with transformers and vLLM); stdlib otherwise. An error
+is one line on stderr and exit 1 (the kubelet retries the init container).
 """
 from __future__ import annotations
 
