@@ -96,6 +96,8 @@ def compare(want: dict[str, bool], facts: dict) -> list[str]:
 
 
 def library(lib: Path, want: dict[str, bool]) -> list[str]:
+    if not lib.is_file() or lib.stat().st_size == 0:   # else every kernel "absent": a wrong path would pass =0
+        return [f"{lib}: no such library, or an empty file (nothing to read the kernels' names from)"]
     return compare(want, {n: (f"{what} in {lib.name} ({b', '.join(names).decode()})", lambda ns=names: has_names(lib, ns))
                           for n, (what, names) in NAMES.items()})
 

@@ -709,6 +709,11 @@ def test_check_torch_reads_the_kernels_names_in_the_library(tmp_path):
     bad = check_torch("library", str(tmp_path / "without.so"), "USE_MEM_EFF_ATTENTION=1")
     assert bad.returncode == 1 and "fmha_cutlassF_f16_aligned_64x64_rf_sm75) is False" in bad.stderr
     assert check_torch("library", str(tmp_path / "without.so"), "USE_FLASH_ATTENTION=0").returncode == 0
+    (tmp_path / "empty.so").write_bytes(b"")   # a wrong path or an empty file is not a library without the kernels
+    for lib in (tmp_path / "nope.so", tmp_path / "empty.so"):
+        r = check_torch("library", str(lib), "USE_FLASH_ATTENTION=0")
+        assert r.returncode == 1 and r.stderr == f"check-torch: {lib}: no such library, or an empty file (nothing to " \
+                                                 f"read the kernels' names from)\n", r.stderr
 
 
 def test_check_torch_each_feature_of_a_cuda_build_is_absent_from_a_cpu_torch():
