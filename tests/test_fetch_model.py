@@ -131,10 +131,13 @@ def test_a_model_directory_is_reused_only_when_checked_against_the_hashes_asked_
         f"(or remove {dest})\n")
     assert fm.main(argv + ["--sha256", f"generation_config.json={other}"]) == 1
     assert "generation_config.json: " in capsys.readouterr().err
-    (dest / ".verified").write_text("{}")                                    # not a record this script wrote
-    assert fm.main(argv) == 1
-    assert capsys.readouterr().err == f"fetch_model: {dest / '.verified'}: not a fetch record (KeyError: 'files'): " \
-                                      f"remove {dest}\n"
+    for text, why in (("{}", "KeyError: 'files'"), ('{"files": []}', "AttributeError: 'list' object has no "
+                                                                        "attribute 'items'"), ("{", "JSONDecodeError")):
+        (dest / ".verified").write_text(text)                                # not a record this script wrote
+        assert fm.main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"fetch_model: {dest / '.verified'}: not a fetch record ({why}") and \
+            err.endswith(f"): remove {dest}\n") and err.count("\n") == 1, err
 
 
 def test_a_rename_that_fails_publishes_nothing_and_says_so(tmp_path):

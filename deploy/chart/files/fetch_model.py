@@ -87,7 +87,8 @@ def reusable(dest: Path, own: dict[str, tuple[str, str]]) -> bool:
         return False
     try:
         files = json.loads((dest / VERIFIED).read_text())["files"]
-    except (ValueError, KeyError, TypeError) as e:
+        files = {str(name): str(held) for name, held in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise FetchError(f"{dest / VERIFIED}: not a fetch record ({type(e).__name__}: {e}): remove {dest}") from None
     for name, (kind, want) in sorted(own.items()):
         held = files.get(name)
