@@ -11,6 +11,7 @@ if [ "${1:-}" = --only ]; then only=1; shift; fi
 [ $# -ge 2 ] || { echo "usage: check-sass.sh [--only] \"ARCH...\" FILE..." >&2; exit 2; }
 want=$(for a in $1; do a=${a%+PTX}; printf 'sm_%s\n' "${a//./}"; done)
 want_ptx=$(for a in $1; do case "$a" in *+PTX) a=${a%+PTX}; printf 'sm_%s\n' "${a//./}" ;; esac; done)
+[ -n "$want" ] || { echo "check-sass.sh: no ARCH given (an empty arch list would pass any library)" >&2; exit 2; }
 shift
 for f in "$@"; do
   # cuobjdump reports some non-ELF files as "no device code": only a readable ELF file may pass as host-only

@@ -20,14 +20,16 @@ import sys
 from pathlib import Path
 
 TRUE = {"1", "ON", "YES", "TRUE", "Y"}
+FALSE = {"0", "OFF", "NO", "FALSE", "N"}   # what a flag may ask; anything else is a typo, not OFF
 
 
 def wanted(flags: list[str]) -> dict[str, bool]:
     out = {}
     for f in flags:
         name, eq, value = f.partition("=")
-        if not eq or not re.fullmatch(r"[A-Z][A-Z0-9_]*", name):
-            sys.exit(f"check-torch: {f!r}: expected NAME=VALUE (e.g. USE_CUDNN=1)")
+        if not eq or not re.fullmatch(r"[A-Z][A-Z0-9_]*", name) or value.upper() not in TRUE | FALSE:
+            sys.exit(f"check-torch: {f!r}: expected NAME=VALUE, VALUE one of 1 ON YES TRUE Y or 0 OFF NO FALSE N "
+                     f"(e.g. USE_CUDNN=1)")
         out[name] = value.upper() in TRUE
     return out
 
@@ -54,6 +56,14 @@ def loaded() -> set[str]:
 
 def linked(prefix: str) -> bool:
     return any(d.startswith(prefix) for d in loaded())
+
+
+def kineto_with_cupti(show: str, libraries: set[str]) -> bool:
+    """Both, for either alone is another torch: -DHAS_CUPTI among show()'s CXX_FLAGS (kineto's CUPTI code compiled
+    in: PyPI's CUDA 2.14.1 lists it, a CPU build does not) and libcupti among the libraries loaded with torch (CUPTI
+    linked as a shared library, torch's USE_CUPTI_SO default and PyPI's, so the image's CUPTI wheel is the one used).
+    libcupti loaded without the flag is a CPU-only kineto beside some other user of CUPTI."""
+    return bool(re.search(r"-DHAS_CUPTI\b", show)) and any(d.startswith("libcupti.so") for d in libraries)
 
 
 # Evidence in the compiled library itself, whatever the build was told: a flag's kernels leave their names there
@@ -86,6 +96,8 @@ def compare(want: dict[str, bool], facts: dict) -> list[str]:
 
 
 def library(lib: Path, want: dict[str, bool]) -> list[str]:
+    if not lib.is_file() or lib.stat().st_size == 0:   # else every kernel "absent": a wrong path would pass =0
+        return [f"{lib}: no such library, or an empty file (nothing to read the kernels' names from)"]
     return compare(want, {n: (f"{what} in {lib.name} ({b', '.join(names).decode()})", lambda ns=names: has_names(lib, ns))
                           for n, (what, names) in NAMES.items()})
 
@@ -109,7 +121,7 @@ def installed(want: dict[str, bool]) -> list[str]:
                      lambda: dist and torch.distributed.is_nccl_available()),
         "USE_SYSTEM_NCCL": ("the system's libnccl.so linked (not NCCL built into torch)", lambda: linked("libnccl.so")),
         "USE_KINETO": ("kineto built with CUPTI (-DHAS_CUPTI in torch.__config__.show() and libcupti loaded with torch)",
-                       lambda: "-DHAS_CUPTI" in show and linked("libcupti.so")),
+                       lambda: kineto_with_cupti(show, loaded())),
         "USE_MEM_EFF_ATTENTION": (
             "memory-efficient attention (its sm_75 kernels in libtorch_cuda.so and "
             "torch.backends.cuda.mem_efficient_sdp_enabled())",

@@ -171,7 +171,7 @@ def test_crashed_fetches_left_on_a_shared_cache_are_swept(tmp_path, monkeypatch,
             os.utime(p, (old, old))
     os.utime(partials / "gemma-live" / "sub" / "model.safetensors")          # still being written
     (tmp_path / "gemma" ).mkdir()
-    (tmp_path / "gemma" / ".verified").write_text("{}")
+    (tmp_path / "gemma" / ".verified").write_text('{"files": {"a": "sha256:%s"}}' % ("0" * 64))
     monkeypatch.setenv("POD", "gemma-me")
     assert fm.main(["s3", "--dest", str(tmp_path / "gemma"), "--sha256", "a=" + "0" * 64]) == 0
     assert sorted(p.name for p in partials.iterdir()) == ["gemma-live", "gemma-me"]

@@ -317,6 +317,9 @@ def test_check_sass_requires_the_arch_and_fails_on_what_it_cannot_read(nvidia_ve
         return subprocess.run(["bash", str(REPO / "dockerfiles/check-sass.sh"), *args], capture_output=True,
                               text=True, env=env, timeout=120)
     assert check("7.5", nccl).returncode == 0
+    for archs in ("", " "):   # TORCH_CUDA_ARCH_LIST unset: nothing to hold the library to is not a pass
+        r = check(archs, nccl)
+        assert r.returncode == 2 and "no ARCH given" in r.stderr, r.stdout + r.stderr
     r = check("6.1", nccl)
     assert r.returncode == 1 and "no sm_61 SASS" in r.stderr
     r = check("--only", "7.5", nccl)
@@ -489,7 +492,10 @@ def test_check_torch_reads_the_cmake_cache(tmp_path):
     assert "USE_CUDSS: not in" in bad.stderr and "did not pass it to CMake" in bad.stderr
     missing = check_torch("cmake-cache", str(tmp_path / "nope.txt"), "USE_CUDNN=1")
     assert missing.returncode == 1 and "cannot read the configure's cache" in missing.stderr
-    assert check_torch("cmake-cache", str(cache), "use_cudnn").returncode != 0  # not NAME=VALUE
+    for flag in ("use_cudnn=1", "USE_CUDNN", "USE_CUDNN=", "USE_CUDNN=of", "USE_CUDNN=2"):   # a typo is not OFF
+        r = check_torch("cmake-cache", str(cache), flag)
+        assert r.returncode == 1 and r.stderr == f"check-torch: {flag!r}: expected NAME=VALUE, VALUE one of 1 ON YES " \
+                                                 f"TRUE Y or 0 OFF NO FALSE N (e.g. USE_CUDNN=1)\n", r.stderr
 
 
 def test_check_torch_fails_a_torch_without_cudnn_nccl_or_cupti():
@@ -573,6 +579,7 @@ def sass_check(nvidia_venv, *args, cuobjdump: str | None = None) -> subprocess.C
                           env=env, timeout=300)
 
 
+@pytest.mark.slow   # four nvcc compiles
 def test_check_sass_counts_sass_not_ptx_and_only_means_exactly_the_arch_list(nvidia_venv, nvcc, tmp_path):
     """Real libraries compiled here: PTX for 7.5 is not SASS for 7.5 (issue 41); `--only 7.5` fails a library that
     also has sm_80 (a build that ignored TORCH_CUDA_ARCH_LIST) or carries PTX (issue 36, item 3)."""
@@ -614,6 +621,13 @@ def test_check_sass_fails_when_cuobjdump_fails_or_the_library_is_truncated(nvidi
     assert sass_check(nvidia_venv, "7.5", str(nccl)).returncode == 0
     r = sass_check(nvidia_venv, "7.5", str(nccl), cuobjdump=str(crash))
     assert r.returncode == 1 and "cuobjdump failed (exit 1)" in r.stderr, r.stdout + r.stderr
+    # "does not contain device code" passes a host-only library only with cuobjdump's own exit status for it (255)
+    (tmp_path / "h.c").write_text("int f(void) { return 1; }\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(tmp_path / "host.so"), str(tmp_path / "h.c")], check=True,
+                   timeout=60)
+    assert "no device code" in sass_check(nvidia_venv, "7.5", str(tmp_path / "host.so")).stdout
+    r = sass_check(nvidia_venv, "7.5", str(tmp_path / "host.so"), cuobjdump=str(crash))
+    assert r.returncode == 1 and "cuobjdump failed (exit 1)" in r.stderr and "does not contain device code" in r.stderr
     cut = tmp_path / "libnccl.so.2"
     with nccl.open("rb") as src, cut.open("wb") as dst:
         dst.write(src.read(60_000_000))
@@ -661,6 +675,23 @@ def test_check_torch_kineto_needs_both_cupti_hints(nvidia_venv):
     assert bad.returncode == 1 and "USE_KINETO=1: kineto built with CUPTI" in bad.stderr, bad.stdout + bad.stderr
 
 
+def test_check_torch_kineto_rule_takes_the_flag_and_the_library_together():
+    """Issue 41: each CUPTI hint alone is refused, both ways round. The CXX_FLAGS are those of PyPI's CUDA torch
+    2.14.1 (read from its libtorch_cpu.so) and of the CPU wheel; no CUDA torch runs here, so the rule is called."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_torch", CHECK_TORCH)
+    ct = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ct)
+    cuda = "CXX_FLAGS= -fvisibility-inlines-hidden -DNDEBUG -DUSE_KINETO -DHAS_CUPTI -DUSE_FBGEMM -O2,"
+    cpu = cuda.replace(" -DHAS_CUPTI", "")
+    with_cupti, without = {"libtorch_cuda.so", "libcupti.so.13"}, {"libtorch_cuda.so", "libcudart.so.13"}
+    assert ct.kineto_with_cupti(cuda, with_cupti)
+    assert not ct.kineto_with_cupti(cuda, without)      # compiled with CUPTI, none loaded (static or not linked)
+    assert not ct.kineto_with_cupti(cpu, with_cupti)    # CPU-only kineto; libcupti is someone else's
+    assert not ct.kineto_with_cupti(cpu, without)
+
+
 def test_check_torch_reads_the_kernels_names_in_the_library(tmp_path):
     """Issue 36, item 4: evidence the build was not told: the names the kernels leave in libtorch_cuda.so. Real
     shared objects built here: one with the Turing memory-efficient kernel's name and FlashAttention's namespace
@@ -678,6 +709,11 @@ def test_check_torch_reads_the_kernels_names_in_the_library(tmp_path):
     bad = check_torch("library", str(tmp_path / "without.so"), "USE_MEM_EFF_ATTENTION=1")
     assert bad.returncode == 1 and "fmha_cutlassF_f16_aligned_64x64_rf_sm75) is False" in bad.stderr
     assert check_torch("library", str(tmp_path / "without.so"), "USE_FLASH_ATTENTION=0").returncode == 0
+    (tmp_path / "empty.so").write_bytes(b"")   # a wrong path or an empty file is not a library without the kernels
+    for lib in (tmp_path / "nope.so", tmp_path / "empty.so"):
+        r = check_torch("library", str(lib), "USE_FLASH_ATTENTION=0")
+        assert r.returncode == 1 and r.stderr == f"check-torch: {lib}: no such library, or an empty file (nothing to " \
+                                                 f"read the kernels' names from)\n", r.stderr
 
 
 def test_check_torch_each_feature_of_a_cuda_build_is_absent_from_a_cpu_torch():

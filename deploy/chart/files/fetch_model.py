@@ -3,13 +3,16 @@
     fetch_model.py huggingface --dest /cache/DIR --repo ORG/NAME --revision REV [--sha256 FILE=HEX ...]
     fetch_model.py s3 --dest /cache/DIR --sha256 FILE=HEX ...     (the `download` init container fetched it)
 
-A pod downloads into /cache/.partial/<pod>, every file's hash is checked (Hugging Face: the Hub's own sha256 of each
-LFS file and git blob id of the others, at the commit the revision resolved to; and the --sha256 list), then the
-directory is renamed to DIR with a `.verified` record; `.partial/<pod>` directories of fetches that died (nothing
-written for STALE_S) are removed first. DIR with its record is never fetched again: on a shared PVC,
-every pod that starts after the first checked fetch reuses it (pods that start together each fetch; the first to
-finish publishes, the others drop their copies). Runs with the serving image's python3 (huggingface_hub comes with transformers and
-vLLM); stdlib otherwise. An error is one line on stderr and exit 1 (the kubelet retries the init container).
+The --sha256 list is checked first (FILE=<64 hex>), and on Hugging Face against the Hub's listing before anything
+is downloaded (each file named there, with the Hub's sha256 where it keeps one). A pod downloads into
+/cache/.partial/<pod>, every file's hash is checked (Hugging Face: the Hub's own sha256 of each LFS file and git blob
+id of the others, at the commit the revision resolved to; and the --sha256 list), then the directory is renamed to
+DIR with a `.verified` record; `.partial/<pod>` directories of fetches that died (nothing written for STALE_S) are
+removed first. DIR with its record, checked against the --sha256 list given now, is never fetched again: on a shared
+PVC, every pod that starts after the first checked fetch reuses it (pods that start together each fetch; the first to
+finish publishes, the others drop their copies). DIR without a record, or checked against other hashes, is refused.
+Runs with the serving image's python3 (huggingface_hub comes with transformers and vLLM); stdlib otherwise. An error
+is one line on stderr and exit 1 (the kubelet retries the init container).
 """
 from __future__ import annotations
 
@@ -66,10 +69,37 @@ def publish(partial: Path, dest: Path, record: dict) -> None:
     (partial / VERIFIED).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     try:
         partial.rename(dest)
-    except OSError:
+    except OSError as e:
         if not (dest / VERIFIED).is_file():
-            raise
+            raise FetchError(f"{dest}: the checked download cannot be renamed there ({e.strerror}); "
+                             f"nothing was published") from None
         shutil.rmtree(partial, ignore_errors=True)
+
+
+def reusable(dest: Path, own: dict[str, tuple[str, str]]) -> bool:
+    """True where `dest` was fetched and checked before, against every hash the user lists now (a file the record
+    holds by its git blob id is hashed again); False where there is nothing yet (absent or empty). Anything else is
+    refused: files without a record are not a checked fetch, and another checkpoint is never served under these
+    hashes."""
+    if not (dest / VERIFIED).is_file():
+        if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+            raise FetchError(f"{dest}: exists without a {VERIFIED} record (not a checked fetch): remove it")
+        return False
+    try:
+        files = json.loads((dest / VERIFIED).read_text())["files"]
+        files = {str(name): str(held) for name, held in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise FetchError(f"{dest / VERIFIED}: not a fetch record ({type(e).__name__}: {e}): remove {dest}") from None
+    for name, (kind, want) in sorted(own.items()):
+        held = files.get(name)
+        if held == f"{kind}:{want.lower()}":
+            continue
+        if held and not held.startswith(f"{kind}:") and (dest / name).is_file() \
+                and file_digest(dest / name, kind) == want.lower():
+            continue
+        raise FetchError(f"model.sha256.{name}: {want}, but {dest} was checked against {held or 'no such file'}: "
+                         f"another checkpoint needs another revision or URI (or remove {dest})")
+    return True
 
 
 def sweep_partials(partials: Path, own: str, stale_s: float, now: float) -> list[str]:
@@ -95,14 +125,35 @@ def hub_expected(siblings) -> dict[str, tuple[str, str]]:
     return out
 
 
-def fetch_huggingface(repo: str, revision: str, partial: Path) -> tuple[dict, dict]:
+def agree_with_hub(own: dict[str, tuple[str, str]], hub: dict[str, tuple[str, str]], at: str) -> None:
+    """The user's list against the Hub's, before anything is downloaded: every file the user names is in the listing,
+    with the same sha256 where the Hub keeps one (an LFS file); another file's sha256 is checked on the download."""
+    for name, (_, want) in sorted(own.items()):
+        if name not in hub:
+            raise FetchError(f"model.sha256.{name}: not in the Hub's listing at {at}")
+        kind, listed = hub[name]
+        if kind == "sha256" and listed.lower() != want.lower():
+            raise FetchError(f"model.sha256.{name}: {want} but the Hub lists {listed} at {at}")
+
+
+def fetch_huggingface(repo: str, revision: str, partial: Path, own: dict) -> tuple[dict, dict]:
+    """The revision's listing, compared with the user's hashes, then its files into `partial`. Returns the Hub's
+    hashes and the record's header."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")   # a pod's log: no carriage-return bars
     from huggingface_hub import HfApi, snapshot_download
 
     token = os.environ.get("HF_TOKEN") or None
-    info = HfApi().model_info(repo, revision=revision, files_metadata=True, token=token)
-    snapshot_download(repo, revision=info.sha, local_dir=str(partial), token=token)
-    return hub_expected(info.siblings or []), {"source": f"hf://{repo}", "revision": revision, "commit": info.sha}
+    try:
+        info = HfApi().model_info(repo, revision=revision, files_metadata=True, token=token)
+        hub = hub_expected(info.siblings or [])
+        agree_with_hub(own, hub, f"{repo}@{info.sha}")
+        snapshot_download(repo, revision=info.sha, local_dir=str(partial), token=token)
+    except FetchError:
+        raise
+    except Exception as e:  # huggingface_hub's errors (gated repo, no token, unknown revision, network)
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise FetchError(f"huggingface {repo}@{revision}: {type(e).__name__}: {first}") from None
+    return hub, {"source": f"hf://{repo}", "revision": revision, "commit": info.sha}
 
 
 def parse_sha256(items: list[str]) -> dict[str, tuple[str, str]]:
@@ -123,36 +174,30 @@ def run(argv: list[str]) -> str:
     p.add_argument("--revision", default="main")
     p.add_argument("--sha256", action="append", default=[])
     a = p.parse_args(argv)
+    own = parse_sha256(a.sha256)   # the arguments first: a bad one is refused whatever the cache holds
+    if a.source == "huggingface" and not a.repo:
+        raise FetchError("huggingface: --repo is required")
     pod = os.environ.get("POD", "local")
     partial = a.dest.parent / ".partial" / pod
     for name in sweep_partials(partial.parent, pod, STALE_S, time.time()):
         print(f"removed {partial.parent / name}: a fetch that stopped writing {STALE_S // 3600} h ago", flush=True)
-    if (a.dest / VERIFIED).is_file():
+    if reusable(a.dest, own):
         return f"{a.dest}: fetched and checked before ({VERIFIED}): nothing to do"
-    own = parse_sha256(a.sha256)
     if a.source == "huggingface":
-        if not a.repo:
-            raise FetchError("huggingface: --repo is required")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        try:
-            hub, record = fetch_huggingface(a.repo, a.revision, partial)
-        except Exception as e:  # huggingface_hub's errors (gated repo, no token, unknown revision, network)
-            first = (str(e).strip().splitlines() or [""])[0]
-            raise FetchError(f"huggingface {a.repo}@{a.revision}: {type(e).__name__}: {first}") from None
-        for name, (_, want) in own.items():   # the user's list must agree with the Hub's where both hash a file
-            kind, listed = hub.get(name, ("sha256", want))
-            if kind == "sha256" and listed.lower() != want.lower():
-                raise FetchError(f"model.sha256.{name}: {want} but the Hub lists {listed} at {record['commit']}")
-        expected, complete = hub | own, True
+        hub, record = fetch_huggingface(a.repo, a.revision, partial, own)
+        # every file against the Hub's hashes, and the user's where the Hub's sha256 did not already cover them
+        mine = {n: h for n, h in own.items() if hub[n][0] != "sha256"}
+        files = check(partial, hub, complete=True) | (check(partial, mine, complete=False) if mine else {})
     else:
         if not partial.is_dir():
             raise FetchError(f"{partial}: no download here (the download init container did not run?)")
-        expected, complete, record = own, True, {"source": "s3"}
-    record["files"] = check(partial, expected, complete)
+        record, files = {"source": "s3"}, check(partial, own, complete=True)
+    record["files"] = files
     a.dest.parent.mkdir(parents=True, exist_ok=True)
     publish(partial, a.dest, record)
-    return f"{a.dest}: {len(expected)} files checked and published"
+    return f"{a.dest}: {len(files)} files checked and published"
 
 
 def main(argv: list[str] | None = None) -> int:
