@@ -94,7 +94,7 @@ def to_the_end(engines):
     out = {}
     for context in CONTEXTS:
         prompt = np.random.default_rng(context).integers(3, 512, 30).tolist()
-        params = SamplingParams(temperature=0.0, min_tokens=context, eos_token_ids=(1, 106))
+        params = SamplingParams(temperature=0.0, max_tokens=1000, min_tokens=context, eos_token_ids=(1, 106))
         out[context] = prompt, params, _greedy_to_the_end(EagerReference(engines[1][context], context), 0,
                                                           prompt, params)
     return out
