@@ -62,11 +62,15 @@ def _exact(params: SamplingParams, holding: bool) -> np.ndarray:
     return torch.softmax(reference_cut(x, row).double(), 0).numpy()
 
 
-def test_a_mixed_batch_draws_each_rows_exact_distribution():
+@pytest.mark.parametrize("whole", [True, False], ids=["with-a-top-p-only-row", "top-k-rows-only"])
+def test_a_mixed_batch_draws_each_rows_exact_distribution(whole):
     """Eight rows of different cuts and holds drawn together 4000 times: each row only tokens its own cuts keep, at
-    the frequencies the per-slot reference gives (chi-squared, none rejecting at 0.1%)."""
-    drawn = _draws(_sampler([p for p, _ in MIXED]), LOGITS, [h for _, h in MIXED], 4000)
-    for i, (params, holding) in enumerate(MIXED):
+    the frequencies the per-slot reference gives (chi-squared, none rejecting at 0.1%). Without the top-p-only row
+    every cut row has a top_k, and the batch's candidates are the largest of them."""
+    mixed = [(p, h) if whole or p.top_k or p.top_p == 1 else (SamplingParams(temperature=0.0), False)
+             for p, h in MIXED]
+    drawn = _draws(_sampler([p for p, _ in mixed]), LOGITS, [h for _, h in mixed], 4000)
+    for i, (params, holding) in enumerate(mixed):
         exact = _exact(params, holding)
         assert set(drawn[:, i]) <= set(np.nonzero(exact)[0]), params
         if np.count_nonzero(exact > 1e-9) > 1:         # one token: the line above is the whole check
@@ -98,7 +102,7 @@ def test_a_reused_slot_keeps_nothing_of_the_request_before():
                              logit_bias=((7, 30.0),)),
               SamplingParams(temperature=0.0, min_tokens=9, eos_token_ids=(EOS,))]
     after = [SamplingParams(temperature=0.0, repetition_penalty=3.0),       # token 0 was in the previous prompt
-             SamplingParams(temperature=0.7, seed=5, frequency_penalty=0.5, top_k=4),
+             SamplingParams(temperature=0.7, seed=5, frequency_penalty=0.5, top_k=4, logit_bias=((3, 1.0),)),
              SamplingParams(temperature=0.0, min_tokens=9, eos_token_ids=(1,))]
     reused = _sampler(before, prompts=[[EOS, 5], [9], [9]])
     reused.count(torch.tensor([1, 1, 1]), torch.tensor([1, 2, 7]), torch.ones(3, dtype=torch.int64))
