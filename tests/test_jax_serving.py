@@ -72,9 +72,10 @@ def test_max_model_len_caps_the_jax_ladder_and_the_gpu_xla_defaults_apply(tiny_g
     env.pop("XLA_FLAGS", None)
     env.pop("G5G_JAX_XLA_DEFAULTS", None)
     with serving("jax", tiny_gemma4, "--max-model-len", "100", env=env, timeout=600) as srv:
-        assert requests.get(f"{srv.url}/v1/models", timeout=10).json()["data"][0]["max_model_len"] == 100
+        card = requests.get(f"{srv.url}/v1/models", timeout=10).json()["data"][0]
+        assert card["max_model_len"] == 100
         for n in (10, 70):        # requests that fill the context (no power of two) to its last token
-            body = {"model": "tiny", "prompt": list(range(3, 3 + n)), "max_tokens": 100 - n, "temperature": 0,
+            body = {"model": card["id"], "prompt": list(range(3, 3 + n)), "max_tokens": 100 - n, "temperature": 0,
                     "ignore_eos": True}
             r = requests.post(f"{srv.url}/v1/completions", json=body, timeout=300)
             assert r.status_code == 200, r.text

@@ -1,7 +1,8 @@
 """The PyTorch runtime's step dispatched ahead (serving/torch_runtime/pipeline.py, G5G_TORCH_PIPELINE=1, forced on here: on
-a CPU the step ahead just runs early), against the same engine waiting for each step's tokens: the same tokens,
-logprobs and finishes, whoever joins, finishes or is fed something else; and how many steps ahead were thrown
-away where none must be and where some must."""
+a CPU the step ahead just runs early), against the same engine waiting for each step's tokens and against
+transformers' eager recompute (tests/fixtures/eager_reference.py): the same tokens, logprobs and finishes, whoever
+joins, finishes or is fed something else; and how many steps ahead were thrown away where none must be and where
+some must."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 from serving.engine import SamplingParams
 from serving.generation import generate
 from tests.fixtures.batching import Job, every_parameter_jobs, run_in_batch, summary, torch_engines
+from tests.fixtures.eager_reference import EAGER_ATOL, EagerReference, close_logprobs, eager_model, tokens
 from devtools.tiny_gemma4 import ANSWER, QUESTION
 
 SLOTS = 3
@@ -22,6 +24,16 @@ def engines(tiny_gemma4):
     variants = {(slots, piped): (slots, piped) for slots in (1, SLOTS) for piped in (False, True)}
     with torch_engines(tiny_gemma4, variants, max_context=CONTEXT) as out:
         yield out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_gemma4, engines):
+    """Three slots of transformers' eager recompute (after `engines`: torch on one thread)."""
+    return EagerReference(eager_model(tiny_gemma4, CONTEXT), CONTEXT, SLOTS)
+
+
+def _eager(reference, info, jobs) -> list[tuple]:
+    return [summary(list(generate(reference, info, j.prompt_ids, j.params))) for j in jobs]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +59,7 @@ def test_the_setting_is_on_on_a_gpu_off_on_a_cpu_and_the_variable_wins():
         pipeline_from_env({"G5G_TORCH_PIPELINE": "yes"})
 
 
-def test_sequences_that_start_together_take_every_step_ahead(engines, info, prompts):
+def test_sequences_that_start_together_take_every_step_ahead(engines, info, prompts, reference):
     """Three greedy sequences in three slots, ending one by one (two at max_tokens, one at its stop token): the
     same as alone and as without the pipeline, and no step ahead thrown away (one that finished is left out)."""
     ask, other = prompts
@@ -60,6 +72,7 @@ def test_sequences_that_start_together_take_every_step_ahead(engines, info, prom
     got = _batch(piped, info, jobs)
     taken, dropped = (a - b for a, b in zip(_counts(piped), before))
     assert got == _batch(plain, info, jobs) == alone
+    assert [tokens(g) for g in got] == [tokens(w) for w in _eager(reference, info, jobs)]
     assert got[0][:2] == (ANSWER, "stop") and [g[1] for g in got[1:]] == ["length", "length"]
     assert dropped == 0 and taken == got[0][2] - 2            # every step but the first
 
@@ -73,7 +86,7 @@ def test_one_stream_on_the_static_cache_takes_every_step_ahead(engines, info, pr
     assert _counts(piped) == (before[0] + 38, before[1])
 
 
-def test_joins_and_every_sampling_parameter_match_the_engine_that_waits(engines, info, prompts):
+def test_joins_and_every_sampling_parameter_match_the_engine_that_waits(engines, info, prompts, reference):
     """Five requests over three slots (two join as others leave: the step ahead, run without them, is thrown away),
     seeded, penalised, min_tokens, logit_bias, logprobs: the same as without the pipeline and as alone."""
     ask, other = prompts
@@ -86,10 +99,12 @@ def test_joins_and_every_sampling_parameter_match_the_engine_that_waits(engines,
     taken, dropped = (a - b for a, b in zip(_counts(piped), before))
     assert got == _batch(plain, info, jobs)
     assert got == [summary(list(generate(piped, info, j.prompt_ids, j.params))) for j in jobs]
+    want = _eager(reference, info, jobs)
+    assert [tokens(g) for g in got] == [tokens(w) for w in want] and all(map(close_logprobs, got, want))
     assert dropped >= 1 and taken > 40
 
 
-def test_a_token_other_than_the_one_chosen_and_a_mask_throw_the_step_ahead_away(engines, prompts):
+def test_a_token_other_than_the_one_chosen_and_a_mask_throw_the_step_ahead_away(engines, prompts, reference):
     """Fed another token than it chose (penalised: the step ahead's counts are taken back out), then a mask, then
     a new sequence in the slot: each time the engine computes what the waiting one does."""
     from serving.structured import mask_words
@@ -118,14 +133,16 @@ def test_a_token_other_than_the_one_chosen_and_a_mask_throw_the_step_ahead_away(
 
     before = _counts(piped)
     (got, logits, counts), (want, want_logits, want_counts) = play(piped), play(plain)
-    assert got == want
+    eager, eager_logits, _ = play(reference)
+    assert got == want == eager
+    np.testing.assert_allclose(logits, eager_logits, atol=EAGER_ATOL)
     assert [c.sum() for c in counts] == [9, 2] and all((a == b).all() for a, b in zip(counts, want_counts))
     np.testing.assert_allclose(logits, want_logits, atol=1e-5)
     taken, dropped = (a - b for a, b in zip(_counts(piped), before))
     assert dropped == 4 and taken == 12 - 1 - 3 + 1      # fed other, mask, 2 starts; after the mask: none ahead
 
 
-def test_a_sequence_stepped_past_its_max_tokens_keeps_its_cache(engines, prompts):
+def test_a_sequence_stepped_past_its_max_tokens_keeps_its_cache(engines, prompts, reference):
     """max_tokens is the generation loop's to enforce: a caller may step a sequence on past it. The step ahead
     (dispatched for the other sequence, which goes on) feeds it at its next position too, not as a free row."""
     piped, plain = engines[SLOTS, True], engines[SLOTS, False]
@@ -139,6 +156,8 @@ def test_a_sequence_stepped_past_its_max_tokens_keeps_its_cache(engines, prompts
             seen.append((dict(live), engine.logits(0)))
         return seen
 
-    for (got, got_logits), (want, want_logits) in zip(play(piped), play(plain)):
-        assert got == want
+    for (got, got_logits), (want, want_logits), (eager, eager_logits) in zip(play(piped), play(plain),
+                                                                            play(reference)):
+        assert got == want == eager
         np.testing.assert_allclose(got_logits, want_logits, atol=1e-5)
+        np.testing.assert_allclose(got_logits, eager_logits, atol=EAGER_ATOL)
