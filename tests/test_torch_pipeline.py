@@ -87,12 +87,17 @@ def test_one_stream_on_the_static_cache_takes_every_step_ahead(engines, info, pr
 
 
 def test_joins_and_every_sampling_parameter_match_the_engine_that_waits(engines, info, prompts, reference):
-    """Five requests over three slots (two join as others leave: the step ahead, run without them, is thrown away),
-    seeded, penalised, min_tokens, logit_bias, logprobs: the same as without the pipeline and as alone."""
+    """Seven requests over three slots (four join as others leave: the step ahead, run without them, is thrown
+    away), seeded, penalised, min_tokens (one ending exactly where its hold ends), logit_bias, logprobs: the same
+    as without the pipeline, as alone and as transformers' eager recompute."""
     ask, other = prompts
+    stops = tuple(sorted(info.stop_ids))
     jobs = [*every_parameter_jobs(ask, other, info.stop_ids),
             Job(ask, SamplingParams(temperature=1.0, seed=2, top_k=5, top_p=0.9, max_tokens=30,
-                                    frequency_penalty=0.8))]
+                                    frequency_penalty=0.8)),
+            # the greedy answer's stop is its 88th token: min_tokens 87 lets it stop there, 88 holds it back
+            Job(ask, SamplingParams(temperature=0.0, max_tokens=120, min_tokens=87, eos_token_ids=stops)),
+            Job(ask, SamplingParams(temperature=0.0, max_tokens=120, min_tokens=88, eos_token_ids=stops))]
     piped, plain = engines[SLOTS, True], engines[SLOTS, False]
     before = _counts(piped)
     got = _batch(piped, info, jobs)
