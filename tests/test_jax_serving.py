@@ -63,14 +63,22 @@ def test_models_card_reports_the_jax_ladder_top(servers):
 
 
 def test_max_model_len_caps_the_jax_ladder_and_the_gpu_xla_defaults_apply(tiny_gemma4, tmp_path):
-    """One boot, two checks: --max-model-len tops the ladder, and `python -m serving` with no XLA_FLAGS runs with
-    the measured winner's flags (on a CPU they change nothing; on a GPU they make the step CUDA graphs)."""
+    """One boot, three checks: --max-model-len tops the ladder, requests fill that context (100: no power of two)
+    to its last token, and `python -m serving` with no XLA_FLAGS runs with the measured winner's flags (on a CPU they
+    change nothing; on a GPU they make the step CUDA graphs)."""
     from serving.jax_runtime.xla import with_default_xla_flags
 
     env = serving_env(tmp_path / "jaxcache", G5G_JAX_SLOTS="4")
     env.pop("XLA_FLAGS", None)
     env.pop("G5G_JAX_XLA_DEFAULTS", None)
     with serving("jax", tiny_gemma4, "--max-model-len", "100", env=env, timeout=600) as srv:
-        assert requests.get(f"{srv.url}/v1/models", timeout=10).json()["data"][0]["max_model_len"] == 100
+        card = requests.get(f"{srv.url}/v1/models", timeout=10).json()["data"][0]
+        assert card["max_model_len"] == 100
+        for n in (10, 70):        # requests that fill the context (no power of two) to its last token
+            body = {"model": card["id"], "prompt": list(range(3, 3 + n)), "max_tokens": 100 - n, "temperature": 0,
+                    "ignore_eos": True}
+            r = requests.post(f"{srv.url}/v1/completions", json=body, timeout=300)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["finish_reason"] == "length" and r.json()["usage"]["total_tokens"] == 100
     assert "XLA_FLAGS " + with_default_xla_flags("") in srv.output
     assert "CONDITIONAL,WHILE" in with_default_xla_flags("")

@@ -82,6 +82,23 @@ def test_server_with_slots_answers_concurrent_clients(tiny_gemma4):
         assert text == ANSWER if n == 200 else (ANSWER.startswith(text) and r.json()["usage"]["completion_tokens"] == n)
 
 
+def test_server_serves_a_context_that_is_no_power_of_two_to_its_end(tiny_gemma4):
+    """`--max-model-len 100` on two slots: requests that fill the context to its last token (a decode step's span
+    capped at 100, not the 128 above it), one beside the other, each to a length finish at exactly 100 tokens."""
+    with serving("pytorch", tiny_gemma4, "--served-model-name", "tiny", "--max-model-len", "100",
+                 env=serving_env(G5G_TORCH_SLOTS="2")) as srv:
+        def fill(n):
+            body = {"model": "tiny", "prompt": list(range(3, 3 + n)), "max_tokens": 100 - n, "temperature": 0,
+                    "ignore_eos": True}
+            return requests.post(f"{srv.url}/v1/completions", json=body, timeout=300)
+
+        with ThreadPoolExecutor(2) as pool:
+            replies = list(pool.map(fill, (10, 70)))
+    for r in replies:
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "length" and r.json()["usage"]["total_tokens"] == 100
+
+
 def test_int8_lm_head_keeps_the_embedding_and_tracks_the_fp16_logits(engines, tiny_gemma4, monkeypatch):
     """G5G_LM_HEAD=int8: the head becomes an int8 PackedLinear (the tied embedding, which the gather reads, stays
     16-bit) and a greedy decode's logits stay within int8 rounding of the fp16 head's; a bad value is one line."""

@@ -1,7 +1,8 @@
 """The PyTorch runtime's step dispatched ahead (serving/torch_runtime/pipeline.py, G5G_TORCH_PIPELINE=1, forced on here: on
-a CPU the step ahead just runs early), against the same engine waiting for each step's tokens: the same tokens,
-logprobs and finishes, whoever joins, finishes or is fed something else; and how many steps ahead were thrown
-away where none must be and where some must."""
+a CPU the step ahead just runs early), against the same engine waiting for each step's tokens and against
+transformers' eager recompute (tests/fixtures/eager_reference.py): the same tokens, logprobs and finishes, whoever
+joins, finishes or is fed something else; and how many steps ahead were thrown away where none must be and where
+some must."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 from serving.engine import SamplingParams
 from serving.generation import generate
 from tests.fixtures.batching import Job, every_parameter_jobs, run_in_batch, summary, torch_engines
+from tests.fixtures.eager_reference import EAGER_ATOL, EagerReference, close_logprobs, eager_model, tokens
 from devtools.tiny_gemma4 import ANSWER, QUESTION
 
 SLOTS = 3
@@ -22,6 +24,16 @@ def engines(tiny_gemma4):
     variants = {(slots, piped): (slots, piped) for slots in (1, SLOTS) for piped in (False, True)}
     with torch_engines(tiny_gemma4, variants, max_context=CONTEXT) as out:
         yield out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_gemma4, engines):
+    """Three slots of transformers' eager recompute (after `engines`: torch on one thread)."""
+    return EagerReference(eager_model(tiny_gemma4, CONTEXT), CONTEXT, SLOTS)
+
+
+def _eager(reference, info, jobs) -> list[tuple]:
+    return [summary(list(generate(reference, info, j.prompt_ids, j.params))) for j in jobs]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +59,7 @@ def test_the_setting_is_on_on_a_gpu_off_on_a_cpu_and_the_variable_wins():
         pipeline_from_env({"G5G_TORCH_PIPELINE": "yes"})
 
 
-def test_sequences_that_start_together_take_every_step_ahead(engines, info, prompts):
+def test_sequences_that_start_together_take_every_step_ahead(engines, info, prompts, reference):
     """Three greedy sequences in three slots, ending one by one (two at max_tokens, one at its stop token): the
     same as alone and as without the pipeline, and no step ahead thrown away (one that finished is left out)."""
     ask, other = prompts
@@ -60,6 +72,7 @@ def test_sequences_that_start_together_take_every_step_ahead(engines, info, prom
     got = _batch(piped, info, jobs)
     taken, dropped = (a - b for a, b in zip(_counts(piped), before))
     assert got == _batch(plain, info, jobs) == alone
+    assert [tokens(g) for g in got] == [tokens(w) for w in _eager(reference, info, jobs)]
     assert got[0][:2] == (ANSWER, "stop") and [g[1] for g in got[1:]] == ["length", "length"]
     assert dropped == 0 and taken == got[0][2] - 2            # every step but the first
 
@@ -73,23 +86,30 @@ def test_one_stream_on_the_static_cache_takes_every_step_ahead(engines, info, pr
     assert _counts(piped) == (before[0] + 38, before[1])
 
 
-def test_joins_and_every_sampling_parameter_match_the_engine_that_waits(engines, info, prompts):
-    """Five requests over three slots (two join as others leave: the step ahead, run without them, is thrown away),
-    seeded, penalised, min_tokens, logit_bias, logprobs: the same as without the pipeline and as alone."""
+def test_joins_and_every_sampling_parameter_match_the_engine_that_waits(engines, info, prompts, reference):
+    """Seven requests over three slots (four join as others leave: the step ahead, run without them, is thrown
+    away), seeded, penalised, min_tokens (one ending exactly where its hold ends), logit_bias, logprobs: the same
+    as without the pipeline, as alone and as transformers' eager recompute."""
     ask, other = prompts
+    stops = tuple(sorted(info.stop_ids))
     jobs = [*every_parameter_jobs(ask, other, info.stop_ids),
             Job(ask, SamplingParams(temperature=1.0, seed=2, top_k=5, top_p=0.9, max_tokens=30,
-                                    frequency_penalty=0.8))]
+                                    frequency_penalty=0.8)),
+            # the greedy answer's stop is its 88th token: min_tokens 87 lets it stop there, 88 holds it back
+            Job(ask, SamplingParams(temperature=0.0, max_tokens=120, min_tokens=87, eos_token_ids=stops)),
+            Job(ask, SamplingParams(temperature=0.0, max_tokens=120, min_tokens=88, eos_token_ids=stops))]
     piped, plain = engines[SLOTS, True], engines[SLOTS, False]
     before = _counts(piped)
     got = _batch(piped, info, jobs)
     taken, dropped = (a - b for a, b in zip(_counts(piped), before))
     assert got == _batch(plain, info, jobs)
     assert got == [summary(list(generate(piped, info, j.prompt_ids, j.params))) for j in jobs]
+    want = _eager(reference, info, jobs)
+    assert [tokens(g) for g in got] == [tokens(w) for w in want] and all(map(close_logprobs, got, want))
     assert dropped >= 1 and taken > 40
 
 
-def test_a_token_other_than_the_one_chosen_and_a_mask_throw_the_step_ahead_away(engines, prompts):
+def test_a_token_other_than_the_one_chosen_and_a_mask_throw_the_step_ahead_away(engines, prompts, reference):
     """Fed another token than it chose (penalised: the step ahead's counts are taken back out), then a mask, then
     a new sequence in the slot: each time the engine computes what the waiting one does."""
     from serving.structured import mask_words
@@ -116,16 +136,19 @@ def test_a_token_other_than_the_one_chosen_and_a_mask_throw_the_step_ahead_away(
         engine.start(0, ask[:5], p)         # a sequence in another slot: the step ahead (slot 2's) is taken back
         return out, logits, (counts, engine.sampler.counts[2].clone())
 
+    piped.start(2, ask, p)              # a step ahead that an earlier test's last request left: thrown away here
     before = _counts(piped)
     (got, logits, counts), (want, want_logits, want_counts) = play(piped), play(plain)
-    assert got == want
+    eager, eager_logits, _ = play(reference)
+    assert got == want == eager
+    np.testing.assert_allclose(logits, eager_logits, atol=EAGER_ATOL)
     assert [c.sum() for c in counts] == [9, 2] and all((a == b).all() for a, b in zip(counts, want_counts))
     np.testing.assert_allclose(logits, want_logits, atol=1e-5)
     taken, dropped = (a - b for a, b in zip(_counts(piped), before))
     assert dropped == 4 and taken == 12 - 1 - 3 + 1      # fed other, mask, 2 starts; after the mask: none ahead
 
 
-def test_a_sequence_stepped_past_its_max_tokens_keeps_its_cache(engines, prompts):
+def test_a_sequence_stepped_past_its_max_tokens_keeps_its_cache(engines, prompts, reference):
     """max_tokens is the generation loop's to enforce: a caller may step a sequence on past it. The step ahead
     (dispatched for the other sequence, which goes on) feeds it at its next position too, not as a free row."""
     piped, plain = engines[SLOTS, True], engines[SLOTS, False]
@@ -139,6 +162,8 @@ def test_a_sequence_stepped_past_its_max_tokens_keeps_its_cache(engines, prompts
             seen.append((dict(live), engine.logits(0)))
         return seen
 
-    for (got, got_logits), (want, want_logits) in zip(play(piped), play(plain)):
-        assert got == want
+    for (got, got_logits), (want, want_logits), (eager, eager_logits) in zip(play(piped), play(plain),
+                                                                            play(reference)):
+        assert got == want == eager
         np.testing.assert_allclose(got_logits, want_logits, atol=1e-5)
+        np.testing.assert_allclose(got_logits, eager_logits, atol=EAGER_ATOL)

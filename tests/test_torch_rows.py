@@ -1,7 +1,8 @@
 """The PyTorch runtime decodes the live rows only: a step takes the first rows() slots (attention.ROWS), so a
 lone stream on an 8-slot engine decodes one row, not eight. Observed at the model's compiled call (the rows it is
 fed), at SlotKV.update (the K/V rows each layer writes and reads) and at the sampler (the logits' rows), with the
-step dispatched ahead on and off; the answers are those of the same requests alone."""
+step dispatched ahead on and off; the answers are those of the same requests alone, and of transformers' eager
+recompute (tests/fixtures/eager_reference.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,6 +14,7 @@ from serving.engine import SamplingParams  # noqa: E402
 from serving.generation import generate  # noqa: E402
 from serving.torch_runtime.attention import ladder, rows  # noqa: E402
 from tests.fixtures.batching import Job, run_in_batch, summary, torch_engines  # noqa: E402
+from tests.fixtures.eager_reference import EAGER_ATOL, EagerReference, eager_model  # noqa: E402
 from devtools.tiny_gemma4 import ANSWER, QUESTION  # noqa: E402
 
 SLOTS = 8
@@ -83,13 +85,14 @@ def test_a_lone_stream_decodes_one_row(engines, info, piped, monkeypatch):
 
 
 @pytest.mark.parametrize("piped", [False, True])
-def test_streams_in_slots_0_and_3_decode_4_rows_and_get_what_they_get_alone(engines, piped, monkeypatch):
+def test_streams_in_slots_0_and_3_decode_4_rows_and_get_what_they_get_alone(engines, piped, monkeypatch, tiny_gemma4):
     """Two sequences in slots 0 and 3 (the rows between are free, fed at position 0): four rows a step, then one
-    once slot 3 leaves; every step's logits and tokens those of each sequence decoded alone in slot 0."""
+    once slot 3 leaves; every step's logits and tokens those of each sequence decoded alone in slot 0, which are
+    transformers' eager recompute's."""
     engine = engines[piped]
     prompts = {0: [2, 5, 6, 7, 9, 11], 3: [2, 40, 41, 42]}
 
-    def alone(slot):
+    def alone(slot, engine=engine):
         tokens = [engine.start(0, prompts[slot], GREEDY)]
         logits = [engine.logits(0)]
         for _ in range(12 if slot == 0 else 5):
@@ -98,6 +101,11 @@ def test_streams_in_slots_0_and_3_decode_4_rows_and_get_what_they_get_alone(engi
         return tokens, logits
 
     want = {s: alone(s) for s in prompts}
+    reference = EagerReference(eager_model(tiny_gemma4, CONTEXT), CONTEXT)
+    for s in prompts:
+        eager = alone(s, reference)
+        assert want[s][0] == eager[0]
+        np.testing.assert_allclose(np.stack(want[s][1]), np.stack(eager[1]), atol=EAGER_ATOL)
     seen = Rows(engine, monkeypatch)
     live = {s: engine.start(s, p, GREEDY) for s, p in prompts.items()}
     got = {s: ([t], [engine.logits(s)]) for s, t in live.items()}
