@@ -14,6 +14,7 @@ which gives KL of order 1 and top-1 near 1/vocab.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -311,6 +312,29 @@ def test_jax_packed_paths_give_the_same_greedy_tokens_in_a_batch(tiny_quantised,
     assert runs["dot"][0] == runs["reduce"][0]
     for reduce, dot in zip(runs["reduce"][1], runs["dot"][1]):
         np.testing.assert_allclose(reduce, dot, atol=1e-4 * np.abs(dot).max(), rtol=0)
+
+
+def test_jax_reduce_engine_decodes_a_lone_stream_without_a_dot_on_packed_weights(tiny_quantised):
+    """G5G_JAX_PACKED_DOT=reduce is what the engine does, not only what it reports: every packed weight it holds
+    takes the multiply-reduce up to PACKED_REDUCE_ROWS rows, and its one-row decode step, as XLA compiled it, has
+    no dot reading a weight of a packed weight's shape (the dot path's dots read the converted [in, out] weight).
+    w8a16 only: CPU's program converts an int4 weight to float32 (tests/test_jax_packed.py)."""
+    import jax
+
+    from serving.jax_runtime import Settings, engine as jax_engine, load, model
+    eng = load(tiny_quantised[1]["w8a16"], Settings(buckets=(64,), dtype="float32", cache_dir=None, slots=1,
+                                                    packed_dot="reduce"))
+    assert eng.boot["packed_dot"] == "reduce"
+    packed = [w for w in jax.tree.leaves(eng.params, is_leaf=lambda w: isinstance(w, model.Packed))
+              if isinstance(w, model.Packed)]
+    assert packed and {w.reduce_rows for w in packed} == {jax_engine.PACKED_REDUCE_ROWS}
+    weight_shapes = {tuple(w.q.shape) for w in packed}
+    hlo = eng._decode[1, 64].as_text()
+    shapes = {m[0]: tuple(int(d) for d in m[1].split(",") if d)
+              for m in re.findall(r"(%\S+) = \w+\[([\d,]*)\]", hlo)}
+    dots = re.findall(r"= \w+\[[\d,]*\]\S* dot\((%[^,]+), (%[^)]+)\)", hlo)
+    assert dots                                     # the attention's and the 16-bit LM head's stay dots
+    assert not [d for d in dots if {shapes.get(d[0]), shapes.get(d[1])} & weight_shapes], weight_shapes
 
 
 @pytest.mark.parametrize("scheme", sorted(BOUNDS))
