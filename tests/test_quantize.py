@@ -286,14 +286,33 @@ def test_servers_answer_from_the_int8_checkpoint(tiny_quantised, runtime):
     assert r.json()["choices"][0]["message"]["content"] == ANSWER
 
 
+def _packed_rows_and_dots(engine, rows: int) -> tuple[set[int], list]:
+    """(the reduce_rows of the packed weights a JAX engine holds, the dots of its compiled `rows`-row decode step
+    that read a tensor of a packed weight's [in, out] shape: the dot path's converted weights)."""
+    import jax
+
+    from serving.jax_runtime import model
+    packed = [w for w in jax.tree.leaves(engine.params, is_leaf=lambda w: isinstance(w, model.Packed))
+              if isinstance(w, model.Packed)]
+    assert packed
+    weights = {tuple(w.q.shape) for w in packed}
+    hlo = engine._decode[rows, engine.max_context].as_text()
+    shapes = {m[0]: tuple(int(d) for d in m[1].split(",") if d) for m in re.findall(r"(%\S+) = \w+\[([\d,]*)\]", hlo)}
+    dots = re.findall(r"= \w+\[[\d,]*\]\S* dot\((%[^,]+), (%[^)]+)\)", hlo)
+    assert dots                                     # the attention's and the 16-bit LM head's are dots either way
+    return {w.reduce_rows for w in packed}, [d for d in dots if {shapes.get(d[0]), shapes.get(d[1])} & weights]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", sorted(BOUNDS))
 def test_jax_packed_paths_give_the_same_greedy_tokens_in_a_batch(tiny_quantised, scheme):
     """Four sequences decoded together (a 4-row step: dots either way), then the first alone (the batch-1
     executable: the multiply-reduce with G5G_JAX_PACKED_DOT=reduce), with packed weights as dots and as the
-    multiply-reduce: the same greedy tokens, and logits equal to float32 rounding."""
+    multiply-reduce: the same greedy tokens, and logits equal to float32 rounding. And the reduce is what the engine
+    does, not only what it reports: every packed weight it holds takes the multiply-reduce up to PACKED_REDUCE_ROWS
+    rows, and its one-row decode step, as XLA compiled it, has no dot on a packed weight (the dot engine's have)."""
     from serving.engine import SamplingParams
-    from serving.jax_runtime import Settings, load
+    from serving.jax_runtime import Settings, engine as jax_engine, load
     greedy = SamplingParams(temperature=0.0, ignore_eos=True)
     prompts = [[2] + list(range(100 + 7 * s, 110 + 9 * s)) for s in range(4)]
     runs = {}
@@ -302,6 +321,9 @@ def test_jax_packed_paths_give_the_same_greedy_tokens_in_a_batch(tiny_quantised,
                                                           packed_dot=how))
         assert engine.boot["packed_dot"] == how
         assert engine.batches == {"dot": (4,), "reduce": (1, 4)}[how]     # a lone stream: the reduce's one row
+        rows, dots = _packed_rows_and_dots(engine, engine.batches[0])
+        assert rows == {jax_engine.PACKED_REDUCE_ROWS if how == "reduce" else 0}
+        assert bool(dots) == (how == "dot"), dots
         toks = {s: engine.start(s, p, greedy) for s, p in enumerate(prompts)}
         seqs, logits = [list(toks.values())], []
         for i in range(24):
@@ -312,29 +334,6 @@ def test_jax_packed_paths_give_the_same_greedy_tokens_in_a_batch(tiny_quantised,
     assert runs["dot"][0] == runs["reduce"][0]
     for reduce, dot in zip(runs["reduce"][1], runs["dot"][1]):
         np.testing.assert_allclose(reduce, dot, atol=1e-4 * np.abs(dot).max(), rtol=0)
-
-
-def test_jax_reduce_engine_decodes_a_lone_stream_without_a_dot_on_packed_weights(tiny_quantised):
-    """G5G_JAX_PACKED_DOT=reduce is what the engine does, not only what it reports: every packed weight it holds
-    takes the multiply-reduce up to PACKED_REDUCE_ROWS rows, and its one-row decode step, as XLA compiled it, has
-    no dot reading a weight of a packed weight's shape (the dot path's dots read the converted [in, out] weight).
-    w8a16 only: CPU's program converts an int4 weight to float32 (tests/test_jax_packed.py)."""
-    import jax
-
-    from serving.jax_runtime import Settings, engine as jax_engine, load, model
-    eng = load(tiny_quantised[1]["w8a16"], Settings(buckets=(64,), dtype="float32", cache_dir=None, slots=1,
-                                                    packed_dot="reduce"))
-    assert eng.boot["packed_dot"] == "reduce"
-    packed = [w for w in jax.tree.leaves(eng.params, is_leaf=lambda w: isinstance(w, model.Packed))
-              if isinstance(w, model.Packed)]
-    assert packed and {w.reduce_rows for w in packed} == {jax_engine.PACKED_REDUCE_ROWS}
-    weight_shapes = {tuple(w.q.shape) for w in packed}
-    hlo = eng._decode[1, 64].as_text()
-    shapes = {m[0]: tuple(int(d) for d in m[1].split(",") if d)
-              for m in re.findall(r"(%\S+) = \w+\[([\d,]*)\]", hlo)}
-    dots = re.findall(r"= \w+\[[\d,]*\]\S* dot\((%[^,]+), (%[^)]+)\)", hlo)
-    assert dots                                     # the attention's and the 16-bit LM head's stay dots
-    assert not [d for d in dots if {shapes.get(d[0]), shapes.get(d[1])} & weight_shapes], weight_shapes
 
 
 @pytest.mark.parametrize("scheme", sorted(BOUNDS))
