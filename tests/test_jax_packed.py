@@ -48,7 +48,7 @@ CASES = [(8, None), (8, 128), (4, None), (4, 32)]
 
 @pytest.mark.parametrize("bits,group", CASES)
 @pytest.mark.parametrize("rows", [1, 8])
-@pytest.mark.parametrize("k", [512, 8448])        # 8448: three parts of K (model.COLUMN_REDUCE_MAX)
+@pytest.mark.parametrize("k", [512, 8448])        # 8448: three parts of K (the parts: test_reduce_cuts_k...)
 def test_reduce_path_equals_the_product_with_compressed_tensors_weights(bits, group, rows, k):
     w, ref_w = _packed(k, 48, bits, group)
     x = np.random.default_rng(rows).standard_normal((rows, k))
@@ -65,6 +65,23 @@ def test_reduce_path_equals_the_product_with_compressed_tensors_weights(bits, gr
     # the dot path (reduce_rows 0) gives the same product
     dot = np.asarray(jax.jit(model.matmul)(jnp.asarray(x, jnp.float32), model.with_reduce_rows(w, 0)), np.float64)
     np.testing.assert_allclose(got, dot, rtol=1e-4, atol=1e-6 * np.abs(ref).max())
+
+
+K_SPLIT = 4096     # model.COLUMN_REDUCE_MAX, spelled here for the same reason
+
+
+@pytest.mark.parametrize("k,parts", [(512, 1), (4096, 1), (4097, 17), (6144, 2), (8448, 3), (12288, 3), (12290, 5)])
+def test_reduce_cuts_k_into_the_fewest_equal_parts_of_at_most_the_split(k, parts):
+    """The multiply-reduce's program, as traced: one reduction over K of [parts, K/parts, out, rows] (each part no
+    longer than XLA's one-pass column reduce), then parts - 1 adds of [out, rows]. 4097 = 17 x 241: no fewer equal
+    parts divide it; 12290 needs 4 parts of at most 4096, 4 does not divide it, 5 x 2458 does."""
+    assert model.COLUMN_REDUCE_MAX == K_SPLIT
+    w = model.Packed(jax.ShapeDtypeStruct((k, 48), jnp.int8), jax.ShapeDtypeStruct((1, 48), jnp.float16), UP_TO)
+    text = jax.jit(model.matmul).lower(jax.ShapeDtypeStruct((2, k), jnp.float32), w).as_text()
+    reduces = re.findall(r"stablehlo\.reduce\(.*across dimensions = \[1\] : \(tensor<(\d+)x(\d+)x48x2xf32>", text)
+    assert [(int(p), int(n)) for p, n in reduces] == [(parts, k // parts)]
+    assert parts * (k // parts) == k and k // parts <= K_SPLIT
+    assert len(re.findall(r"stablehlo\.add %\S+, %\S+ : tensor<48x2xf32>", text)) == parts - 1
 
 
 def test_rows_beyond_reduce_rows_take_the_dot():

@@ -14,6 +14,7 @@ which gives KL of order 1 and top-1 near 1/vocab.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -285,14 +286,33 @@ def test_servers_answer_from_the_int8_checkpoint(tiny_quantised, runtime):
     assert r.json()["choices"][0]["message"]["content"] == ANSWER
 
 
+def _packed_rows_and_dots(engine, rows: int) -> tuple[set[int], list]:
+    """(the reduce_rows of the packed weights a JAX engine holds, the dots of its compiled `rows`-row decode step
+    that read a tensor of a packed weight's [in, out] shape: the dot path's converted weights)."""
+    import jax
+
+    from serving.jax_runtime import model
+    packed = [w for w in jax.tree.leaves(engine.params, is_leaf=lambda w: isinstance(w, model.Packed))
+              if isinstance(w, model.Packed)]
+    assert packed
+    weights = {tuple(w.q.shape) for w in packed}
+    hlo = engine._decode[rows, engine.max_context].as_text()
+    shapes = {m[0]: tuple(int(d) for d in m[1].split(",") if d) for m in re.findall(r"(%\S+) = \w+\[([\d,]*)\]", hlo)}
+    dots = re.findall(r"= \w+\[[\d,]*\]\S* dot\((%[^,]+), (%[^)]+)\)", hlo)
+    assert dots                                     # the attention's and the 16-bit LM head's are dots either way
+    return {w.reduce_rows for w in packed}, [d for d in dots if {shapes.get(d[0]), shapes.get(d[1])} & weights]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", sorted(BOUNDS))
 def test_jax_packed_paths_give_the_same_greedy_tokens_in_a_batch(tiny_quantised, scheme):
     """Four sequences decoded together (a 4-row step: dots either way), then the first alone (the batch-1
     executable: the multiply-reduce with G5G_JAX_PACKED_DOT=reduce), with packed weights as dots and as the
-    multiply-reduce: the same greedy tokens, and logits equal to float32 rounding."""
+    multiply-reduce: the same greedy tokens, and logits equal to float32 rounding. And the reduce is what the engine
+    does, not only what it reports: every packed weight it holds takes the multiply-reduce up to PACKED_REDUCE_ROWS
+    rows, and its one-row decode step, as XLA compiled it, has no dot on a packed weight (the dot engine's have)."""
     from serving.engine import SamplingParams
-    from serving.jax_runtime import Settings, load
+    from serving.jax_runtime import Settings, engine as jax_engine, load
     greedy = SamplingParams(temperature=0.0, ignore_eos=True)
     prompts = [[2] + list(range(100 + 7 * s, 110 + 9 * s)) for s in range(4)]
     runs = {}
@@ -301,6 +321,9 @@ def test_jax_packed_paths_give_the_same_greedy_tokens_in_a_batch(tiny_quantised,
                                                           packed_dot=how))
         assert engine.boot["packed_dot"] == how
         assert engine.batches == {"dot": (4,), "reduce": (1, 4)}[how]     # a lone stream: the reduce's one row
+        rows, dots = _packed_rows_and_dots(engine, engine.batches[0])
+        assert rows == {jax_engine.PACKED_REDUCE_ROWS if how == "reduce" else 0}
+        assert bool(dots) == (how == "dot"), dots
         toks = {s: engine.start(s, p, greedy) for s, p in enumerate(prompts)}
         seqs, logits = [list(toks.values())], []
         for i in range(24):

@@ -113,13 +113,13 @@ def test_a_step_is_the_slower_lane_and_the_pessimistic_bound_adds_them():
 
 def test_a_cells_range_brackets_its_point_and_calibration_reports_its_error():
     bw = C["t4g_bandwidth_Bps"]
-    steps = {"1": [kernel(1000, read=bw * 20e-3), kernel(1, name="small")] * 2,
+    steps = {"1": [kernel(1000, read=bw * 20e-3), kernel(1, name="small", write=4096)] * 2,
              "8": [kernel(1000, read=bw * 20e-3, name="big8")] * 2}
     cell = tm.cell_prediction({"steps": steps, "step_ms_1": 40.0, "step_ms_8": 10.0, "here": HERE})
     for live in (1, 8):
         low, high = cell[f"step{live}"]["range_tok_s"]
         assert low < cell[f"predicted_tok_s_{live}"] < high
-    assert cell["bytes_per_token"] == int(2 * bw * 20e-3)
+    assert cell["bytes_per_token"] == int(2 * bw * 20e-3) + 2 * 4096          # what is written crosses DRAM too
     cal = tm.calibration(cell)
     assert cal["predicted_step_ms_1"] == pytest.approx(40.0 * C["host_factor"])      # host-bound
     assert cal["error_pct"] == pytest.approx((100.0 / 93.2 - 1) * 100, abs=0.1) and cal["within_20pct"]
