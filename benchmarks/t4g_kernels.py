@@ -182,10 +182,9 @@ def run_case(case: str, args, ncu: str | None) -> dict:
             rows[path]["ncu_error"] = (r.stdout + r.stderr)[-800:]
             continue
         dram = sum(k["dram__bytes_read.sum"] + k["dram__bytes_write.sum"] for k in kernels)
-        # L2 traffic: re-reads a 60 MB L2 absorbs, and a T4G's 4 MB may not (attention's heads over one K/V)
-        rows[path].update(kernels=len(kernels), dram_bytes=int(dram), l2_bytes=int(sum(k["lts__t_bytes.sum"]
-                                                                                       for k in kernels)),
-                          dram_over_least=round(dram / rows[path]["least_bytes"], 2), t4g_ms=round(sum(t4g_kernel_s(k)[0] for k in kernels) * 1e3, 4))
+        rows[path].update(kernels=len(kernels), dram_bytes=int(dram),
+                          dram_over_least=round(dram / rows[path]["least_bytes"], 2),
+                          t4g_ms=round(sum(t4g_kernel_s(k)[0] for k in kernels) * 1e3, 4))
     first = next(iter(rows.values()))     # the path the runtime takes; the others are its peers
     for row in rows.values():
         for key in ("ms_here", "t4g_ms"):
