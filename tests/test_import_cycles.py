@@ -86,3 +86,21 @@ def test_no_module_imports_itself_back():
     graph = {n: imports(n, p, known) for n, p in known.items()}
     assert graph["serving.api"] and graph["benchmarks.image_proof"]      # the finder reads real imports
     assert cycles(graph) == []
+
+
+RUNTIMES = ("serving.jax_runtime", "serving.torch_runtime")
+
+
+def test_the_api_layer_reaches_a_runtime_only_through_the_engine_seam():
+    """Outside the runtime packages no serving module imports one (python -m serving loads the one --runtime names
+    by its module name: serving/__main__.py), and neither runtime imports the other: each implements
+    serving/engine.py's Engine, and only that is shared."""
+    known = modules()
+    inside = lambda n, pkg: n == pkg or n.startswith(pkg + ".")          # noqa: E731
+    for name, path in known.items():
+        if not name.startswith("serving"):
+            continue
+        reached = {r for r in RUNTIMES for i in imports(name, path, known) if inside(i, r)}
+        own = {r for r in RUNTIMES if inside(name, r)}
+        assert reached <= own, f"{name} imports {sorted(reached - own)}"
+    assert "serving.engine" in imports("serving.torch_runtime.engine", known["serving.torch_runtime.engine"], known)
