@@ -133,3 +133,22 @@ def test_sm75_paths_answer_as_this_gpus_own(servers, name):
     """sm_75's kernels (forced) give this GPU's own greedy answers, on every checkpoint."""
     assert _answers(servers[name], concurrent=True) == _answers(servers[name.removesuffix("-sm75")], concurrent=True)
 
+
+
+def test_the_input_ring_waits_for_each_copy_before_writing_its_buffer_again():
+    """serving/torch_runtime/pipeline.py's Stager: three steps' inputs through a ring of two pinned buffers while
+    the stream is held back (a kernel that sleeps), so every copy is still queued when the third step's inputs are
+    written. Each device tensor holds its own step's inputs: the third waited for the first's copy (its event)
+    rather than writing over the buffer under it."""
+    if why := _cuda():
+        pytest.skip(why)
+    import numpy as np
+    import torch
+
+    from serving.torch_runtime.pipeline import INPUTS, Stager
+    stager = Stager(slots=4, device=torch.device("cuda"), depth=2)
+    steps = [np.full((INPUTS, 4), i, np.int64) for i in (1, 2, 3)]
+    torch.cuda._sleep(2_000_000_000)                    # about a second of the stream's time at 2 GHz
+    sent = [stager.send(x) for x in steps]
+    torch.cuda.synchronize()
+    assert [int(t.min()) for t in sent] == [int(t.max()) for t in sent] == [1, 2, 3]
