@@ -15,9 +15,9 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,re
 COPY serving/ /opt/g5g/serving/
 ENV PYTHONPATH=/opt/g5g PYTHONUNBUFFERED=1
 ARG TRITON_VERSION=3.8.0
-# Triton runs the compiled decode step and the packed int8/int4 kernel (serving/packed_matmul.py): torch's tested
-# release, pinned (a source-built torch declares none). It builds its launcher with the system C compiler at first
-# use: gcc and Python headers stay.
+# Triton runs the compiled decode step and the packed int8/int4 kernel (serving/torch_runtime/packed_matmul.py):
+# torch's tested release, pinned (a source-built torch declares none). It builds its launcher with the system C
+# compiler at first use: gcc and Python headers stay.
 RUN --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
     apt-get update \
