@@ -5,6 +5,7 @@ pytest_plugins: list[str] = [
     "tests.fixtures.tiny_gemma4",
     "tests.fixtures.timed_server",
     "tests.fixtures.serving",
+    "tests.fixtures.jax_engines",
     "tests.fixtures.vllm_sdist",
     "tests.e2e.plugin",
 ]

@@ -17,16 +17,14 @@ CROSS_ATOL = 2e-3       # the two runtimes' logprobs (their logits agree within 
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_gemma4):
+def engines(tiny_gemma4, request):
     import torch
     from serving.torch_runtime import load
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     out = {"pytorch": load(tiny_gemma4), "pytorch_batched": load(tiny_gemma4, slots=3)}
     if _has_jax():
-        from serving.jax_runtime import Settings, load
-        out["jax"] = load(tiny_gemma4, Settings(buckets=(32, 64, 256), dtype="float32", cache_dir=None, slots=3,
-                                                batches=(1, 3)))
+        out["jax"] = request.getfixturevalue("tiny_jax_engine")
     yield out
     torch.set_num_threads(n)
 

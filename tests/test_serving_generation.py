@@ -250,11 +250,8 @@ def test_runtime_loads_text_weights_only(engine, tiny_gemma4):
 
 # --------------------------------------------------------------------------------------- continuous batching
 @pytest.fixture(scope="module")
-def jax_engine(tiny_gemma4):
-    pytest.importorskip("jax")
-    from serving.jax_runtime import Settings, load
-    return load(tiny_gemma4, Settings(buckets=(32, 64, 256), dtype="float32", cache_dir=None, slots=3,
-                                      batches=(1, 3)))
+def jax_engine(tiny_jax_engine):
+    return tiny_jax_engine
 
 
 @pytest.mark.parametrize("runtime", ["pytorch", "jax"])
