@@ -83,7 +83,8 @@ def test_requests_tokenise_at_once_without_borrowing_errors(info):
             errors.append(repr(e))
 
     threads = [threading.Thread(target=busy, args=(i,)) for i in range(8)]
-    long = threading.Thread(target=lambda: order.append(("long", len(info.encode("word " * 3_000_000)))))
+    # 5 MB: seconds to encode (3 million words took a minute), while the short prompts' 240 rounds take ~0.1 s
+    long = threading.Thread(target=lambda: order.append(("long", len(info.encode("word " * 1_000_000)))))
     long.start()
     for t in threads:
         t.start()
