@@ -121,7 +121,7 @@ def fetch_sdist(version: str, expected_sha256: str | None = None, package: str =
     if not dest.is_file():
         url, published = _sdist_entry(version, package)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_suffix(".part")
+        tmp = dest.with_name(f"{dest.name}.{os.getpid()}.part")   # each process its own: parallel test workers
         try:
             with requests.get(url, stream=True, timeout=300) as r:
                 if r.status_code != 200:

@@ -5,8 +5,9 @@
 #
 # Order, for a cold machine with 2 cores: as root, scripts/provision.sh (apt, dockerd, base images — arm64 under
 # QEMU is the long part) runs in the background from the start; pip installs meanwhile, then the unit tests run
-# (`-m "not e2e"`), and only the end-to-end tests wait for provisioning. With arguments, one pytest run with
-# them, after provisioning. Provisioning output: .cache/provision.log. Timings go to stderr.
+# (`-m "not e2e"`, on two pytest-xdist workers), and only the end-to-end tests wait for provisioning. With
+# arguments, one pytest run with them, after provisioning. Provisioning output: .cache/provision.log. Timings go
+# to stderr.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .cache
@@ -41,7 +42,9 @@ if [ $# -gt 0 ]; then
   exit $rc
 fi
 
-.venv/bin/python -m pytest -ra -m "not e2e"
+# Two workers, a file each at a time (module fixtures, such as a JAX engine's compile, are built once): many unit
+# tests wait on a server, a subprocess or a paced engine, and the other worker uses that time.
+.venv/bin/python -m pytest -ra -m "not e2e" -n 2 --dist loadfile
 unit=$?
 stamp "unit tests done (exit $unit)"
 provisioned
