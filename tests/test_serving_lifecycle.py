@@ -272,12 +272,15 @@ def test_abort_all_ends_requests_taken_from_the_queue_but_not_started(tiny_gemma
     assert (aborted, ends) == (3, [("abort", True)] * 3)
 
 
-def test_n_choices_wait_as_one_request(tiny_gemma4):
+@pytest.mark.parametrize("runtime", ["pytorch", "jax"])
+def test_n_choices_wait_as_one_request(tiny_gemma4, jax_compile_cache, runtime):
     """One slot, --max-queue-wait 1, n=3 choices of 30 paced steps (1.5 s each): the second and third choice wait
     for the slot while their siblings run, longer than 1 s, and must not expire (before: a 429 after the first,
-    or a 200 stream with an error event in it). Plain and streamed."""
+    or a 200 stream with an error event in it). Plain and streamed, on both runtimes."""
     body = {**LONG, "max_tokens": 30, "n": 3, "temperature": 1.0, "seed": 4}
-    with tiny_server(tiny_gemma4, "--max-waiting", "8", "--max-queue-wait", "1", pace=0.05) as srv:
+    env = serving_env(jax_compile_cache, G5G_JAX_SLOTS="1") if runtime == "jax" else serving_env()
+    with tiny_server(tiny_gemma4, "--max-waiting", "8", "--max-queue-wait", "1", runtime=runtime, pace=0.05,
+                     env=env) as srv:
         plain = Call(srv.url, body)
         plain.join(120)
         streamed = Call(srv.url, {**body, "stream": True})
