@@ -5,9 +5,9 @@
 #
 # Order, for a cold machine with 2 cores: as root, scripts/provision.sh (apt, dockerd, base images — arm64 under
 # QEMU is the long part) runs in the background from the start; pip installs meanwhile, then the unit tests run
-# (`-m "not e2e"`, on two pytest-xdist workers), and only the end-to-end tests wait for provisioning. With
-# arguments, one pytest run with them, after provisioning. Provisioning output: .cache/provision.log. Timings go
-# to stderr.
+# (`-m "not e2e"`, on two pytest-xdist workers), and only the end-to-end tests (two workers too) wait for
+# provisioning. With arguments, one pytest run with them, after provisioning. Provisioning output:
+# .cache/provision.log. Timings go to stderr.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .cache
@@ -49,7 +49,8 @@ unit=$?
 stamp "unit tests done (exit $unit)"
 provisioned
 [ -f .cache/docker.env ] && . .cache/docker.env
-.venv/bin/python -m pytest -ra -m e2e
+# Two workers here too: the arm64 build under QEMU runs beside the CPU images' builds and smoke runs.
+.venv/bin/python -m pytest -ra -m e2e -n 2 --dist loadfile
 e2e=$?
 stamp "end-to-end tests done (exit $e2e)"
 # pytest's 5 is "no tests collected": fine for one half, not for both.
