@@ -384,7 +384,8 @@ def _huge_beside_small(url: str, path: str, bodies: list[dict]) -> tuple[dict, l
     small.start()
     health, deadline = [], time.monotonic() + 120
     with requests.Session() as s:
-        while any(t.is_alive() for t in huge) and time.monotonic() < deadline:
+        while not health or any(t.is_alive() for t in huge) and time.monotonic() < deadline:
+            # at least once: refusals known before any work can all end before the first poll
             t0 = time.monotonic()
             health.append((s.get(f"{url}/health", timeout=60).status_code, time.monotonic() - t0))
             time.sleep(0.01)
