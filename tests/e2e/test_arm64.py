@@ -24,7 +24,8 @@ def test_arm64_build_under_qemu(engine, registry, tmp_path):
         unavailable(f"no local base {BASE}: bash scripts/base-images.sh arm64")
 
     args = ["--runtime", "jax", "--profile", "cpu", "--platform", "linux/arm64",
-            "--set", f"profile.base_image={BASE}", "--registry", f"{registry.host}/arm64"]
+            "--set", f"profile.base_image={BASE}", "--registry", f"{registry.host}/arm64",
+            "--out", str(engine.logs / "out-jax-arm64")]      # not the checkout's build/: another worker builds there
     ref = plan_tag(engine, *args)
     run = engine.cli(*args, "--push", log="build-jax-arm64", timeout=2400)
     assert run.rc == 0, run.why()

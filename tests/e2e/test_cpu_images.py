@@ -74,7 +74,9 @@ def built(engine, registry, canaries, request):
         if runtime not in cache:
             if runtime == "pytorch":
                 request.getfixturevalue("cpu_wheels")
-            args = ["--runtime", runtime, "--profile", "cpu", "--registry", registry.host]
+            # its own output directory: the arm64 build may be writing the checkout's build/ on another worker
+            args = ["--runtime", runtime, "--profile", "cpu", "--registry", registry.host,
+                    "--out", str(engine.logs / f"out-{runtime}")]
             ref = plan_tag(engine, *args)
             run = engine.cli(*args, "--push", "--ca-cert", canaries["ca_file"], log=f"build-{runtime}",
                              extra_env={"HF_TOKEN": canaries["hf_token"]})
