@@ -5,7 +5,7 @@
 #
 # Order, for a cold machine with 2 cores: as root, scripts/provision.sh (apt, dockerd, base images — arm64 under
 # QEMU is the long part) runs in the background from the start; pip installs meanwhile, then the unit tests run
-# (`-m "not e2e"`, on two pytest-xdist workers), and only the end-to-end tests (two workers too) wait for
+# (`-m "not e2e"`, on two pytest-xdist workers), and only the end-to-end tests (one worker) wait for
 # provisioning. With arguments, one pytest run with them, after provisioning. Provisioning output:
 # .cache/provision.log. Timings go to stderr.
 set -euo pipefail
@@ -49,8 +49,8 @@ unit=$?
 stamp "unit tests done (exit $unit)"
 provisioned
 [ -f .cache/docker.env ] && . .cache/docker.env
-# Two workers here too: the arm64 build under QEMU runs beside the CPU images' builds and smoke runs.
-.venv/bin/python -m pytest -ra -m e2e -n 2 --dist loadfile
+# One worker: on two, test_smoke's leftover-container checks failed beside the other worker's builds (2026-12-03).
+.venv/bin/python -m pytest -ra -m e2e
 e2e=$?
 stamp "end-to-end tests done (exit $e2e)"
 # pytest's 5 is "no tests collected": fine for one half, not for both.
