@@ -8,11 +8,12 @@ server's log stays in the test's tmp directory, and a server that fails to boot 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
 import requests
 
-from devtools.server import launch, serving_argv, serving_env
+from devtools.server import launch, serving_argv, serving_env, together
 from devtools.tiny_gemma4 import ANSWER, QUESTION
 from g5g import wire
 
@@ -61,20 +62,16 @@ def servers(request, tmp_path_factory):
     for scheme in ("w8a16", "w4a16"):
         quantize.quantize(tiny_gemma4, tmp / scheme, scheme, log=lambda *_: None)
         checkpoints[scheme] = tmp / scheme
-    started = {}
-    try:
-        for name, (runtime, ckpt, env) in SERVERS.items():
-            argv, url = serving_argv(runtime, checkpoints[ckpt], "--served-model-name", "tiny")
-            jax = {"G5G_JAX_CACHE_DIR": str(tmp / "jax-cache"), "G5G_JAX_BUCKETS": "32,64,256",
-                   "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.04"} if runtime == "jax" else {}
-            started[name] = launch(argv, url, log=tmp / f"{name}.log",
-                                   env=serving_env(G5G_TORCH_CACHE_DIR=str(tmp / f"inductor-{name}"), **jax, **env))
-        for srv in started.values():
-            srv.wait(timeout=BOOT_S)
-        yield {name: srv.url for name, srv in started.items()}
-    finally:
-        for srv in started.values():
-            srv.stop()
+
+    def launcher(name: str, runtime: str, ckpt: str, env: dict):
+        argv, url = serving_argv(runtime, checkpoints[ckpt], "--served-model-name", "tiny")
+        jax = {"G5G_JAX_CACHE_DIR": str(tmp / "jax-cache"), "G5G_JAX_BUCKETS": "32,64,256",
+               "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.04"} if runtime == "jax" else {}
+        return partial(launch, argv, url, log=tmp / f"{name}.log",
+                       env=serving_env(G5G_TORCH_CACHE_DIR=str(tmp / f"inductor-{name}"), **jax, **env))
+
+    with together({name: launcher(name, *spec) for name, spec in SERVERS.items()}, BOOT_S) as urls:
+        yield urls
 
 
 def _chat(url: str, stream: bool = False, prompt: str = QUESTION, **kw) -> wire.Answer:
