@@ -16,13 +16,16 @@ and, below the app, in the HTTP protocol (`http_protocol`):
 - a connection whose request headers are not complete `--header-timeout` seconds after it opened (or after the
   first byte of its next request) gets a 408 and is closed: idle and slowloris connections hold no descriptor;
 - past `--max-connections` open connections (kept below the process's descriptor limit) a new one gets a 503 and
-  is closed at once, so the server always has a descriptor left to answer with.
+  is closed at once, so the server always has a descriptor left to answer with;
+- a client that shuts down its write side once its request is sent (a half-close) still gets its answer, and one
+  that closed its socket is still found gone (`eof_received`).
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
 import json
+import socket
 import uuid
 
 from serving.protocol import APIError
@@ -102,6 +105,9 @@ class Guard:
         await self.app(scope, limited_receive, send_with_id)
 
 
+PEER_POLL_S = 0.1       # how often a half-closed connection is checked for the reset that says its client is gone
+
+
 def http_protocol(header_timeout_s: float = 10.0, max_connections: int = 0) -> type:
     """uvicorn's HTTP protocol as its "auto" picks it (httptools when installed, else h11), with an OpenAI error body
     for a request it cannot parse, a deadline on each request's headers, and a bound on open connections
@@ -133,6 +139,31 @@ def http_protocol(header_timeout_s: float = 10.0, max_connections: int = 0) -> t
             if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
                 self._await_headers()           # the first byte of a next request on a kept-alive connection
             super().data_received(data)
+
+        def eof_received(self) -> bool | None:
+            """The client's end of input. TCP says the same for a half-close (`shutdown(SHUT_WR)`, the client still
+            reading) and for a closed socket, so an HTTP/1.1 request sent whole and not yet answered keeps its
+            connection open for writing: an interim `100 Continue` (which HTTP/1.1 lets any request have) goes out
+            if the answer has not started; a closed socket answers it, or the answer's next bytes, with a reset,
+            seen within PEER_POLL_S, and the request's client counts as gone; a half-closed one reads its answer,
+            then the connection closes. Anything else closes now, as uvicorn does (and so vLLM's server)."""
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete or cycle.more_body or \
+                    cycle.scope.get("http_version") != "1.1":
+                return None
+            cycle.keep_alive = False
+            if not cycle.response_started:
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self._watch_peer()
+            return True
+
+        def _watch_peer(self) -> None:
+            if self.transport.is_closing():
+                return
+            if self.transport.get_extra_info("socket").getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                self.transport.abort()      # reset: uvicorn tells the request its client is gone
+            else:
+                self.loop.call_later(PEER_POLL_S, self._watch_peer)
 
         def connection_lost(self, exc) -> None:
             if self._header_timer is not None:

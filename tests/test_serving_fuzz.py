@@ -502,6 +502,35 @@ def test_requests_the_http_parser_refuses_get_an_openai_error(runtime_servers, r
     assert got == [(400, None)] * len(MALFORMED_HTTP)
 
 
+
+@pytest.mark.parametrize("runtime", ["pytorch", "jax"])
+def test_a_request_half_closed_after_its_body_gets_its_answer(runtime_servers, runtime):
+    """A client that shuts down its write side once its request is sent (`shutdown(SHUT_WR)`) reads an interim
+    `100 Continue` and then its whole answer, streamed and not, and the server closes the connection after it (before:
+    the end of its input was taken for a hang-up, the generation stopped and nothing came back). A client that
+    closed its socket instead is still found gone: test_serving's and test_serving_lifecycle's hang-ups."""
+    host, port = runtime_servers[runtime].removeprefix("http://").split(":")
+    for stream in (False, True):
+        body = json.dumps({"model": "tiny", "messages": ASK, "max_tokens": 8, "temperature": 0,
+                           "stream": stream}).encode()
+        with socket.create_connection((host, int(port)), timeout=60) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            sock.shutdown(socket.SHUT_WR)
+            answer = b""
+            while chunk := sock.recv(65536):        # to the end: the server closes once it has answered
+                answer += chunk
+        interim, _, answer = answer.partition(b"\r\n\r\n")
+        assert interim == b"HTTP/1.1 100 Continue", answer[:500]
+        head, _, rest = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 "), answer[:500]
+        if stream:
+            assert rest.endswith(b"0\r\n\r\n") and b"data: [DONE]" in rest, rest[-500:]
+        else:
+            choice = json.loads(rest)["choices"][0]
+            text = choice["message"]["content"]
+            assert choice["finish_reason"] == "length" and text and ANSWER.startswith(text), choice
+
 def _check(method: str, path: str, status: int, text: str, ctype: str) -> str | None:
     """Why this answer is wrong, or None."""
     if status >= 500:
