@@ -51,7 +51,8 @@ class QueueFull(Exception):
 
 class Scheduler:
     """A FIFO of jobs and the engine thread that runs them, continuously batched over the runtime's slots:
-    between two decode steps, waiting jobs join free slots in order of arrival and finished ones leave.
+    between two decode steps, waiting jobs join free slots and finished ones leave. Free slots go, turn about, to the
+    oldest waiting job and to the request with the fewest choices started (`_take`).
 
     The bound (`--max-waiting`): a request is admitted while fewer than `slots + max_waiting` admitted requests
     are unfinished, counting the ones running and the ones waiting whose client is still there. So
@@ -70,6 +71,7 @@ class Scheduler:
         self.metrics = metrics
         self.max_waiting, self.max_queue_wait = max_waiting, max_queue_wait
         self.queued: deque[Job] = deque()   # waiting for a slot, in arrival order
+        self._oldest_turn = True            # which of _take's two rules gives the next free slot
         self.wake = threading.Condition()   # guards queued
         self.pending = 0                    # taken from the queue by the engine thread, not in the batch yet
         self.joining: list[Job] = []        # those jobs (abort_all ends them too)
@@ -160,7 +162,7 @@ class Scheduler:
                 while not self.queued and not batch.live and not self.stopping.is_set():
                     self.wake.wait(timeout=1.0)
                     self.beat = time.monotonic()
-                joining = [self.queued.popleft() for _ in range(min(batch.free, len(self.queued)))]
+                joining = self._take(batch.free)
                 for job in joining:
                     job.started.set()
                 self.pending, self.joining = len(joining), joining
@@ -184,6 +186,20 @@ class Scheduler:
             self._kv_usage()
         for job in batch.drop_all():
             job.cancelled.set()
+
+    def _take(self, free: int) -> list[Job]:
+        """Up to `free` queued jobs. Turn about: the oldest one (no request waits for ever), then the first one of
+        the request with the fewest choices started. A request's jobs are queued in index order and each is the
+        next of its siblings to start, so its index is how many of them have. A request behind n choices thus gets
+        the next slot but one, rather than waiting for all n (n=64 x 220 tokens held every other client for
+        minutes, then a 429)."""
+        taken = []
+        for _ in range(min(free, len(self.queued))):
+            job = self.queued[0] if self._oldest_turn else min(self.queued, key=lambda j: j.index)
+            self._oldest_turn = not self._oldest_turn
+            self.queued.remove(job)
+            taken.append(job)
+        return taken
 
     def _expire(self) -> None:
         """Engine thread: a 429 for each job of a request that waited past max_queue_wait with none of its choices

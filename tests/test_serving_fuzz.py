@@ -16,12 +16,13 @@ import time
 import pytest
 import requests
 
+from devtools import pressure
+from devtools.pressure import ASK, CHAT, COMPLETIONS, called
 from devtools.tiny_gemma4 import ANSWER, QUESTION
 
 REQUEST_BOUND = 10.0
 HEALTH_BOUND = 2.0
-ASK = [{"role": "user", "content": QUESTION}]
-CHAT, COMPLETIONS, TOKENIZE, DETOKENIZE = "/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"
+TOKENIZE, DETOKENIZE = "/tokenize", "/detokenize"
 
 
 # Integers past int32 and int64, as vLLM takes them: a top_k of the vocabulary or more is no cut (clamped), a
@@ -38,15 +39,10 @@ BIG_INTS = [
 ]
 
 
-def _called(arguments: str) -> list[dict]:
-    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
-    return [{"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "user", "content": QUESTION}]
-
-
 # Round 4's causes of a 500 (issue 40), each with the 400 it gets now: tool-call arguments too deep, with a lone
 # surrogate, past the body's object limit; a bad word of only whitespace. (path, body, message).
 ROUND4 = [
-    *((path, {"model": "tiny", "messages": _called(args), "max_tokens": 2}, message)
+    *((path, {"model": "tiny", "messages": called(args), "max_tokens": 2}, message)
       for path in (CHAT, TOKENIZE) for args, message in (
           ("[" * 5000, "messages.0.tool_calls.0.function.arguments is nested too deeply"),
           ('{"a": "\\ud800"}', "messages.0.tool_calls.0.function.arguments contains an invalid unicode escape"),
@@ -364,36 +360,6 @@ def test_tool_call_arguments_and_bad_words_are_the_clients_400(runtime_servers, 
     assert got == [(400, message) for _, _, message in ROUND4]
 
 
-def _huge_beside_small(url: str, path: str, bodies: list[dict]) -> tuple[dict, list]:
-    """Post the huge `bodies` at once while /health is polled and a small chat is asked: ({i: (status, message,
-    seconds, finished at)}, [(health status, seconds)]); the small chat is the last answer."""
-    answers: dict[int, tuple] = {}
-
-    def ask(i: int, where: str, body: str):
-        t0 = time.monotonic()
-        r = requests.post(url + where, data=body, headers={"content-type": "application/json"}, timeout=120)
-        answers[i] = (r.status_code, r.json().get("error", {}).get("message", "")[:60], time.monotonic() - t0,
-                      time.monotonic())
-
-    huge = [threading.Thread(target=ask, args=(i, path, json.dumps(b)), daemon=True) for i, b in enumerate(bodies)]
-    small = threading.Thread(target=ask, daemon=True, args=(
-        len(bodies), CHAT, json.dumps({"model": "tiny", "messages": ASK, "max_tokens": 4})))
-    for t in huge:
-        t.start()
-    time.sleep(0.05)
-    small.start()
-    health, deadline = [], time.monotonic() + 120
-    with requests.Session() as s:
-        while not health or any(t.is_alive() for t in huge) and time.monotonic() < deadline:
-            # at least once: refusals known before any work can all end before the first poll
-            t0 = time.monotonic()
-            health.append((s.get(f"{url}/health", timeout=60).status_code, time.monotonic() - t0))
-            time.sleep(0.01)
-    for t in (*huge, small):
-        t.join(60)
-    return answers, health
-
-
 @pytest.mark.parametrize("runtime", ["pytorch", "jax"])
 def test_huge_requests_do_not_hold_up_other_clients(runtime_servers, runtime):
     """Three huge requests at once (15 MiB of 480 000 empty messages: refused by count; two of 60 000: refused as
@@ -401,15 +367,19 @@ def test_huge_requests_do_not_hold_up_other_clients(runtime_servers, runtime):
     validation ran on the event loop: /health waited for it. Relative bounds, so that a loaded machine slows both
     sides: the slowest /health answer takes less than half the fastest huge request's time, and the small chat takes
     less than the huge requests' times added up (handled one at a time, it would wait for all three). Refused by
-    count while parsing, the huge requests may end before the chat's four tokens: which ends first says nothing."""
-    answers, health = _huge_beside_small(runtime_servers[runtime], CHAT, [
-        {"model": "tiny", "messages": [{"role": "user", "content": ""}] * n, "max_tokens": 4}
-        for n in (480_000, 60_000, 60_000)])
-    assert [answers[i][0] for i in range(4)] == [400, 400, 400, 200] and {code for code, _ in health} == {200}
-    slowest_health, fastest_huge = max(dt for _, dt in health), min(answers[i][2] for i in (1, 2))
+    count while parsing, the huge requests may end before the chat's four tokens: which ends first says nothing.
+    (benchmarks/other_clients.py times the chat in seconds, beside the chat alone.)"""
+    got = pressure.beside_small(runtime_servers[runtime], *pressure.huge_messages())
+    assert [status for status, _, _ in got.answers] == [400] * 3 and _all_200(got)
+    slowest_health, fastest_huge = max(dt for _, dt in got.health), min(got.answers[i][2] for i in (1, 2))
     assert slowest_health < fastest_huge / 2, (slowest_health, fastest_huge)
-    assert answers[3][2] < sum(answers[i][2] for i in range(3)), answers
-    assert answers[0][1] == "request body has more than 65536 JSON objects"
+    assert got.chats[0][1] < sum(dt for _, _, dt in got.answers), got
+    assert got.answers[0][1] == "request body has more than 65536 JSON objects"
+
+
+def _all_200(got: pressure.Beside) -> bool:
+    """The small chats and /health all answered 200."""
+    return {code for code, _ in got.chats + got.health} == {200}
 
 
 @pytest.mark.parametrize("runtime", ["pytorch", "jax"])
@@ -417,12 +387,10 @@ def test_huge_token_id_lists_are_refused_by_count(runtime_servers, runtime):
     """Five million token ids as one completions prompt, and as a thousand prompts of 5 000 (~14 MiB each), are
     refused by their count while parsing (before: parsed whole, validated in one call that held the GIL, then
     refused as too long for the context); /health and a small chat stay answered meanwhile, as above."""
-    answers, health = _huge_beside_small(runtime_servers[runtime], COMPLETIONS, [
-        {"model": "tiny", "prompt": [2] * 5_000_000}, {"model": "tiny", "prompt": [[2] * 5_000] * 1_000}])
+    got = pressure.beside_small(runtime_servers[runtime], *pressure.huge_token_ids())
     limit = "request body has more than 1048576 integers (token ids)"
-    assert [answers[i][:2] for i in range(2)] == [(400, limit[:60])] * 2
-    assert answers[2][0] == 200 and {code for code, _ in health} == {200}
-    assert max(dt for _, dt in health) < min(answers[i][2] for i in range(2)) / 2, (health, answers)
+    assert [answer[:2] for answer in got.answers] == [(400, limit[:60])] * 2 and _all_200(got)
+    assert max(dt for _, dt in got.health) < min(dt for _, _, dt in got.answers) / 2, got
 
 
 @pytest.mark.parametrize("runtime", ["pytorch", "jax"])
@@ -431,13 +399,9 @@ def test_a_schema_slow_to_build_does_not_hold_up_other_clients(runtime_servers, 
     then refused as too large), while /health is polled and a small chat is asked. The build ran in the server's
     process holding the GIL (10 000 properties blocked /health for 12-22 s); it runs in the compile's process
     now: the slowest /health answer takes less than half the schema's request."""
-    schema = {"type": "object", "properties": {f"p{i}": {} for i in range(150)}}
-    answers, health = _huge_beside_small(runtime_servers[runtime], CHAT, [
-        {"model": "tiny", "messages": ASK, "max_tokens": 4,
-         "response_format": {"type": "json_schema", "json_schema": {"name": "wide", "schema": schema}}}])
-    assert answers[0][:2] == (400, "response_format: invalid JSON schema: too large: its regex h")
-    assert answers[1][0] == 200 and {code for code, _ in health} == {200}
-    assert max(dt for _, dt in health) < answers[0][2] / 2, (health, answers)
+    got = pressure.beside_small(runtime_servers[runtime], *pressure.wide_schema())
+    assert got.answers[0][:2] == (400, "response_format: invalid JSON schema: too large: its regex h")
+    assert _all_200(got) and max(dt for _, dt in got.health) < got.answers[0][2] / 2, got
 
 
 @pytest.mark.parametrize("runtime", ["pytorch", "jax"])
@@ -446,22 +410,15 @@ def test_slow_schemas_neither_hold_up_other_clients_nor_are_refused_for_queueing
     asyncio's default executor (6 threads on 2 cores): the chat waited 28-30 s; 3-4 of them got a cached 400 for
     a deadline they spent queueing. Now: each is compiled (200) or refused at once as busy (429), none is a 400;
     the chat takes less than half the slowest of them; one refused as busy compiles when sent again."""
-    def ask(i: int) -> dict:
-        schema = {"type": "object", "properties": {f"k{i}": {"type": "string", "maxLength": 14}},
-                  "required": [f"k{i}"]}
-        return {"model": "tiny", "messages": ASK, "max_tokens": 4,
-                "response_format": {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}}
-
     url = runtime_servers[runtime]
-    answers, health = _huge_beside_small(url, CHAT, [ask(i) for i in range(8)])
-    statuses = [answers[i][0] for i in range(8)]
-    assert set(statuses) <= {200, 429} and 200 in statuses, [answers[i] for i in range(8)]
-    assert answers[8][0] == 200 and {code for code, _ in health} == {200}
-    assert answers[8][2] < max(answers[i][2] for i in range(8)) / 2, answers
+    got = pressure.beside_small(url, *pressure.slow_schemas(8))
+    statuses = [status for status, _, _ in got.answers]
+    assert set(statuses) <= {200, 429} and 200 in statuses, got.answers
+    assert _all_200(got) and got.chats[0][1] < max(dt for _, _, dt in got.answers) / 2, got
     busy = [i for i, status in enumerate(statuses) if status == 429]
     for i in busy[:1]:
-        assert answers[i][1].startswith("server busy compiling schemas")
-        assert requests.post(url + CHAT, json=ask(i), timeout=120).status_code == 200
+        assert got.answers[i][1].startswith("server busy compiling schemas")
+        assert requests.post(url + CHAT, json=pressure.slow_schema(i), timeout=120).status_code == 200
 
 
 @pytest.mark.parametrize("runtime", ["pytorch", "jax"])
@@ -469,15 +426,10 @@ def test_conversations_too_large_to_render_are_refused_before_rendering(runtime_
     """4 MB of tool-call arguments, and 1000 tools x 1000 system turns (147 KB that the template writes a thousand
     times over): each held every other client's tokenisation for 11-26 s behind one lock. Now their rendered size
     is known before rendering: a context-length 400 ("at least"), beside a small chat and /health."""
-    tools = [{"type": "function", "function": {"name": f"f{i}", "description": "d"}} for i in range(1000)]
-    arguments = json.dumps({"a": "x" * 4_000_000})
-    answers, health = _huge_beside_small(runtime_servers[runtime], CHAT, [
-        {"model": "tiny", "messages": _called(arguments), "max_tokens": 4},
-        {"model": "tiny", "messages": [{"role": "system", "content": "s"}] * 1000 + ASK, "tools": tools,
-         "max_tokens": 4}])
-    assert [(answers[i][0], answers[i][1][:39]) for i in range(2)] == [
+    got = pressure.beside_small(runtime_servers[runtime], *pressure.huge_conversations())
+    assert [(status, message[:39]) for status, message, _ in got.answers] == [
         (400, "This model's maximum context length is ")] * 2
-    assert answers[2][0] == 200 and {code for code, _ in health} == {200}
+    assert _all_200(got)
 
 
 # Requests the HTTP parser itself refuses (uvicorn answered these with a plain-text 400).

@@ -6,7 +6,6 @@ PyTorch engine with a pause before each decode step (tests/fixtures/paced_runtim
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import pytest
 import requests
 
 from tests.fixtures.observe import hangs_up_waiting, metrics as gauges, wait_until
+from devtools.pressure import trickle
 from devtools.server import REPO, serving_env
 from tests.fixtures.serving import tiny_server
 from devtools.tiny_gemma4 import ANSWER, QUESTION
@@ -293,6 +293,33 @@ def test_n_choices_wait_as_one_request(tiny_gemma4, jax_compile_cache, runtime):
         assert sorted(ch["index"] for c in chunks for ch in c["choices"] if ch["finish_reason"]) == [0, 1, 2]
 
 
+def test_a_request_behind_n_choices_takes_the_next_free_slot(tiny_gemma4):
+    """One slot (PyTorch on the CPU), n=3 choices of 30 paced steps (1.5 s each) running, then a small chat: it
+    takes the slot as soon as the first choice ends and is answered while the n=3 request still runs (before: it
+    waited for all three choices, as every client waited behind n=64 x 220 tokens, and got a 429)."""
+    with tiny_server(tiny_gemma4, "--max-waiting", "8", pace=0.05) as srv:
+        many = Call(srv.url, {**LONG, "max_tokens": 30, "n": 3})
+        wait_until(lambda: gauges(srv.url)["vllm:num_requests_running"] == 1, what="the n=3 request running")
+        small = Call(srv.url, {"messages": ASK, "max_tokens": 2})
+        small.join(60)
+        assert small.status == 200 and many.is_alive(), (small.status, small.json)
+        many.join(60)
+        assert many.status == 200 and len(many.json["choices"]) == 3
+
+
+def test_free_slots_go_turn_about_to_the_oldest_job_and_the_least_served_request():
+    """Request A (n=4) came first, then B and C (one choice each): A0 (the oldest), B (fewest started), A1, C, A2,
+    then A3; alone, a request's choices go in order."""
+    import threading
+    sched, jobs, loop = _expiring([5.0, 5.0, 5.0, 5.0, 2.0, 1.0])
+    a = threading.Event()
+    for i, job in enumerate(jobs[:4]):
+        job.started, job.index = a, i
+    assert sched._take(5) == [jobs[0], jobs[4], jobs[1], jobs[5], jobs[2]]
+    assert sched._take(5) == [jobs[3]] and not sched.queued
+    loop.close()
+
+
 def _expiring(jobs_ago: list[float], max_queue_wait: float = 1.0):
     """A Scheduler whose FIFO holds jobs that arrived `ago` seconds back, and the loop their events go to."""
     from serving.generation import SamplingParams
@@ -350,16 +377,6 @@ def _status_line(sock, timeout: float = 30.0) -> bytes:
     return answer.split(b"\r\n", 1)[0]
 
 
-def _trickle(sock, data: bytes, gap: float) -> None:
-    """Send `data` a byte every `gap` seconds, until the server answers (or closes) or it is all sent."""
-    import select
-    with contextlib.suppress(OSError):
-        for byte in data:
-            sock.sendall(bytes([byte]))
-            if select.select([sock], [], [], gap)[0]:
-                return
-
-
 def test_idle_slow_and_surplus_connections_are_answered_and_closed(tiny_gemma4):
     """--header-timeout 1, --max-connections 3, --body-total-timeout 2. An idle connection and one that sends its
     headers a byte at a time get a 408 and are closed (before: kept for ever, 20 100 of them ran the server out
@@ -377,11 +394,11 @@ def test_idle_slow_and_surplus_connections_are_answered_and_closed(tiny_gemma4):
         for s in idle:
             s.close()
         with socket.create_connection(address, timeout=10) as slow:
-            _trickle(slow, b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: x\r\n" * 20, 0.1)
+            trickle(slow, b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: x\r\n" * 20, 0.1)
             assert _status_line(slow) == b"HTTP/1.1 408 Request Timeout"
         with socket.create_connection(address, timeout=10) as body:
             body.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: 100\r\n\r\n")
-            _trickle(body, b" " * 99, 0.3)
+            trickle(body, b" " * 99, 0.3)
             assert _status_line(body) == b"HTTP/1.1 408 Request Timeout"
         assert requests.get(f"{srv.url}/health", timeout=10).status_code == 200
