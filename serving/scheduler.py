@@ -189,14 +189,15 @@ class Scheduler:
 
     def _take(self, free: int) -> list[Job]:
         """Up to `free` queued jobs. Turn about: the oldest one (no request waits for ever), then the first one of
-        the request with the fewest choices started. A request's jobs are queued in index order and each is the
-        next of its siblings to start, so its index is how many of them have. A request behind n choices thus gets
-        the next slot but one, rather than waiting for all n (n=64 x 220 tokens held every other client for
-        minutes, then a 429)."""
+        the request with the fewest choices started (a request's jobs are queued in index order and each is the
+        next of its siblings to start, so its index is how many of them have). A request that comes behind n
+        choices thus gets the next free slot, rather than waiting for all n (n=64 x 220 tokens held every other
+        client for minutes, then a 429), and the oldest request still gets every other one."""
         taken = []
         for _ in range(min(free, len(self.queued))):
-            job = self.queued[0] if self._oldest_turn else min(self.queued, key=lambda j: j.index)
-            self._oldest_turn = not self._oldest_turn
+            oldest = self.queued[0]
+            job = oldest if self._oldest_turn else min(self.queued, key=lambda j: j.index)
+            self._oldest_turn = job is not oldest       # the oldest served, by either rule: the next is the other's
             self.queued.remove(job)
             taken.append(job)
         return taken

@@ -308,15 +308,19 @@ def test_a_request_behind_n_choices_takes_the_next_free_slot(tiny_gemma4):
 
 
 def test_free_slots_go_turn_about_to_the_oldest_job_and_the_least_served_request():
-    """Request A (n=4) came first, then B and C (one choice each): A0 (the oldest), B (fewest started), A1, C, A2,
-    then A3; alone, a request's choices go in order."""
+    """Request A (n=5) came first, then B and C (one choice each): A0 (the oldest), B (fewest started), A1, C, A2;
+    then A alone takes A3, and D, coming after, the next slot, before A4."""
     import threading
-    sched, jobs, loop = _expiring([5.0, 5.0, 5.0, 5.0, 2.0, 1.0])
+    sched, jobs, loop = _expiring([5.0, 5.0, 5.0, 5.0, 5.0, 2.0, 1.0, 0.0])
     a = threading.Event()
-    for i, job in enumerate(jobs[:4]):
+    for i, job in enumerate(jobs[:5]):
         job.started, job.index = a, i
-    assert sched._take(5) == [jobs[0], jobs[4], jobs[1], jobs[5], jobs[2]]
-    assert sched._take(5) == [jobs[3]] and not sched.queued
+    d = jobs.pop()
+    sched.queued.remove(d)
+    assert sched._take(5) == [jobs[0], jobs[5], jobs[1], jobs[6], jobs[2]]
+    assert sched._take(1) == [jobs[3]]
+    sched.queued.append(d)
+    assert sched._take(5) == [d, jobs[4]] and not sched.queued
     loop.close()
 
 
