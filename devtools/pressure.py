@@ -18,6 +18,7 @@ from typing import Iterator
 
 import requests
 
+from devtools.server import address
 from devtools.tiny_gemma4 import QUESTION
 
 ASK = [{"role": "user", "content": QUESTION}]
@@ -119,11 +120,6 @@ def beside_small(url: str, path: str, bodies: list[dict], chats: int = 1, limit_
     return got
 
 
-def _address(url: str) -> tuple[str, int]:
-    host, port = url.removeprefix("http://").split(":")
-    return host, int(port)
-
-
 def trickle(sock: socket.socket, data: bytes, gap: float, until: float = float("inf")) -> None:
     """Send `data` a byte every `gap` seconds, until it is sent, the server answers or closes, or `until` passes."""
     with contextlib.suppress(OSError):
@@ -141,7 +137,7 @@ def idle(url: str, count: int) -> Iterator[list[socket.socket]]:
     socks = []
     try:
         for _ in range(count):
-            socks.append(socket.create_connection(_address(url), timeout=10))
+            socks.append(socket.create_connection(address(url), timeout=10))
         yield socks
     finally:
         for s in socks:

@@ -18,6 +18,7 @@ import requests
 
 from devtools import pressure
 from devtools.pressure import ASK, CHAT, COMPLETIONS, called
+from devtools.server import address
 from devtools.tiny_gemma4 import ANSWER, QUESTION
 
 REQUEST_BOUND = 10.0
@@ -440,10 +441,9 @@ MALFORMED_HTTP = [b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Len
 
 @pytest.mark.parametrize("runtime", ["pytorch", "jax"])
 def test_requests_the_http_parser_refuses_get_an_openai_error(runtime_servers, runtime):
-    host, port = runtime_servers[runtime].removeprefix("http://").split(":")
     got = []
     for raw in MALFORMED_HTTP:
-        with socket.create_connection((host, int(port)), timeout=10) as sock:
+        with socket.create_connection(address(runtime_servers[runtime]), timeout=10) as sock:
             sock.sendall(raw)
             answer = b""
             while chunk := sock.recv(65536):
@@ -461,11 +461,10 @@ def test_a_request_half_closed_after_its_body_gets_its_answer(runtime_servers, r
     `100 Continue` and then its whole answer, streamed and not, and the server closes the connection after it (before:
     the end of its input was taken for a hang-up, the generation stopped and nothing came back). A client that
     closed its socket instead is still found gone: test_serving's and test_serving_lifecycle's hang-ups."""
-    host, port = runtime_servers[runtime].removeprefix("http://").split(":")
     for stream in (False, True):
         body = json.dumps({"model": "tiny", "messages": ASK, "max_tokens": 8, "temperature": 0,
                            "stream": stream}).encode()
-        with socket.create_connection((host, int(port)), timeout=60) as sock:
+        with socket.create_connection(address(runtime_servers[runtime]), timeout=60) as sock:
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             sock.shutdown(socket.SHUT_WR)

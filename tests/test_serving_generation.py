@@ -9,6 +9,7 @@ import pytest
 from serving.generation import (Batch, Delta, Detokenizer, Finish, SamplingParams, StopAutomaton, StopStrings,
                                 generate)
 from tests.fixtures.batching import Job, run_in_batch
+from tests.fixtures.jax_engines import load_tiny as load_tiny_jax
 from devtools.tiny_gemma4 import ANSWER, QUESTION
 
 
@@ -254,10 +255,7 @@ def test_runtime_loads_text_weights_only(engine, tiny_gemma4):
 def jax_engine(tiny_gemma4):
     """This module's own engine, not the session's tiny_jax_engine: its tests leave requests unfinished (a client
     that left, a batch stopped mid-way), which another module's tests would then find in the slots."""
-    pytest.importorskip("jax")
-    from serving.jax_runtime import Settings, load
-    return load(tiny_gemma4, Settings(buckets=(32, 64, 256), dtype="float32", cache_dir=None, slots=3,
-                                      batches=(1, 3)))
+    return load_tiny_jax(tiny_gemma4)
 
 
 @pytest.mark.parametrize("runtime", ["pytorch", "jax"])

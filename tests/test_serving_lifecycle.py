@@ -17,7 +17,7 @@ import requests
 
 from tests.fixtures.observe import hangs_up_waiting, metrics as gauges, wait_until
 from devtools.pressure import trickle
-from devtools.server import REPO, serving_env
+from devtools.server import REPO, address, serving_env
 from tests.fixtures.serving import tiny_server
 from devtools.tiny_gemma4 import ANSWER, QUESTION
 
@@ -389,18 +389,17 @@ def test_idle_slow_and_surplus_connections_are_answered_and_closed(tiny_gemma4):
     import socket
     with tiny_server(tiny_gemma4, "--header-timeout", "1", "--max-connections", "3", "--body-total-timeout", "2",
                      "--body-timeout", "10") as srv:
-        host, port = srv.url.removeprefix("http://").split(":")
-        address = (host, int(port))
-        idle = [socket.create_connection(address, timeout=10) for _ in range(3)]
-        with socket.create_connection(address, timeout=10) as surplus:
+        server = address(srv.url)
+        idle = [socket.create_connection(server, timeout=10) for _ in range(3)]
+        with socket.create_connection(server, timeout=10) as surplus:
             assert _status_line(surplus) == b"HTTP/1.1 503 Service Unavailable"
         assert [_status_line(s) for s in idle] == [b"HTTP/1.1 408 Request Timeout"] * 3
         for s in idle:
             s.close()
-        with socket.create_connection(address, timeout=10) as slow:
+        with socket.create_connection(server, timeout=10) as slow:
             trickle(slow, b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: x\r\n" * 20, 0.1)
             assert _status_line(slow) == b"HTTP/1.1 408 Request Timeout"
-        with socket.create_connection(address, timeout=10) as body:
+        with socket.create_connection(server, timeout=10) as body:
             body.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: 100\r\n\r\n")
             trickle(body, b" " * 99, 0.3)

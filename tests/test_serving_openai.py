@@ -19,7 +19,7 @@ import pytest
 import requests
 
 from serving.openai_text import GOLDEN
-from devtools.server import serving_env
+from devtools.server import address, serving_env
 from tests.fixtures.serving import tiny_server
 from devtools.tiny_gemma4 import ANSWER, QUESTION
 
@@ -583,8 +583,7 @@ def test_api_key_guards_v1_only(guarded):
 
 def _raw(url: str, request: bytes) -> tuple[int, dict]:
     """Send `request` as is: (status, error object) of the answer (no answer within 30 s: socket.timeout)."""
-    host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=30) as sock, sock.makefile("rb") as answer:
+    with socket.create_connection(address(url), timeout=30) as sock, sock.makefile("rb") as answer:
         sock.sendall(request)
         status, length = int(answer.readline().split()[1]), 0
         while line := answer.readline().strip():
