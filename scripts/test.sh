@@ -44,13 +44,13 @@ fi
 
 # Two workers, a file each at a time (module fixtures, such as a JAX engine's compile, are built once): many unit
 # tests wait on a server, a subprocess or a paced engine, and the other worker uses that time.
-.venv/bin/python -m pytest -ra -m "not e2e" -n 2 --dist loadfile
+.venv/bin/python -m pytest -ra -m "not e2e" -n 2 --dist loadfile --durations=60
 unit=$?
 stamp "unit tests done (exit $unit)"
 provisioned
 [ -f .cache/docker.env ] && . .cache/docker.env
 # One worker: on two, test_smoke's leftover-container checks failed beside the other worker's builds (2026-12-03).
-.venv/bin/python -m pytest -ra -m e2e
+.venv/bin/python -m pytest -ra -m e2e --durations=20
 e2e=$?
 stamp "end-to-end tests done (exit $e2e)"
 # pytest's 5 is "no tests collected": fine for one half, not for both.
