@@ -23,10 +23,7 @@ def engines(tiny_gemma4):
     """(one-slot StaticCache engine, SLOTS-slot SlotKV engine) over the fixture."""
     import torch
     from serving.torch_runtime import load
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield load(tiny_gemma4, max_context=CONTEXT), load(tiny_gemma4, max_context=CONTEXT, slots=SLOTS)
-    torch.set_num_threads(n)
 
 
 def _prompt(engine, n: int, seed: int) -> list[int]:

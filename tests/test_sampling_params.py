@@ -18,15 +18,11 @@ CROSS_ATOL = 2e-3       # the two runtimes' logprobs (their logits agree within 
 
 @pytest.fixture(scope="module")
 def engines(tiny_gemma4, request):
-    import torch
     from serving.torch_runtime import load
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
     out = {"pytorch": load(tiny_gemma4), "pytorch_batched": load(tiny_gemma4, slots=3)}
     if _has_jax():
         out["jax"] = request.getfixturevalue("tiny_jax_engine")
     yield out
-    torch.set_num_threads(n)
 
 
 def _has_jax() -> bool:

@@ -38,16 +38,7 @@ def client(url: str) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def torch_one_thread():
-    import torch
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)        # tiny matmuls: threads only add contention on a shared machine
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_gemma4, torch_one_thread):
+def engine(tiny_gemma4):
     from serving.torch_runtime import load
     return load(tiny_gemma4)
 

@@ -15,12 +15,8 @@ from devtools.tiny_gemma4 import ANSWER, QUESTION
 
 @pytest.fixture(scope="module")
 def engine(tiny_gemma4):
-    import torch
     from serving.torch_runtime import load
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield load(tiny_gemma4)
-    torch.set_num_threads(n)
 
 
 def run(engine, info, params, content=QUESTION, cancelled=lambda: False):

@@ -142,16 +142,11 @@ def test_a_matcher_walks_a_valid_instance_to_a_stop_token(info, grammars):
 
 @pytest.fixture(scope="module")
 def engines(tiny_gemma4):
-    import torch
-
     from serving.jax_runtime import Settings
     from serving.jax_runtime import load as load_jax
     from serving.torch_runtime import load as load_torch
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield {"pytorch": load_torch(tiny_gemma4),
            "jax": load_jax(tiny_gemma4, Settings(buckets=(32, 256), dtype="float32", cache_dir=None, slots=2))}
-    torch.set_num_threads(n)
 
 
 def _text(events) -> tuple[str, str]:
