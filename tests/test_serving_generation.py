@@ -10,6 +10,7 @@ from serving.generation import (Batch, Delta, Detokenizer, Finish, SamplingParam
                                 generate)
 from tests.fixtures.batching import Job, run_in_batch
 from tests.fixtures.jax_engines import load_tiny as load_tiny_jax
+from tests.fixtures.tolerances import F32_MODEL_REORDERED
 from devtools.tiny_gemma4 import ANSWER, QUESTION
 
 
@@ -231,7 +232,9 @@ def test_incremental_decode_matches_one_full_forward(engine, info):
         engine.step({0: t})
         steps.append(engine.logits(0))
     assert first == answer[0]
-    np.testing.assert_allclose(np.stack(steps), full[len(prompt) - 1:-1], atol=2e-4, rtol=1e-4)
+    # one forward over the whole sequence against a step at a time: the model's sums in another order, over more keys
+    np.testing.assert_allclose(np.stack(steps), full[len(prompt) - 1:-1], atol=2 * F32_MODEL_REORDERED,
+                               rtol=F32_MODEL_REORDERED)
     assert all(s.dtype == np.float32 and s.shape == (512,) for s in steps)
 
 
