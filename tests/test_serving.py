@@ -235,8 +235,10 @@ def test_kv_cache_usage_counts_the_running_requests_tokens(paced_server, tiny_ge
     long = threading.Thread(target=lambda: client(paced_server).chat.completions.create(
         model="tiny-gemma4", messages=ASK, max_tokens=100, extra_body={"ignore_eos": True}), daemon=True)
     long.start()
-    wait_until(lambda: metrics(paced_server)["vllm:kv_cache_usage_perc"] > 0, what="the KV cache to fill")
-    used = metrics(paced_server)["vllm:kv_cache_usage_perc"]
+    seen = []
+    wait_until(lambda: seen.append(metrics(paced_server)["vllm:kv_cache_usage_perc"]) or seen[-1] > 0,
+               what="the KV cache to fill")
+    used = seen[-1]
     assert 0 < used <= 1
     long.join(60)
     assert metrics(paced_server)["vllm:kv_cache_usage_perc"] == 0
@@ -268,7 +270,7 @@ def test_parallel_requests_answered_in_arrival_order(paced_server):
     lock = threading.Lock()
 
     def ask(i: int) -> None:
-        r = c.chat.completions.create(model="tiny-gemma4", messages=ASK, max_tokens=8)
+        r = c.chat.completions.create(model="tiny-gemma4", messages=ASK, max_tokens=24)   # 0.7 s apart
         with lock:
             finished.append(i)
             results[i] = r.choices[0].message.content
@@ -287,8 +289,9 @@ def test_parallel_requests_answered_in_arrival_order(paced_server):
 def test_beyond_the_bound_is_429(paced_server):
     c = client(paced_server)
     done = []
-    threads = [threading.Thread(target=lambda: done.append(
-        c.chat.completions.create(model="tiny-gemma4", messages=ASK, max_tokens=40))) for _ in range(4)]
+    # the first runs 200 steps (6 s), so the other three are still queued when the fifth comes, under load too
+    threads = [threading.Thread(target=lambda n=n: done.append(c.chat.completions.create(
+        model="tiny-gemma4", messages=ASK, max_tokens=n, extra_body={"ignore_eos": True}))) for n in (200, 40, 40, 40)]
     for i, t in enumerate(threads):
         t.start()
         wait_until(lambda: _in_flight(paced_server) >= i + 1, what=f"request {i} in flight")
@@ -318,7 +321,7 @@ def test_disconnect_mid_stream_frees_the_slot(paced_server):
 
 def test_non_streaming_client_that_gives_up_frees_the_slot(paced_server):
     with pytest.raises(requests.exceptions.ReadTimeout):
-        requests.post(f"{paced_server}/v1/chat/completions", timeout=(5, 0.5),
+        requests.post(f"{paced_server}/v1/chat/completions", timeout=(5, 1.5),    # 200 tokens take 6 s
                       json={"messages": ASK, "max_tokens": 200, "ignore_eos": True})
     wait_until(lambda: metrics(paced_server)["vllm:num_requests_running"] == 0, timeout=10,
                what="the abandoned generation to stop")
@@ -351,6 +354,8 @@ def test_clients_that_left_the_queue_hold_no_slot(paced_server):
     wait_until(lambda: _in_flight(paced_server) >= 1, what="first request running")
     for _ in range(3):                                # fill the bound (max_waiting=3), each client hangs up
         assert hangs_up_waiting(paced_server, {"messages": ASK, "stream": True, "max_tokens": 5}, 0.3)
+    # each is seen gone (a socket poll, not at once: under load the last may still count when the next comes)
+    wait_until(lambda: metrics(paced_server)["vllm:num_requests_waiting"] == 0, what="the queue emptied by hang-ups")
     # admitted (not a 429 at once) while the 200-token request still runs (~6 s)
     assert hangs_up_waiting(paced_server, {"messages": ASK, "stream": True, "max_tokens": 2}, 0.5)
     assert long.is_alive()
