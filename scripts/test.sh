@@ -5,9 +5,11 @@
 #
 # Order, for a cold machine with 2 cores: as root, scripts/provision.sh (apt, dockerd, base images — arm64 under
 # QEMU is the long part) runs in the background from the start; pip installs meanwhile, then the unit tests run
-# (`-m "not e2e"`, on two pytest-xdist workers), and only the end-to-end tests (one worker) wait for
-# provisioning. With arguments, one pytest run with them, after provisioning. Provisioning output:
-# .cache/provision.log. Timings go to stderr.
+# (`-m "not e2e"`, on two pytest-xdist workers) while, beside them, the end-to-end tests (one worker) wait for
+# provisioning and run: the unit half leaves about half the CPU idle (its tests wait on servers, paces and
+# subprocesses), which the end-to-end half's image builds use. The end-to-end output (with provisioning's) goes
+# to .cache/e2e.log and is printed when both halves are done. With arguments, one pytest run with them, after
+# provisioning. Timings go to stderr.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .cache
@@ -43,16 +45,25 @@ if [ $# -gt 0 ]; then
 fi
 
 # Two workers, a file each at a time (module fixtures, such as a JAX engine's compile, are built once): many unit
-# tests wait on a server, a subprocess or a paced engine, and the other worker uses that time.
-.venv/bin/python -m pytest -ra -m "not e2e" -n 2 --dist loadfile --durations=60
-unit=$?
-stamp "unit tests done (exit $unit)"
-provisioned
-[ -f .cache/docker.env ] && . .cache/docker.env
-# One worker: on two, test_smoke's leftover-container checks failed beside the other worker's builds (2026-12-03).
-.venv/bin/python -m pytest -ra -m e2e --durations=20
+# tests wait on a server, a subprocess or a paced engine, and the other worker uses that time. In the background,
+# its output live; the end-to-end half runs beside it.
+.venv/bin/python -m pytest -ra -m "not e2e" -n 2 --dist loadfile --durations=60 &
+unit_pid=$!
+
+# The end-to-end half, in this shell (it waits for provisioning, this shell's child), its output to a file. One
+# worker: on two, test_smoke's leftover-container checks failed beside the other worker's builds (2026-12-03).
+{
+  provisioned
+  [ -f .cache/docker.env ] && . .cache/docker.env
+  .venv/bin/python -m pytest -ra -m e2e --durations=20
+} >.cache/e2e.log 2>&1
 e2e=$?
 stamp "end-to-end tests done (exit $e2e)"
+wait "$unit_pid"
+unit=$?
+stamp "unit tests done (exit $unit)"
+echo "---- provisioning and the end-to-end tests (.cache/e2e.log) ----"
+cat .cache/e2e.log
 # pytest's 5 is "no tests collected": fine for one half, not for both.
 [ $unit = 5 ] && [ $e2e = 5 ] && exit 5
 [ $unit = 5 ] && unit=0
