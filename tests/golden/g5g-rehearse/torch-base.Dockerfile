@@ -113,7 +113,7 @@ ARG TORCH_CUDA_WHEELS="cuda-toolkit[cublas,cudart,cufft,cufile,cupti,curand,cuso
 ARG TORCH_BUILD_FLAGS="USE_CUDA=1 USE_CUDNN=1 USE_NCCL=1 USE_SYSTEM_NCCL=1 USE_KINETO=1 USE_DISTRIBUTED=1 USE_FLASH_ATTENTION=0 USE_MEM_EFF_ATTENTION=1 USE_CUSPARSELT=0 USE_CUDSS=0 USE_CUFILE=0 USE_NVSHMEM=0 BUILD_TEST=0"
 ARG MAX_JOBS=auto
 ARG NVCC_THREADS=1
-ARG CPU_FLAGS="-mcpu=neoverse-n1"
+ARG CPU_FLAGS="-mtune=neoverse-n1"
 # hadolint ignore=SC2086,SC2163
 RUN --mount=type=bind,source=torch-discovery,target=/tmp/torch-discovery \
     if [ "$MAX_JOBS" = auto ]; then \

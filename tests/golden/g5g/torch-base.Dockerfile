@@ -114,7 +114,7 @@ ARG TORCH_BUILD_TOOLS="cuda-toolkit[nvml]==13.0.3 cmake==3.31.10 ninja==1.13.2"
 ARG TORCH_BUILD_FLAGS="USE_CUDA=1 USE_CUDNN=1 USE_NCCL=1 USE_SYSTEM_NCCL=1 USE_KINETO=1 USE_DISTRIBUTED=1 USE_FLASH_ATTENTION=0 USE_MEM_EFF_ATTENTION=1 USE_CUSPARSELT=0 USE_CUDSS=0 USE_CUFILE=0 USE_NVSHMEM=0 BUILD_TEST=0"
 ARG MAX_JOBS=auto
 ARG NVCC_THREADS=1
-ARG CPU_FLAGS="-mcpu=neoverse-n1"
+ARG CPU_FLAGS="-mtune=neoverse-n1"
 COPY --from=torch-headers /report/torch-headers.log /report/torch-headers.log
 RUN --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
