@@ -41,10 +41,18 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,re
  && ln -sfn "$cu" /usr/local/cuda \
  && ln -sfn lib "$cu/lib64" \
  && mkdir -p "$cu/lib/stubs" \
- && printf '#include <cuda.h>\n' | gcc -E -P -I "$cu/include" - \
-    | grep -oE '\bCUresult +cu[A-Za-z0-9_]+ *\(' | grep -oE 'cu[A-Za-z0-9_]+' | sort -u \
-    | sed 's/.*/int &(void) { return 34; }/' > /tmp/libcuda-stub.c \
- && gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$cu/lib/stubs/libcuda.so" /tmp/libcuda-stub.c && rm /tmp/libcuda-stub.c \
+ && d=$(mktemp -d) && printf '#include <cuda.h>\n' > "$d/decl.c" \
+ && gcc -E -P -I "$cu/include" "$d/decl.c" | tr '\n' ' ' \
+    | grep -oE '\bCUresult +cu[A-Za-z0-9_]+ *\(' | grep -oE 'cu[A-Za-z0-9_]+' | sort -u > "$d/stub.names" \
+ && gcc -fsyntax-only -aux-info "$d/decl.aux" -I "$cu/include" "$d/decl.c" \
+ && grep -oE '\bCUresult +cu[A-Za-z0-9_]+ *\(' "$d/decl.aux" | grep -oE 'cu[A-Za-z0-9_]+' | sort -u \
+    > "$d/decl.names" \
+ && if ! diff "$d/decl.names" "$d/stub.names" >&2; then \
+      echo "libcuda stub: $(wc -l < "$d/stub.names") entry points collected, cuda.h declares $(wc -l < "$d/decl.names") (<: missed, >: not declared)" >&2; exit 1; fi \
+ && echo "libcuda stub: $(wc -l < "$d/stub.names") entry points, as many as cuda.h declares" \
+ && sed 's/.*/int &(void) { return 34; }/' "$d/stub.names" > "$d/stub.c" \
+ && gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$cu/lib/stubs/libcuda.so" "$d/stub.c" \
+ && rm -r "$d" \
  && ldconfig
 ENV CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
 COPY cuda-check.cu /tmp/cuda-check.cu
@@ -92,10 +100,18 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,re
  && ln -sfn "$cu" /usr/local/cuda \
  && ln -sfn lib "$cu/lib64" \
  && mkdir -p "$cu/lib/stubs" \
- && printf '#include <cuda.h>\n' | gcc -E -P -I "$cu/include" - \
-    | grep -oE '\bCUresult +cu[A-Za-z0-9_]+ *\(' | grep -oE 'cu[A-Za-z0-9_]+' | sort -u \
-    | sed 's/.*/int &(void) { return 34; }/' > /tmp/libcuda-stub.c \
- && gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$cu/lib/stubs/libcuda.so" /tmp/libcuda-stub.c && rm /tmp/libcuda-stub.c \
+ && d=$(mktemp -d) && printf '#include <cuda.h>\n' > "$d/decl.c" \
+ && gcc -E -P -I "$cu/include" "$d/decl.c" | tr '\n' ' ' \
+    | grep -oE '\bCUresult +cu[A-Za-z0-9_]+ *\(' | grep -oE 'cu[A-Za-z0-9_]+' | sort -u > "$d/stub.names" \
+ && gcc -fsyntax-only -aux-info "$d/decl.aux" -I "$cu/include" "$d/decl.c" \
+ && grep -oE '\bCUresult +cu[A-Za-z0-9_]+ *\(' "$d/decl.aux" | grep -oE 'cu[A-Za-z0-9_]+' | sort -u \
+    > "$d/decl.names" \
+ && if ! diff "$d/decl.names" "$d/stub.names" >&2; then \
+      echo "libcuda stub: $(wc -l < "$d/stub.names") entry points collected, cuda.h declares $(wc -l < "$d/decl.names") (<: missed, >: not declared)" >&2; exit 1; fi \
+ && echo "libcuda stub: $(wc -l < "$d/stub.names") entry points, as many as cuda.h declares" \
+ && sed 's/.*/int &(void) { return 34; }/' "$d/stub.names" > "$d/stub.c" \
+ && gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$cu/lib/stubs/libcuda.so" "$d/stub.c" \
+ && rm -r "$d" \
  && ldconfig
 ENV CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
 COPY --from=cuda-check /cuda-check.txt /opt/cuda-check.txt

@@ -45,10 +45,18 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,re
  && ln -sfn "$cu" /usr/local/cuda \
  && ln -sfn lib "$cu/lib64" \
  && mkdir -p "$cu/lib/stubs" \
- && printf '#include <cuda.h>\n' | gcc -E -P -I "$cu/include" - \
-    | grep -oE '\bCUresult +cu[A-Za-z0-9_]+ *\(' | grep -oE 'cu[A-Za-z0-9_]+' | sort -u \
-    | sed 's/.*/int &(void) { return 34; }/' > /tmp/libcuda-stub.c \
- && gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$cu/lib/stubs/libcuda.so" /tmp/libcuda-stub.c && rm /tmp/libcuda-stub.c \
+ && d=$(mktemp -d) && printf '#include <cuda.h>\n' > "$d/decl.c" \
+ && gcc -E -P -I "$cu/include" "$d/decl.c" | tr '\n' ' ' \
+    | grep -oE '\bCUresult +cu[A-Za-z0-9_]+ *\(' | grep -oE 'cu[A-Za-z0-9_]+' | sort -u > "$d/stub.names" \
+ && gcc -fsyntax-only -aux-info "$d/decl.aux" -I "$cu/include" "$d/decl.c" \
+ && grep -oE '\bCUresult +cu[A-Za-z0-9_]+ *\(' "$d/decl.aux" | grep -oE 'cu[A-Za-z0-9_]+' | sort -u \
+    > "$d/decl.names" \
+ && if ! diff "$d/decl.names" "$d/stub.names" >&2; then \
+      echo "libcuda stub: $(wc -l < "$d/stub.names") entry points collected, cuda.h declares $(wc -l < "$d/decl.names") (<: missed, >: not declared)" >&2; exit 1; fi \
+ && echo "libcuda stub: $(wc -l < "$d/stub.names") entry points, as many as cuda.h declares" \
+ && sed 's/.*/int &(void) { return 34; }/' "$d/stub.names" > "$d/stub.c" \
+ && gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$cu/lib/stubs/libcuda.so" "$d/stub.c" \
+ && rm -r "$d" \
  && ldconfig
 ENV CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
 # One CUDA tree, as PyTorch's own CI lays it out: cuDNN's and NCCL's whole include trees and their libraries linked
@@ -114,7 +122,7 @@ ARG TORCH_BUILD_TOOLS="cuda-toolkit[nvml]==13.0.3 cmake==3.31.10 ninja==1.13.2"
 ARG TORCH_BUILD_FLAGS="USE_CUDA=1 USE_CUDNN=1 USE_NCCL=1 USE_SYSTEM_NCCL=1 USE_KINETO=1 USE_DISTRIBUTED=1 USE_FLASH_ATTENTION=0 USE_MEM_EFF_ATTENTION=1 USE_CUSPARSELT=0 USE_CUDSS=0 USE_CUFILE=0 USE_NVSHMEM=0 BUILD_TEST=0"
 ARG MAX_JOBS=auto
 ARG NVCC_THREADS=1
-ARG CPU_FLAGS="-mcpu=neoverse-n1"
+ARG CPU_FLAGS="-mtune=neoverse-n1"
 COPY --from=torch-headers /report/torch-headers.log /report/torch-headers.log
 RUN --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \

@@ -1,0 +1,141 @@
+"""Issue 51, item 1: the flag-set rehearsal (dockerfiles/check-flagsets.py) and the g5g host flags it proved.
+
+The planner is called on compile_commands.json entries written here; the compiles are real (the host's gcc, and
+Debian's aarch64 cross compiler where installed: `apt-get install gcc-aarch64-linux-gnu g++-aarch64-linux-gnu`).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from g5g import manifest
+
+REPO = Path(__file__).resolve().parent.parent
+TOOL = REPO / "dockerfiles/check-flagsets.py"
+spec = importlib.util.spec_from_file_location("check_flagsets", TOOL)
+cf = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = cf                             # dataclasses look their module up
+spec.loader.exec_module(cf)
+CROSS = shutil.which("aarch64-linux-gnu-g++")
+# The arm64 flag sets of FBGEMM (torch's third_party/fbgemm, CMakeLists.txt): its Neon and SVE targets' -march,
+# compiled under its own -Werror (cmake/modules/CppLibrary.cmake).
+FBGEMM_ARM64 = ["-march=armv8.2-a+fp16fml", "-march=armv8-a+sve2"]
+
+
+def entry(directory, file, *args, command=False):
+    e = {"directory": str(directory), "file": file}
+    return {**e, "command": " ".join(args)} if command else {**e, "arguments": list(args)}
+
+
+def tool(*args, cwd=None):
+    return subprocess.run([sys.executable, str(TOOL), *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
+
+
+def test_entries_group_by_language_and_flags_less_their_own_files():
+    """Two sources of one target are one set whatever their object, dependency file or source; another -march is
+    another set; C, C++ and CUDA by suffix; our flags go right after the compiler (past a ccache launcher), each
+    language its own; an assembly source is set aside, not compiled."""
+    items = cf.entries(json.dumps([
+        entry("/b", "/s/a.cc", "ccache", "/usr/bin/g++", "-O2", "-Werror", "-MD", "-MT", "a.o", "-MF", "a.o.d",
+              "-o", "a.o", "-c", "/s/a.cc"),
+        entry("/b", "../s/b.cpp", "ccache /usr/bin/g++ -O2 -Werror -MD -MTb.o -MFb.o.d -ob.o -c ../s/b.cpp",
+              command=True),
+        entry("/b", "/s/k.cc", "/usr/bin/g++", "-O2", "-Werror", "-march=armv8-a+sve2", "-o", "k.o", "-c", "/s/k.cc"),
+        entry("/b", "/s/c.c", "/usr/bin/gcc", "-O2", "-o", "c.o", "-c", "/s/c.c"),
+        entry("/b", "/s/d.cu", "/cuda/bin/nvcc", "-gencode=arch=compute_75,code=sm_75", "-x", "cu", "-c", "/s/d.cu",
+              "-o", "d.o"),
+        entry("/b", "/s/e.S", "/usr/bin/gcc", "-o", "e.o", "-c", "/s/e.S"),
+    ]))
+    sets, other = cf.plan(items, {"C": ["-mtune=x"], "CXX": ["-mtune=y"], "CUDA": ["--threads=1"]})
+    assert [(s.language, s.entries, s.entry.file) for s in sets] == [
+        ("CXX", 2, "/s/a.cc"), ("CXX", 1, "/s/k.cc"), ("C", 1, "/s/c.c"), ("CUDA", 1, "/s/d.cu")]
+    assert sets[0].flags == ("ccache", "/usr/bin/g++", "-O2", "-Werror")
+    assert sets[0].command == ("ccache", "/usr/bin/g++", "-mtune=y", "-O2", "-Werror", "-c", "/s/a.cc", "-o", cf.OUT)
+    assert sets[2].command[:2] == ("/usr/bin/gcc", "-mtune=x")
+    assert sets[3].command == ("/cuda/bin/nvcc", "--threads=1", "-gencode=arch=compute_75,code=sm_75", "-x", "cu",
+                               "-c", "/s/d.cu", "-o", cf.OUT)
+    assert [e.file for e in other] == ["/s/e.S"]
+    assert cf.summary(sets, other) == ("4 flag sets (C 1, CXX 2, CUDA 1) over 5 entries; 1 entries in no language "
+                                       "of ours, not compiled")
+
+
+@pytest.mark.parametrize("text,says", [
+    ("{not json", "not JSON"),
+    ("[]", "expected a non-empty list"),
+    ('[{"directory": "/b", "file": "a.c"}]', "entry 0 (a.c) has neither arguments nor a command"),
+    ('[{"file": "a.c", "command": "gcc -c a.c"}]', "entry 0 lacks its directory or file"),
+    ('[{"directory": "/b", "file": "a.c", "command": "gcc \'-c a.c"}]', "its command does not split"),
+    ('[{"directory": "/b", "file": "a.S", "command": "gcc -c a.S"}]', "no C, C++ or CUDA entry"),
+])
+def test_bad_input_gets_one_line(tmp_path, text, says):
+    (tmp_path / "cc.json").write_text(text)
+    r = tool(tmp_path / "cc.json")
+    assert r.returncode == 1 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stdout == ""
+
+
+def test_missing_file_gets_one_line(tmp_path):
+    r = tool(tmp_path / "nowhere.json")
+    assert r.returncode == 1 and r.stderr.strip() == f"check-flagsets: {tmp_path / 'nowhere.json'}: No such file or directory"
+
+
+def host_project(tmp_path: Path) -> Path:
+    """A compile_commands.json of three flag sets, compiled by the host's gcc; the third is never reached when the
+    second fails."""
+    (tmp_path / "a.c").write_text("int a(void) { return 1; }\n")
+    (tmp_path / "b.cc").write_text("int b() { return 2; }\n")
+    (tmp_path / "c.cc").write_text("int c() { return 3; }\n")
+    (tmp_path / "cc.json").write_text(json.dumps([
+        entry(tmp_path, "a.c", "gcc", "-O2", "-Werror", "-o", "a.o", "-c", "a.c"),
+        entry(tmp_path, "b.cc", "g++ -O2 -Werror -o b.o -c b.cc", command=True),
+        entry(tmp_path, "c.cc", "g++", "-O1", "-o", "c.o", "-c", "c.cc"),
+    ]))
+    return tmp_path / "cc.json"
+
+
+@pytest.mark.skipif(not shutil.which("gcc") or not shutil.which("g++"), reason="no host gcc/g++")
+def test_every_set_compiles_and_the_first_error_stops_with_its_command(tmp_path):
+    cc = host_project(tmp_path)
+    good = tool(cc, "--cflags=-O0", "--cxxflags=-g")
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "3 flag sets (C 1, CXX 2, CUDA 0) over 3 entries" in good.stdout
+    assert good.stdout.count(": ok (") == 3 and "every flag set compiled with the exported flags" in good.stdout
+    assert not list(tmp_path.glob("*.o"))              # the objects went to a scratch directory
+    bad = tool(cc, "--cflags=-O0", "--cxxflags=-mtune=no-such-cpu")
+    assert bad.returncode == 1
+    assert "[1/3] C (1 entries) a.c: ok" in bad.stdout and "[2/3] CXX (1 entries) b.cc: FAILED" in bad.stdout
+    assert "[3/3]" not in bad.stdout                    # stopped at the first error
+    assert "g++ -mtune=no-such-cpu -O2 -Werror -c b.cc -o " in bad.stdout   # the failing command, as run
+    assert "FAILED at flag set 2 of 3" in bad.stderr and "no-such-cpu" in bad.stderr
+
+
+def test_plan_compiles_nothing(tmp_path):
+    cc = host_project(tmp_path)
+    (tmp_path / "b.cc").write_text("this is not C++\n")
+    r = tool(cc, "--plan", "--cxxflags=-mtune=neoverse-n1")
+    assert r.returncode == 0 and r.stdout.count(" | ") == 3 and "g++ -mtune=neoverse-n1 -O2 -Werror -c b.cc" in r.stdout
+
+
+@pytest.mark.skipif(not CROSS, reason="Debian's aarch64 cross compiler not installed (g++-aarch64-linux-gnu)")
+@pytest.mark.parametrize("profile_flags,ok", [("-mcpu=neoverse-n1", False), (None, True)])
+def test_g5g_host_flags_against_fbgemms_arm64_flag_sets(tmp_path, profile_flags, ok):
+    """The refusal the review found, reproduced with FBGEMM's two arm64 -march under -Werror: the old
+    `-mcpu=neoverse-n1` stops at the SVE set; the g5g profile's flags as the manifest has them (None) compile both."""
+    flags = profile_flags or manifest.load(REPO / "manifests", profile="g5g").profiles["g5g"].cpu_flags
+    for i, march in enumerate(FBGEMM_ARM64):
+        (tmp_path / f"k{i}.cc").write_text(f"int k{i}() {{ return {i}; }}\n")
+    (tmp_path / "cc.json").write_text(json.dumps([
+        entry(tmp_path, f"k{i}.cc", CROSS, "-O2", "-Wall", "-Werror", march, "-o", f"k{i}.o", "-c", f"k{i}.cc")
+        for i, march in enumerate(FBGEMM_ARM64)]))
+    r = tool(tmp_path / "cc.json", f"--cxxflags={flags}")
+    assert (r.returncode == 0) is ok, r.stdout + r.stderr
+    if not ok:
+        assert "[2/2] CXX (1 entries) k1.cc: FAILED" in r.stdout
+        assert "conflicts with '-march=armv8-a+sve2'" in r.stdout.replace("‘", "'").replace("’", "'")
