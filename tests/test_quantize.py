@@ -3,9 +3,8 @@ quantised model against the 16-bit one on both runtimes (KL divergence, top-1 ag
 
 Tolerances, per scheme (mean over teacher-forced positions of KL(p_fp32 || p_quant) in nats; top-1 agreement):
   w8a16  KL < 2e-3, top-1 >= 0.97      w4a16  KL < 5e-2, top-1 >= 0.85      (trained tiny checkpoint)
-E2B-shaped random weights (flat logits, where int4's noise flips most near-ties; measured KL 1.2e-3 and 0.13,
-top-1 0.91 and 0.31): w8a16 KL < 5e-3, top-1 >= 0.85; w4a16 KL < 0.3, top-1 >= 0.25. In both models int4's KL
-is ~100x int8's (KL grows with the square of the weight noise: ~10x the noise).
+E2B-shaped random weights: tests/test_quantize_e2b.py. In both models int4's KL is ~100x int8's (KL grows with the
+square of the weight noise: ~10x the noise).
 And greedy equality wherever the original's top-1/top-2 margin exceeds twice the largest logit change.
 int8 per channel keeps ~8 bits of each weight, int4 per group of 32 ~4: the bounds leave room for the test's
 randomness (random-weight models have flat, near-tied logits), not for a wrong packing (tested exactly below),
@@ -15,9 +14,7 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -35,9 +32,9 @@ from serving import memory_plan, quantized  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import quantize  # noqa: E402  (tools/quantize.py)
 from devtools.tiny_gemma4 import _prompt_ids  # noqa: E402
+from tests.fixtures.quantised import assert_safe_argmax_kept, kl_top1, quantised, runtime_logits  # noqa: E402
 
 BOUNDS = {"w8a16": (2e-3, 0.97), "w4a16": (5e-2, 0.85)}
-BOUNDS_RANDOM = {"w8a16": (5e-3, 0.85), "w4a16": (0.3, 0.25)}   # random weights: flat logits, near-ties
 
 
 @pytest.mark.parametrize("scheme,group", [("w8a16", None), ("w4a16", None), ("w4a16", 128)])
@@ -76,17 +73,10 @@ def test_codes_are_quantised_against_the_float16_scale_that_is_stored(scheme, gr
     np.testing.assert_array_equal(np.round(got), want.numpy())
 
 
-def _quantised(src: Path, tmp: Path, scheme: str) -> Path:
-    out = tmp / scheme
-    if not out.exists():
-        quantize.quantize(src, out, scheme, log=lambda *_: None)
-    return out
-
-
 @pytest.fixture(scope="module")
 def tiny_quantised(tiny_gemma4, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tiny-q")
-    return tiny_gemma4, {s: _quantised(tiny_gemma4, tmp, s) for s in BOUNDS}
+    return tiny_gemma4, {s: quantised(tiny_gemma4, tmp, s) for s in BOUNDS}
 
 
 def test_written_config_is_what_compressed_tensors_and_our_plan_read(tiny_quantised):
@@ -122,46 +112,6 @@ def test_written_config_is_what_compressed_tensors_and_our_plan_read(tiny_quanti
         assert plan.weights == text_bf16 + packed - shapes
 
 
-def _runtime_logits(runtime: str, model_dir: Path, ids: list[int]) -> np.ndarray:
-    """float32 logits [len(ids), V] of each position, teacher-forced, from the runtime as it serves. "jax-reduce": JAX
-    with packed weights multiplied as on a GPU without Triton GEMM (G5G_JAX_PACKED_DOT=reduce: the decode steps'
-    products are model.matmul's multiply-reduce, the prefill's a dot)."""
-    if runtime == "pytorch":
-        from serving.torch_runtime import load
-        engine = load(model_dir, device="cpu", slots=1)
-        with torch.no_grad():
-            return engine.model(torch.tensor([ids])).logits[0].float().numpy()
-    from serving.engine import SamplingParams
-    from serving.jax_runtime import Settings, load
-    engine = load(model_dir, Settings(buckets=(64, 128), dtype="float32", cache_dir=None, slots=1, batches=(1,),
-                                      packed_dot="reduce" if runtime == "jax-reduce" else "dot"))
-    engine.start(0, ids[:1], SamplingParams(temperature=0.0))
-    out = [engine.logits(0)]
-    for t in ids[1:]:
-        engine.step({0: t})
-        out.append(engine.logits(0))
-    return np.stack(out)
-
-
-def _assert_safe_argmax_kept(ref: np.ndarray, got: np.ndarray, scheme: str, min_safe: float = 0.5) -> None:
-    """Greedy equality where the margin allows: at every position whose top-1/top-2 logit gap in the original
-    exceeds twice the largest logit change the scheme made there, the argmax is the same; and such positions
-    are at least min_safe of all (else the check would be empty)."""
-    srt = np.sort(ref, -1)
-    safe = srt[:, -1] - srt[:, -2] > 2 * np.abs(got - ref).max(-1)
-    print(f"  {scheme}: {safe.mean():.2f} of positions have the margin")
-    assert safe.mean() >= min_safe, (scheme, safe.mean())
-    assert np.all(got.argmax(-1)[safe] == ref.argmax(-1)[safe]), scheme
-
-
-def _kl_top1(ref: np.ndarray, got: np.ndarray) -> tuple[float, float]:
-    def logp(x):
-        x = x - x.max(-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(-1, keepdims=True))
-    p, q = logp(ref.astype(np.float64)), logp(got.astype(np.float64))
-    return float((np.exp(p) * (p - q)).sum(-1).mean()), float((ref.argmax(-1) == got.argmax(-1)).mean())
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("runtime", ["pytorch", "jax", "jax-reduce"])
 def test_tiny_quantised_logits_and_greedy_answer(tiny_quantised, runtime):
@@ -173,69 +123,17 @@ def test_tiny_quantised_logits_and_greedy_answer(tiny_quantised, runtime):
     tok = AutoTokenizer.from_pretrained(src)
     prompt = _prompt_ids(tok)
     ids = prompt + tok.encode(ANSWER, add_special_tokens=False)
-    ref = _runtime_logits(runtime, src, ids)
+    ref = runtime_logits(runtime, src, ids)
     for scheme, out in outs.items():
-        got = _runtime_logits(runtime, out, ids)
-        kl, top1 = _kl_top1(ref, got)
+        got = runtime_logits(runtime, out, ids)
+        kl, top1 = kl_top1(ref, got)
         print(f"{runtime} tiny {scheme}: KL {kl:.2e} top-1 {top1:.3f}")
         assert kl < BOUNDS[scheme][0] and top1 >= BOUNDS[scheme][1], (scheme, kl, top1)
         # greedy: the trained answer's tokens stay the argmax wherever the margin allows
         ans = slice(len(prompt) - 1, len(ids) - 1)
         assert np.all(ref[ans].argmax(-1) == np.array(ids[len(prompt):]))        # the original answers it
-        _assert_safe_argmax_kept(ref[ans], got[ans], scheme)
+        assert_safe_argmax_kept(ref[ans], got[ans], scheme)
 
-
-@pytest.fixture(scope="module")
-def e2b_shaped(tmp_path_factory):
-    """E2B's widths (hidden 1536, MLP 6144/12288, heads 8x256 / 8x512, 1 KV head, PLE 256), 7 layers (E2B's
-    first five, then a sliding and a full layer sharing the KV of layers 3 and 4) and a 4096-token vocabulary:
-    CPU- and disk-sized (1.2 GB written, removed after), random weights as benchmarks/jax_gpu_e2b_shape.py draws
-    them (small q/k norms: otherwise attention is one-hot and chaotic)."""
-    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
-
-    text = dict(memory_plan._gemma4_e2b_text(7), num_kv_shared_layers=2, vocab_size=4096,
-                vocab_size_per_layer_input=4096,
-                final_logit_softcapping=30.0, max_position_embeddings=4096)
-    model = Gemma4ForConditionalGeneration(Gemma4Config(text_config=text, vision_config=None, audio_config=None))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if not t.is_floating_point() or "inv_freq" in name or "embed_scale" in name:
-                continue
-            if name.endswith("layer_scalar"):
-                t.copy_(torch.rand(t.shape, generator=gen) * 0.5 + 0.5)
-            elif "q_norm" in name or "k_norm" in name:
-                t.copy_(0.25 * (1 + 0.2 * torch.randn(t.shape, generator=gen)))
-            elif "norm" in name:
-                t.copy_(1 + 0.2 * torch.randn(t.shape, generator=gen))
-            else:
-                t.copy_(torch.randn(t.shape, generator=gen) / t.shape[-1] ** 0.5)
-    shm = Path("/dev/shm")        # 1.2 GB of scratch: in memory where there is a tmpfs for it, not on the disk
-    tmp = Path(tempfile.mkdtemp(prefix="e2b-shaped-", dir=shm if shm.is_dir() else None))
-    model.half().save_pretrained(tmp / "fp16")
-    del model
-    yield tmp / "fp16", {s: _quantised(tmp / "fp16", tmp, s) for s in BOUNDS}
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
-@pytest.mark.slow
-def test_e2b_shaped_quantised_logits(e2b_shaped):
-    """Random weights at E2B's widths: the quantised model against the original on both runtimes, and the two
-    runtimes against each other on the same quantised checkpoint (they read the packed weights independently)."""
-    src, outs = e2b_shaped
-    ids = np.random.default_rng(1).integers(3, 4096, 64).tolist()
-    logits = {(rt, name): _runtime_logits(rt, d, ids) for rt in ("pytorch", "jax")
-              for name, d in [("fp16", src), *outs.items()]}
-    for scheme in outs:
-        np.testing.assert_allclose(logits["jax", scheme], logits["pytorch", scheme], atol=2e-3, rtol=0)
-        for rt in ("pytorch", "jax"):
-            ref, got = logits[rt, "fp16"], logits[rt, scheme]
-            kl, top1 = _kl_top1(ref, got)
-            print(f"{rt} e2b-shaped {scheme}: KL {kl:.2e} top-1 {top1:.3f}")
-            assert kl < BOUNDS_RANDOM[scheme][0] and top1 >= BOUNDS_RANDOM[scheme][1], (scheme, kl, top1)
-            # int4 on flat random logits: no position's margin exceeds twice its largest logit change (measured
-            # 0 of 64), so greedy equality is not claimed there; int8: 23% of positions have it
-            _assert_safe_argmax_kept(ref, got, scheme, min_safe={"w8a16": 0.1, "w4a16": 0.0}[scheme])
 
 def test_vllm_0_33_parses_the_config_into_marlin_wna16(tiny_quantised, tmp_path):
     """vLLM 0.33.0's own CompressedTensorsConfig (from the pinned sdist, the rest of vLLM stood in for, platform
