@@ -5,6 +5,8 @@ against transformers' own eager decode, whose T4G step time is published.
     python benchmarks/t4g_model.py OUT_DIR [--runtimes transformers,pytorch,jax] [--schemes fp16,w8a16,w4a16]
         [--heads fp16,int8] [--ncu-budget 800] [--work DIR] [--steps 32] [--tiny] [--no-ncu]
     python benchmarks/t4g_model.py OUT_DIR --recompute      # the predictions again from OUT_DIR/raw/ (no GPU)
+    python benchmarks/t4g_model.py OUT_DIR --recompute --wire serving_speed.json   # + the served TPOT beside each
+                                                            # fp16 cell's wall per step (same GPU)
 
 A cell is a (runtime, scheme): `transformers` is the calibration (transformers' eager decode, fp16, SDPA, dynamic
 cache: what a transformers server runs), `pytorch` and `jax` our runtimes. Each cell is three child processes at
@@ -677,8 +679,29 @@ def measure_cell(runtime: str, ckpt: Path, env: dict, a, ncu: str | None, metric
     return raw
 
 
-def table(raws: dict[str, dict]) -> dict:
-    """t4g_model.json's figures from every cell's raw record."""
+WIRE_PHASES = {"jax": "jax", "pytorch": "pytorch_batched"}     # serving_speed's server of SLOTS slots per runtime
+
+
+def wall_vs_wire(cell: dict, runtime: str, wire: dict) -> dict:
+    """The measured step beside the served one (an fp16 cell): the cell's wall per step here with 1 and 8 live
+    sequences against serving_speed's TPOT on the wire (single stream of 256 tokens; per stream of 8x256), from
+    a serving_speed.json of the same GPU (`device` must match), and each pair's difference."""
+    server = wire.get(WIRE_PHASES.get(runtime, ""), {})
+    out = {"wall_ms_here_1": cell.get("step_ms_1"), "wall_ms_here_8": cell.get("step_ms_8"),
+           "wire_tpot_ms_1": (server.get("single_256") or {}).get("median_tpot_ms"),
+           "wire_tpot_ms_8": (server.get("concurrent_8x256") or {}).get("median_tpot_ms"),
+           "wire_device": wire.get("device"), "wall_device": (cell.get("here") or {}).get("device")}
+    for live in LIVE:
+        wall, tpot = out[f"wall_ms_here_{live}"], out[f"wire_tpot_ms_{live}"]
+        out[f"wall_vs_wire_pct_{live}"] = round((wall / tpot - 1) * 100, 1) if wall and tpot else None
+    out["wall_within_15pct_of_wire"] = (out["wire_device"] == out["wall_device"] and all(
+        out[f"wall_vs_wire_pct_{live}"] is not None and abs(out[f"wall_vs_wire_pct_{live}"]) <= 15 for live in LIVE))
+    return out
+
+
+def table(raws: dict[str, dict], wire: dict | None = None) -> dict:
+    """t4g_model.json's figures from every cell's raw record (and, with `wire`, a serving_speed.json of the same
+    GPU: each fp16 cell's wall per step beside the served TPOT)."""
     out: dict = {"constants": CONSTANTS, "anchors": ANCHORS, "runtimes": {}, "calibration": {}}
     for name, raw in sorted(raws.items()):
         runtime, key = name.split("-", 1)
@@ -692,12 +715,19 @@ def table(raws: dict[str, dict]) -> dict:
         if runtime == "transformers":
             out["calibration"]["transformers_eager"] = {**cell, **calibration(cell)}
         else:
+            if wire and key == "fp16":
+                cell.update(wall_vs_wire(cell, runtime, wire))
             out["runtimes"].setdefault(runtime, {})[key] = cell
     for runtime in ("pytorch", "jax"):        # every cell of the table, measured or not
         for scheme in SCHEMES:
             out["runtimes"].setdefault(runtime, {}).setdefault(scheme, {
                 "predicted_tok_s_1": None, "predicted_tok_s_8": None, "bytes_per_token": None, "note": "not measured"})
     return out
+
+
+def wire_record(a) -> dict | None:
+    path = a.wire or (a.out / "serving_speed.json")
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def main() -> int:
@@ -712,6 +742,8 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny widths: a CPU run of the code paths")
     ap.add_argument("--no-ncu", action="store_true")
     ap.add_argument("--recompute", action="store_true", help="the table again from OUT/raw/ (no GPU)")
+    ap.add_argument("--wire", type=Path, help="serving_speed.json of the same GPU (default: OUT/serving_speed.json "
+                    "if there): each fp16 cell's wall per step beside the served TPOT")
     ap.add_argument("--child", nargs=2, metavar=("RUNTIME", "CKPT"))
     ap.add_argument("--result", type=Path)
     ap.add_argument("--profile", action="store_true")
@@ -724,7 +756,7 @@ def main() -> int:
     if a.recompute:
         raws = {p.stem: json.loads(p.read_text()) for p in rawdir.glob("*.json")}
         prev = json.loads((a.out / "t4g_model.json").read_text()) if (a.out / "t4g_model.json").exists() else {}
-        (a.out / "t4g_model.json").write_text(json.dumps({**prev, **table(raws)}, indent=1))
+        (a.out / "t4g_model.json").write_text(json.dumps({**prev, **table(raws, wire_record(a))}, indent=1))
         return 0
     a.work.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT))
@@ -760,11 +792,11 @@ def main() -> int:
         raws[name] = raw
         (rawdir / f"{name}.json").write_text(json.dumps(raw))
         head["total_s"] = round(time.perf_counter() - t_all, 1)
-        (a.out / "t4g_model.json").write_text(json.dumps({**head, **table(raws)}, indent=1))
+        (a.out / "t4g_model.json").write_text(json.dumps({**head, **table(raws, wire_record(a))}, indent=1))
         print(name, json.dumps({k: raw.get(k) for k in ("cell_s", "step_ms_1", "step_ms_8", "error", "ncu_error")}),
               flush=True)
     head["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    (a.out / "t4g_model.json").write_text(json.dumps({**head, **table(raws)}, indent=1))
+    (a.out / "t4g_model.json").write_text(json.dumps({**head, **table(raws, wire_record(a))}, indent=1))
     return 0
 
 

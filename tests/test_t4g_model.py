@@ -354,3 +354,23 @@ def test_the_measure_builds_its_engine_as_the_server_does(monkeypatch, tmp_path)
     assert "Settings(" not in src and "torch_runtime import load" not in src     # no engine built any other way
     main_src = Path(server_main.__file__).read_text()
     assert "return load_engine(args.runtime, model, args.max_model_len)" in main_src
+
+
+def test_each_fp16_cells_wall_sits_beside_the_served_tpot_of_the_same_gpu():
+    wire = {"device": "NVIDIA H100 80GB HBM3",
+            "jax": {"single_256": {"median_tpot_ms": 3.85}, "concurrent_8x256": {"median_tpot_ms": 5.3}},
+            "pytorch_batched": {"single_256": {"median_tpot_ms": 3.7}, "concurrent_8x256": {"median_tpot_ms": 7.3}}}
+    here = {**HERE, "device": "NVIDIA H100 80GB HBM3"}
+    raws = {"jax-fp16": {"step_ms_1": 4.0, "step_ms_8": 5.0, "here": here},
+            "pytorch-fp16": {"step_ms_1": 5.2, "step_ms_8": 5.3, "here": here},
+            "jax-w8a16": {"step_ms_1": 9.0, "here": here}}
+    made = tm.table(raws, wire)["runtimes"]
+    jax = made["jax"]["fp16"]
+    assert (jax["wall_ms_here_1"], jax["wire_tpot_ms_1"], jax["wall_ms_here_8"], jax["wire_tpot_ms_8"]) == \
+        (4.0, 3.85, 5.0, 5.3)
+    assert jax["wall_vs_wire_pct_1"] == pytest.approx(3.9) and jax["wall_within_15pct_of_wire"]
+    torch_ = made["pytorch"]["fp16"]                        # 5.2 against 3.7: +40.5%, the 8-slot server's TPOT
+    assert torch_["wall_vs_wire_pct_1"] == pytest.approx(40.5) and not torch_["wall_within_15pct_of_wire"]
+    assert "wire_tpot_ms_1" not in made["jax"]["w8a16"]
+    other = tm.table({"jax-fp16": {**raws["jax-fp16"], "here": {**HERE, "device": "NVIDIA H200"}}}, wire)
+    assert not other["runtimes"]["jax"]["fp16"]["wall_within_15pct_of_wire"]    # another GPU: no comparison
