@@ -36,7 +36,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 BUCKETS = "128,512,1024"        # JAX length ladder for this run: 512-token prompts + 256 tokens fit in 1024
 SLOTS = 8
+# The servers' flags and settings: benchmarks/t4g_model.py builds its engines with the same (served_settings), so
+# the step it times is the step these servers serve.
+SERVER_FLAGS = ("--max-model-len", "1024")
 RESULT: dict = {}
+
+
+def served_settings(work: Path, torch_slots: int = SLOTS) -> dict[str, str]:
+    """The runtimes' settings (G5G_* variables) these servers run with; their compile caches under `work`."""
+    return {"G5G_JAX_CACHE_DIR": str(work / "jaxcache"), "G5G_JAX_BUCKETS": BUCKETS, "G5G_JAX_SLOTS": str(SLOTS),
+            "G5G_TORCH_SLOTS": str(torch_slots), "G5G_TORCH_CACHE_DIR": str(work / f"torchcache{torch_slots}")}
 
 
 def note(out: Path, **kw) -> None:
@@ -111,12 +120,10 @@ def measure_server(runtime: str, ckpt: Path, work: Path, runs: int, p: dict, tor
                    **extra: str) -> dict:
     from devtools.server import serving, serving_env
 
-    env = serving_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"), G5G_JAX_CACHE_DIR=str(work / "jaxcache"),
-                      G5G_JAX_BUCKETS=BUCKETS, G5G_JAX_SLOTS=str(SLOTS), XLA_PYTHON_CLIENT_MEM_FRACTION="0.5",
-                      G5G_TORCH_SLOTS=str(torch_slots),
-                      G5G_TORCH_CACHE_DIR=str(work / f"torchcache{torch_slots}"), **extra)
+    env = serving_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"), XLA_PYTHON_CLIENT_MEM_FRACTION="0.5",
+                      **{**served_settings(work, torch_slots), **extra})
     # --max-queue-wait 0: the concurrent runs queue on a one-slot runtime by design (throughput, not latency)
-    flags = ("--max-model-len", "1024", "--served-model-name", "e2b", "--max-waiting", "64", "--max-queue-wait", "0",
+    flags = (*SERVER_FLAGS, "--served-model-name", "e2b", "--max-waiting", "64", "--max-queue-wait", "0",
              "--log-level", "warning")
     res: dict = {"log_tail": {}}
     # the first boot compiles into an empty cache (JAX: the bucket ladder; PyTorch: the decode step): time it, then

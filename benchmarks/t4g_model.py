@@ -3,8 +3,10 @@ with physical constants (CONSTANTS: each with its source and an optimistic and a
 against transformers' own eager decode, whose T4G step time is published.
 
     python benchmarks/t4g_model.py OUT_DIR [--runtimes transformers,pytorch,jax] [--schemes fp16,w8a16,w4a16]
-        [--heads fp16,int8] [--ncu-budget 320] [--work DIR] [--steps 32] [--tiny] [--no-ncu]
+        [--heads fp16,int8] [--ncu-budget 800] [--work DIR] [--steps 32] [--tiny] [--no-ncu]
     python benchmarks/t4g_model.py OUT_DIR --recompute      # the predictions again from OUT_DIR/raw/ (no GPU)
+    python benchmarks/t4g_model.py OUT_DIR --recompute --wire serving_speed.json   # + the served TPOT beside each
+                                                            # fp16 cell's wall per step (same GPU)
 
 A cell is a (runtime, scheme): `transformers` is the calibration (transformers' eager decode, fp16, SDPA, dynamic
 cache: what a transformers server runs), `pytorch` and `jax` our runtimes. Each cell is three child processes at
@@ -77,6 +79,13 @@ CONSTANTS = {
                   "Optimistic: the smallest kernel traced on the H200 scaled to 1.29 GHz (1.03 us, "
                   "`launch_floor_scaled_s`); point and pessimistic: 2 and 3 us, what small PyTorch kernels commonly "
                   "show on a T4 in traces"},
+    "t4g_gemv_Bps": {
+        "value": None, "optimistic": None, "pessimistic": None,      # GEMV_SOURCE's arithmetic, filled in below
+        "source": "the DRAM rate a T4G GEMV reaches (a weight read at 1-8 rows): the published T4G profile of "
+                  "transformers' eager decode, E2B fp16, batch 1 (2026-08-29, the 93.2 ms step): cuBLAS gemv2T "
+                  "10.155 ms + gemvx 9.634 ms = 19.79 ms a step, for the bytes those kernels read (GEMV_SOURCE). "
+                  "Optimistic: the same time with the tied LM head's bytes counted in too; pessimistic: the copy "
+                  "rate's own pessimistic ratio (250/277) applied to it"},
     "host_factor": {
         "value": 2.5, "optimistic": 2.0, "pessimistic": 3.0,
         "source": "Graviton2 (Neoverse N1, 2.5 GHz) against this GPU's x86 host for the per-step Python and "
@@ -84,6 +93,25 @@ CONSTANTS = {
                   "(issue 38's published comparison); cross-checked by vLLM, same T4, 42.4 tok/s on a g4dn "
                   "and 32.53 on a G5g (+7 ms a token of host)"},
 }
+# The GEMV rate's source: the published kernel times, and the bytes those kernels read in that step. At batch 1 a
+# GEMV reads its weight once, so the bytes are E2B's decoder-layer weights that a decode step streams: the memory
+# plan's streamed bytes a token of the fp16 checkpoint (serving/memory_plan.py; `plan_streamed_bytes` in
+# raw/transformers-fp16.json) less the tied LM head (vocab x hidden x 2 B). The head is left out: counted in, the
+# rate would be 230 GB/s, 83% of a T4G's copy rate, against the source's own reading (about two thirds).
+GEMV_SOURCE = {
+    "published_ms": {"gemv2T_kernel_val": 10.155, "gemvx_kernel": 9.634},
+    "plan_streamed_bytes": 4_558_946_304,         # serving/memory_plan.py, E2B fp16, text only (with the head)
+    "lm_head_bytes": 262_144 * 1536 * 2,          # vocab x hidden, fp16, tied: not a gemv2T/gemvx read
+    "source": "transformers eager decode (fp16, SDPA, dynamic cache), E2B, batch 1, g5g, 2026-08-29: the same "
+              "profile as the 93.2 ms step (issue 48, docs FACTS)",
+}
+GEMV_SOURCE["published_total_ms"] = round(sum(GEMV_SOURCE["published_ms"].values()), 3)
+GEMV_SOURCE["bytes"] = GEMV_SOURCE["plan_streamed_bytes"] - GEMV_SOURCE["lm_head_bytes"]
+_gemv = CONSTANTS["t4g_gemv_Bps"]
+_gemv["value"] = round(GEMV_SOURCE["bytes"] / (GEMV_SOURCE["published_total_ms"] * 1e-3), -6)
+_gemv["optimistic"] = round(GEMV_SOURCE["plan_streamed_bytes"] / (GEMV_SOURCE["published_total_ms"] * 1e-3), -6)
+_gemv["pessimistic"] = round(_gemv["value"] * CONSTANTS["t4g_bandwidth_Bps"]["pessimistic"]
+                             / CONSTANTS["t4g_bandwidth_Bps"]["value"], -6)
 POINT = {k: c["value"] for k, c in CONSTANTS.items()}
 OPTIMISTIC = {k: c["optimistic"] for k, c in CONSTANTS.items()}
 PESSIMISTIC = {k: c["pessimistic"] for k, c in CONSTANTS.items()}
@@ -170,6 +198,36 @@ def torch_trace_kernels(trace: dict) -> list[dict]:
              "blocks": math.prod(e.get("args", {}).get("grid") or [1])} for e in ev]
 
 
+SYNC_CALLS = re.compile(r"^cuda(Stream|Device|Event)Synchronize$|^cudaMemcpy")    # runtime calls that can block
+JAX_WAITS = re.compile(r"BlockHostUntilReady|BlockUntilReady|Synchroniz|Await|ToLiteral|TransferToHost|CopyToHost",
+                       re.I)
+
+
+def torch_trace_blocked_ms(trace: dict) -> float:
+    """The time the host spent in CUDA runtime calls that wait for the GPU (synchronise, copy to the host), from
+    a PyTorch profiler trace recorded with CPU activity: waiting, not work."""
+    return sum(float(e.get("dur", 0.0)) for e in trace.get("traceEvents", [])
+               if e.get("cat") == "cuda_runtime" and SYNC_CALLS.search(e.get("name", ""))) / 1e3
+
+
+def jax_trace_blocked_ms(profile) -> tuple[float, dict[str, float]]:
+    """The time the host spent waiting for the GPU in a jax.profiler ProfileData (host events named as waits,
+    JAX_WAITS; outermost only), and the host events' total ms per name (the 30 longest: what the names were)."""
+    blocked, names = 0.0, {}
+    for plane in profile.planes:
+        if not plane.name.startswith("/host"):
+            continue
+        for line in plane.lines:
+            end = -1
+            for e in sorted(line.events, key=lambda e: e.start_ns):
+                names[e.name] = names.get(e.name, 0.0) + e.duration_ns / 1e6
+                if JAX_WAITS.search(e.name) and e.start_ns >= end:
+                    blocked += e.duration_ns / 1e6
+                    end = e.start_ns + e.duration_ns
+    top = dict(sorted(names.items(), key=lambda kv: -kv[1])[:30])
+    return blocked, {k: round(v, 3) for k, v in top.items()}
+
+
 def jax_trace_kernels(profile) -> list[dict]:
     """The GPU kernels of a jax.profiler ProfileData, in start order (memory copies and sets left out)."""
     ev = []
@@ -193,7 +251,8 @@ def jax_trace_kernels(profile) -> list[dict]:
 
 
 def heavy_names(steps: list[list[dict]], budget: int) -> list[str]:
-    """Base names of the kernels ncu profiles: by their longest launch here, longest first, while all their
+    """Base names of the kernels ncu profiles: the matrix kernels (MATMUL: the weight reads the T4G GEMV rate
+    applies to, every launch of them) first, then by their longest launch here, longest first, while all their
     launches (over every step) fit the budget."""
     count: dict[str, int] = {}
     longest: dict[str, float] = {}
@@ -202,7 +261,7 @@ def heavy_names(steps: list[list[dict]], budget: int) -> list[str]:
         count[b] = count.get(b, 0) + 1
         longest[b] = max(longest.get(b, 0.0), k["dur_ns"])
     chosen, used = [], 0
-    for b in sorted(longest, key=lambda n: -longest[n]):
+    for b in sorted(longest, key=lambda n: (not MATMUL.search(n), -longest[n])):
         if used + count[b] <= budget:
             chosen.append(b)
             used += count[b]
@@ -230,16 +289,35 @@ def join(traced: list[dict], profiled: list[dict]) -> list[dict]:
 
 
 # -------------------------------------------------------------------------------------------- the model
+GEMV_MIN_READ = 2**20           # a weight read: at least 1 MiB from DRAM (E2B's smallest fp16 weight is 0.75 MiB:
+GEMV_MAX_WRITE_SHARE = 1 / 32   # its share of the step's bytes is negligible) and writes at most 1/32 of its reads
+ATTENTION = re.compile(r"fmha|flash|attn|attention|sdpa", re.I)
+MATMUL = re.compile(r"gemv|gemm|nvjet|xmma|cutlass|cublas", re.I)    # cuBLAS/cuBLASLt/CUTLASS matrix kernels
+
+
+def gemv_kind(k: dict) -> bool:
+    """A kernel of the GEMV's kind: a weight read at 1-8 rows (GEMV, packed w8/w4 GEMV, the LM head; on XLA a
+    multiply-reduce fusion): it streams a large operand from DRAM into a small output, at least GEMV_MIN_READ read
+    and at most GEMV_MAX_WRITE_SHARE of that written, and it is not attention (whose keys are not weights). Known
+    only from ncu's bytes: an unprofiled kernel is never of this kind."""
+    read, write = k.get(DRAM[0], 0.0), k.get(DRAM[1], 0.0)
+    return (bool(k.get("profiled")) and read >= GEMV_MIN_READ and write <= read * GEMV_MAX_WRITE_SHARE
+            and not ATTENTION.search(base_name(k["name"])))
+
+
 def t4g_kernel_s(k: dict, c: dict = POINT, here: dict | None = None) -> tuple[float, str]:
     """(seconds on a T4G, the bound that sets it) for one kernel: the largest of its DRAM bytes, its issue time
-    (FP32 at Turing's rate), its duration here scaled by clock and SM waves, and the launch floor."""
+    (FP32 at Turing's rate), its duration here scaled by clock and SM waves, and the launch floor. A kernel of the
+    GEMV's kind (gemv_kind) reads its bytes at the T4G GEMV rate (bound 'gemv bytes'), any other at the copy rate."""
     here = here or HERE
     dur = k.get("dur_ns", k.get("gpu__time_duration.sum", 0.0)) / 1e9
     blocks = k.get("blocks", 1)
     waves = min(blocks, here["sms"]) / min(blocks, c["t4g_sms"])     # 1 up to 40 blocks, then the SMs' ratio
     issue_cycles = max(k.get("smsp__inst_executed.sum", 0.0),
                        c["t4g_fp32_issue_cycles"] * k.get("smsp__inst_executed_pipe_fma.sum", 0.0))
-    by = {"bytes": sum(k.get(m, 0.0) for m in DRAM) / c["t4g_bandwidth_Bps"],
+    gemv = gemv_kind(k)       # a GEMV streams at the rate a T4G GEMV reaches, other kernels at the copy rate
+    by = {"gemv bytes" if gemv else "bytes":
+          sum(k.get(m, 0.0) for m in DRAM) / c["t4g_gemv_Bps" if gemv else "t4g_bandwidth_Bps"],
           "issue": issue_cycles / (c["t4g_sms"] * 4 * c["t4g_clock_hz"]),
           "latency": dur * here["clock_hz"] / c["t4g_clock_hz"] * waves,
           "launch floor": c["t4g_launch_floor_s"]}
@@ -248,20 +326,29 @@ def t4g_kernel_s(k: dict, c: dict = POINT, here: dict | None = None) -> tuple[fl
 
 
 def predict(kernels: list[dict], wall_ms: float, rows: int, c: dict = POINT, here: dict | None = None,
-            overlap: bool = True, host_all_wall: bool = True, least_bytes: float = 0.0) -> dict:
+            overlap: bool = True, host_all_wall: bool = True, least_bytes: float = 0.0,
+            work_ms: float | None = None) -> dict:
     """The T4G step for one step's kernels (t4g_kernel_s) and this GPU's wall time per step. Two lanes run at once
     (launches are asynchronous; our runtimes dispatch a step ahead): the GPU's, the kernels' T4G times, and the
     host's, this GPU's host work times the Graviton2 factor. overlap: the step is the slower lane (else, the
     pessimistic bound, their sum). host_all_wall: the host's work is the whole wall time here (its upper bound: all
     of it when this GPU is host-bound, as eager decode is); else only the time this GPU's kernels left uncovered.
     least_bytes: what the step must read at the least (the memory plan's weights a token): the GPU lane is never
-    shorter than reading them, whatever ncu could not profile (kernels inside CUDA graphs with conditional nodes)."""
+    shorter than reading them through GEMVs (the T4G GEMV rate), whatever ncu could not profile (kernels inside CUDA
+    graphs with conditional nodes).
+    work_ms: the host's work in a step, measured in the traced step: its wall time there less the time the host
+    spent blocked on this GPU (synchronising calls). Waiting is not work, so it is not scaled by the Graviton2
+    factor (a host that waits for the GPU does not wait 2.5 times as long on a T4G: the GPU lane says how long).
+    The tracer slows the host, so it is an upper bound; the host's work is never more than the wall time here
+    either. None: not measured, the whole wall time counts."""
     timed = [t4g_kernel_s(k, c, here) for k in kernels]
     here_ms = sum(k["dur_ns"] for k in kernels) / 1e6
-    floor_ms = least_bytes / c["t4g_bandwidth_Bps"] * 1e3
+    floor_ms = least_bytes / c["t4g_gemv_Bps"] * 1e3
     gpu_ms = max(sum(t for t, _ in timed) * 1e3, floor_ms)
     uncovered = max(0.0, wall_ms - here_ms)
-    host_ms = (wall_ms if host_all_wall else uncovered) * c["host_factor"]
+    work = wall_ms if work_ms is None else min(wall_ms, max(0.0, work_ms))
+    host_ms = (work if host_all_wall else min(work, uncovered)) * c["host_factor"]
+    gemv = [(k, t) for k, (t, _) in zip(kernels, timed) if gemv_kind(k)]
     by: dict[str, float] = {}
     for t, b in timed:
         by[b] = by.get(b, 0.0) + t * 1e3
@@ -269,12 +356,23 @@ def predict(kernels: list[dict], wall_ms: float, rows: int, c: dict = POINT, her
     step = max(gpu_ms, host_ms) if overlap else gpu_ms + host_ms
     return {"kernels": len(kernels), "dram_bytes": int(sum(k.get(m, 0.0) for k in kernels for m in DRAM)),
             "kernel_ms_here": round(here_ms, 3), "wall_ms_here": wall_ms, "host_ms_here": round(uncovered, 3),
+            "host_work_ms_here": round(work, 3), "host_work_measured": work_ms is not None,
+            "gemv_kernels": len(gemv), "gemv_bytes": int(sum(k.get(DRAM[0], 0.0) + k.get(DRAM[1], 0.0) for k, _ in gemv)),
+            "gemv_t4g_ms": round(sum(t for _, t in gemv) * 1e3, 3),
+            "gemv_rate_applied_to": dict(sorted(_count(base_name(k["name"]) for k, _ in gemv).items())),
             "t4g_kernel_ms": round(gpu_ms, 3), "weights_floor_ms": round(floor_ms, 3),
             "t4g_host_ms": round(host_ms, 3), "t4g_step_ms": round(step, 3),
             "bound_by": "host" if host_ms > gpu_ms else "gpu",
             "t4g_ms_by_bound": {b: round(v, 3) for b, v in sorted(by.items())},
             "unprofiled_kernels": len(missed), "unprofiled_ms_here": round(sum(k["dur_ns"] for k in missed) / 1e6, 3),
             "predicted_tok_s": round(rows * 1e3 / step, 1)}
+
+
+def _count(names) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for n in names:
+        out[n] = out.get(n, 0) + 1
+    return out
 
 
 def cell_prediction(raw: dict) -> dict:
@@ -287,12 +385,15 @@ def cell_prediction(raw: dict) -> dict:
         if not kernels or wall is None:
             continue
         weights = raw.get("plan_streamed_bytes") or 0
-        p = predict(kernels, wall, live, POINT, here, least_bytes=weights)
+        work = (raw.get("host_work_ms") or {}).get(str(live))
+        p = predict(kernels, wall, live, POINT, here, least_bytes=weights, work_ms=work)
         # optimistic: both lanes at their least (host: only the time the GPU left uncovered here), overlapped;
         # pessimistic: the same host time, with no overlap at all
         p["range_tok_s"] = [
-            predict(kernels, wall, live, c, here, overlap, host_all_wall=False, least_bytes=weights)["predicted_tok_s"]
+            predict(kernels, wall, live, c, here, overlap, host_all_wall=False, least_bytes=weights,
+                    work_ms=work)["predicted_tok_s"]
             for c, overlap in ((PESSIMISTIC, False), (OPTIMISTIC, True))]
+        p.update(layer_gemvs(kernels, here))
         out[f"step{live}"] = p
         out[f"predicted_tok_s_{live}"] = p["predicted_tok_s"]
         out[f"predicted_step_ms_{live}"] = p["t4g_step_ms"]
@@ -303,10 +404,33 @@ def cell_prediction(raw: dict) -> dict:
     return out
 
 
+def layer_gemvs(kernels: list[dict], here: dict | None = None, c: dict = POINT) -> dict:
+    """What the published GEMV figure covers, in one step: the decoder layers' weight GEMVs, i.e. the cuBLAS-family
+    matrix kernels (MATMUL) of the GEMV's kind, the LM head aside (a launch reading at least 90% of the tied head's
+    bytes). `layer_gemv_unprofiled`: matrix kernels ncu did not profile (their bytes unknown: the sum is short)."""
+    head = 0.9 * GEMV_SOURCE["lm_head_bytes"]
+    mats = [k for k in kernels if MATMUL.search(base_name(k["name"]))]
+    chosen = [k for k in mats if gemv_kind(k) and k.get(DRAM[0], 0.0) < head]
+    return {"layer_gemv_kernels": len(chosen),
+            "layer_gemv_bytes": int(sum(k.get(DRAM[0], 0.0) + k.get(DRAM[1], 0.0) for k in chosen)),
+            "layer_gemv_t4g_ms": round(sum(t4g_kernel_s(k, c, here)[0] for k in chosen) * 1e3, 3),
+            "layer_gemv_unprofiled": sum(not k.get("profiled") for k in mats)}
+
+
 def calibration(cell: dict) -> dict:
-    """The transformers eager cell against its published T4G step, and the host factor that step implies."""
+    """The transformers eager cell against its published T4G figures: the step (93.2 ms), and its weight GEMVs
+    (19.79 ms: the GPU lane's check, the kernels the T4G GEMV rate applies to); the host factor the step implies."""
     anchor = ANCHORS["transformers_eager_step_ms_1"]["value"]
-    out = {"published_step_ms_1": anchor, "published_source": ANCHORS["transformers_eager_step_ms_1"]["source"]}
+    out = {"published_step_ms_1": anchor, "published_source": ANCHORS["transformers_eager_step_ms_1"]["source"],
+           "published_gemv_ms_1": GEMV_SOURCE["published_total_ms"], "published_gemv_source": GEMV_SOURCE}
+    if "step1" in cell:
+        g = cell["step1"]
+        out["gemv_t4g_ms_1"] = g["layer_gemv_t4g_ms"]
+        out["gemv_bytes_1"] = g["layer_gemv_bytes"]
+        out["gemv_kernels_1"] = g["layer_gemv_kernels"]
+        out["gemv_unprofiled_1"] = g["layer_gemv_unprofiled"]
+        out["gemv_error_pct"] = round((g["layer_gemv_t4g_ms"] / out["published_gemv_ms_1"] - 1) * 100, 1)
+        out["gemv_within_15pct"] = abs(out["gemv_error_pct"]) <= 15 and not g["layer_gemv_unprofiled"]
     for key in ("predicted_step_ms_1", "predicted_step_ms_8", "step1", "step8"):
         if key in cell:
             out[key] = cell[key]
@@ -316,7 +440,7 @@ def calibration(cell: dict) -> dict:
         out["within_20pct"] = abs(out["error_pct"]) <= 20
         out["range_step_ms_1"] = [round(1e3 / t, 2) for t in s["range_tok_s"][::-1]]
         if s["bound_by"] == "host":     # not fitted: the host factor that would put the point on the anchor
-            out["implied_host_factor"] = round(anchor / s["wall_ms_here"], 2)
+            out["implied_host_factor"] = round(anchor / s["host_work_ms_here"], 2)
     return out
 
 
@@ -325,13 +449,12 @@ class EngineRunner:
     """One of our engines (serving.engine.Engine): sequences in the first `live` slots, greedy."""
 
     def __init__(self, runtime: str, ckpt: Path, settings_dir: Path):
-        if runtime == "pytorch":
-            from serving.torch_runtime import load
-            self.engine = load(ckpt, max_context=CONTEXT, slots=SLOTS)
-        else:
-            from serving.jax_runtime import Settings, load
-            self.engine = load(ckpt, Settings(buckets=(64, CONTEXT), cache_dir=str(settings_dir / "jaxcache"),
-                                              slots=SLOTS, batches=(1, SLOTS)))
+        # the engine the server builds (serving.__main__.load_engine) with serving_speed's flags; the settings come
+        # from the environment, which measure_cell gives serving_speed's (served_settings)
+        from benchmarks.serving_speed import SERVER_FLAGS
+        from serving.__main__ import load_engine, parse
+        args = parse(["--runtime", runtime, "--model", str(ckpt), *SERVER_FLAGS])
+        self.engine = load_engine(args.runtime, Path(args.model), args.max_model_len)
         from serving.engine import SamplingParams
         self.greedy = SamplingParams(temperature=0.0, ignore_eos=True)
         self.toks: dict = {}
@@ -423,32 +546,49 @@ def child(runtime: str, ckpt: Path, steps: int, result: Path, profile: bool, wor
                 sync()
                 torch.cuda.profiler.stop()
         else:
-            res["steps"][str(live)] = trace_step(runtime, runner, work / f"trace-{os.getpid()}-{live}", gpu)
+            traced = trace_step(runtime, runner, work / f"trace-{os.getpid()}-{live}", gpu)
+            res["steps"][str(live)] = traced.pop("kernels")
+            for key, value in traced.items():
+                res.setdefault(key, {})[str(live)] = value
     if gpu and not profile:
         res["here"] = {"clock_hz": gpu_clock_hz(), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
                        "device": torch.cuda.get_device_name()}
     result.write_text(json.dumps(res))
 
 
-def trace_step(runtime: str, runner, where: Path, gpu: bool) -> list[dict]:
-    """One step's kernels (name, duration here, blocks) from the cheap tracer."""
+def trace_step(runtime: str, runner, where: Path, gpu: bool) -> dict:
+    """One step from the cheap tracer: its kernels (name, duration here, blocks), its wall time traced, the time
+    its host spent blocked on the GPU, and the host's work (the difference)."""
     if not gpu:
         runner.step()
-        return []
+        return {"kernels": []}
+    out: dict = {}
     if runtime == "jax":
         import jax
         from jax.profiler import ProfileData
         with jax.profiler.trace(str(where)):
+            t0 = time.perf_counter()
             runner.step()
-        return jax_trace_kernels(ProfileData.from_file(str(next(where.rglob("*.xplane.pb")))))
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        runner.step()
-        torch.cuda.synchronize()
-    where.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(where / "trace.json"))
-    return torch_trace_kernels(json.loads((where / "trace.json").read_text()))
+            jax.effects_barrier()
+            wall = (time.perf_counter() - t0) * 1e3
+        data = ProfileData.from_file(str(next(where.rglob("*.xplane.pb"))))
+        blocked, out["host_events_ms"] = jax_trace_blocked_ms(data)
+        out["kernels"] = jax_trace_kernels(data)
+    else:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            runner.step()
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) * 1e3
+        where.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(where / "trace.json"))
+        trace = json.loads((where / "trace.json").read_text())
+        blocked = torch_trace_blocked_ms(trace)
+        out["kernels"] = torch_trace_kernels(trace)
+    out.update(traced_wall_ms=round(wall, 3), blocked_ms=round(blocked, 3), host_work_ms=round(wall - blocked, 3))
+    return out
 
 
 def gpu_clock_hz() -> float:
@@ -539,8 +679,29 @@ def measure_cell(runtime: str, ckpt: Path, env: dict, a, ncu: str | None, metric
     return raw
 
 
-def table(raws: dict[str, dict]) -> dict:
-    """t4g_model.json's figures from every cell's raw record."""
+WIRE_PHASES = {"jax": "jax", "pytorch": "pytorch_batched"}     # serving_speed's server of SLOTS slots per runtime
+
+
+def wall_vs_wire(cell: dict, runtime: str, wire: dict) -> dict:
+    """The measured step beside the served one (an fp16 cell): the cell's wall per step here with 1 and 8 live
+    sequences against serving_speed's TPOT on the wire (single stream of 256 tokens; per stream of 8x256), from
+    a serving_speed.json of the same GPU (`device` must match), and each pair's difference."""
+    server = wire.get(WIRE_PHASES.get(runtime, ""), {})
+    out = {"wall_ms_here_1": cell.get("step_ms_1"), "wall_ms_here_8": cell.get("step_ms_8"),
+           "wire_tpot_ms_1": (server.get("single_256") or {}).get("median_tpot_ms"),
+           "wire_tpot_ms_8": (server.get("concurrent_8x256") or {}).get("median_tpot_ms"),
+           "wire_device": wire.get("device"), "wall_device": (cell.get("here") or {}).get("device")}
+    for live in LIVE:
+        wall, tpot = out[f"wall_ms_here_{live}"], out[f"wire_tpot_ms_{live}"]
+        out[f"wall_vs_wire_pct_{live}"] = round((wall / tpot - 1) * 100, 1) if wall and tpot else None
+    out["wall_within_15pct_of_wire"] = (out["wire_device"] == out["wall_device"] and all(
+        out[f"wall_vs_wire_pct_{live}"] is not None and abs(out[f"wall_vs_wire_pct_{live}"]) <= 15 for live in LIVE))
+    return out
+
+
+def table(raws: dict[str, dict], wire: dict | None = None) -> dict:
+    """t4g_model.json's figures from every cell's raw record (and, with `wire`, a serving_speed.json of the same
+    GPU: each fp16 cell's wall per step beside the served TPOT)."""
     out: dict = {"constants": CONSTANTS, "anchors": ANCHORS, "runtimes": {}, "calibration": {}}
     for name, raw in sorted(raws.items()):
         runtime, key = name.split("-", 1)
@@ -554,12 +715,19 @@ def table(raws: dict[str, dict]) -> dict:
         if runtime == "transformers":
             out["calibration"]["transformers_eager"] = {**cell, **calibration(cell)}
         else:
+            if wire and key == "fp16":
+                cell.update(wall_vs_wire(cell, runtime, wire))
             out["runtimes"].setdefault(runtime, {})[key] = cell
     for runtime in ("pytorch", "jax"):        # every cell of the table, measured or not
         for scheme in SCHEMES:
             out["runtimes"].setdefault(runtime, {}).setdefault(scheme, {
                 "predicted_tok_s_1": None, "predicted_tok_s_8": None, "bytes_per_token": None, "note": "not measured"})
     return out
+
+
+def wire_record(a) -> dict | None:
+    path = a.wire or (a.out / "serving_speed.json")
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def main() -> int:
@@ -570,10 +738,12 @@ def main() -> int:
     ap.add_argument("--heads", default="fp16", help="LM heads for the PyTorch runtime (G5G_LM_HEAD): fp16,int8")
     ap.add_argument("--work", type=Path, default=Path("/tmp/t4g_model"))
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--ncu-budget", type=int, default=320, help="kernel launches ncu profiles per cell")
+    ap.add_argument("--ncu-budget", type=int, default=800, help="kernel launches ncu profiles per cell")
     ap.add_argument("--tiny", action="store_true", help="tiny widths: a CPU run of the code paths")
     ap.add_argument("--no-ncu", action="store_true")
     ap.add_argument("--recompute", action="store_true", help="the table again from OUT/raw/ (no GPU)")
+    ap.add_argument("--wire", type=Path, help="serving_speed.json of the same GPU (default: OUT/serving_speed.json "
+                    "if there): each fp16 cell's wall per step beside the served TPOT")
     ap.add_argument("--child", nargs=2, metavar=("RUNTIME", "CKPT"))
     ap.add_argument("--result", type=Path)
     ap.add_argument("--profile", action="store_true")
@@ -586,12 +756,13 @@ def main() -> int:
     if a.recompute:
         raws = {p.stem: json.loads(p.read_text()) for p in rawdir.glob("*.json")}
         prev = json.loads((a.out / "t4g_model.json").read_text()) if (a.out / "t4g_model.json").exists() else {}
-        (a.out / "t4g_model.json").write_text(json.dumps({**prev, **table(raws)}, indent=1))
+        (a.out / "t4g_model.json").write_text(json.dumps({**prev, **table(raws, wire_record(a))}, indent=1))
         return 0
     a.work.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT))
     import torch
 
+    from benchmarks.serving_speed import served_settings
     from serving import memory_plan
     ncu = None if a.no_ncu else shutil.which("ncu")
     metrics = available(ncu, METRICS) if ncu else METRICS
@@ -611,7 +782,8 @@ def main() -> int:
                 cells.append((runtime, scheme, lm))
     for runtime, scheme, lm in cells:
         name = f"{runtime}-{scheme}" + ("+int8head" if lm == "int8" else "")
-        env = {**TURING, "G5G_LM_HEAD": lm, "TORCHINDUCTOR_CACHE_DIR": str(a.work / "inductor")}
+        env = {**served_settings(a.work), **TURING, "G5G_LM_HEAD": lm,
+               "TORCHINDUCTOR_CACHE_DIR": str(a.work / "inductor")}
         t0 = time.perf_counter()
         raw = measure_cell(runtime, dirs[scheme], env, a, ncu, metrics, name)
         raw["cell_s"] = round(time.perf_counter() - t0, 1)
@@ -620,11 +792,11 @@ def main() -> int:
         raws[name] = raw
         (rawdir / f"{name}.json").write_text(json.dumps(raw))
         head["total_s"] = round(time.perf_counter() - t_all, 1)
-        (a.out / "t4g_model.json").write_text(json.dumps({**head, **table(raws)}, indent=1))
+        (a.out / "t4g_model.json").write_text(json.dumps({**head, **table(raws, wire_record(a))}, indent=1))
         print(name, json.dumps({k: raw.get(k) for k in ("cell_s", "step_ms_1", "step_ms_8", "error", "ncu_error")}),
               flush=True)
     head["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    (a.out / "t4g_model.json").write_text(json.dumps({**head, **table(raws)}, indent=1))
+    (a.out / "t4g_model.json").write_text(json.dumps({**head, **table(raws, wire_record(a))}, indent=1))
     return 0
 
 

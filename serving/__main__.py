@@ -138,6 +138,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
+def load_engine(runtime_name: str, model: Path, max_model_len: int | None = None):
+    """The engine the server runs: `--runtime`'s module's `load(model_dir)`, settings from the environment (each
+    runtime's G5G_* variables), the context capped only when --max-model-len asks. Benchmarks that time the
+    served step (benchmarks/t4g_model.py) build their engine here too, so they cannot drift from the server."""
+    runtime = importlib.import_module(RUNTIMES[runtime_name])
+    # The contract with every runtime is `load(model_dir) -> Engine`; the cap is passed only when asked for.
+    extra = {"max_context": max_model_len} if max_model_len else {}
+    return runtime.load(model, **extra)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -150,10 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def load():
         # Imported here, in the engine thread, so the port opens before torch/jax are even imported.
-        runtime = importlib.import_module(RUNTIMES[args.runtime])
-        # The contract with every runtime is `load(model_dir) -> Engine`; the cap is passed only when asked for.
-        extra = {"max_context": args.max_model_len} if args.max_model_len else {}
-        return runtime.load(model, **extra)
+        return load_engine(args.runtime, model, args.max_model_len)
 
     failed: list[BaseException] = []
 

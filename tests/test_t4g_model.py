@@ -57,10 +57,10 @@ def test_ncu_profiles_the_chosen_names_as_whole_identifiers_and_the_marker():
 
 
 def test_the_budget_takes_the_longest_kernels_whose_launches_fit():
-    steps = [[kernel(50, name="head"), kernel(9, name="gemv"), kernel(9, name="gemv"), kernel(1, name="add")] * 1,
-             [kernel(55, name="head"), kernel(8, name="gemv"), kernel(2, name="norm"), kernel(2, name="norm")]]
-    assert tm.heavy_names(steps, budget=5) == ["head", "gemv"]           # 2 + 3 launches
-    assert tm.heavy_names(steps, budget=4) == ["head", "norm"]           # gemv's 3 no longer fit; norm's 2 do
+    steps = [[kernel(50, name="head"), kernel(9, name="fusion"), kernel(9, name="fusion"), kernel(1, name="add")] * 1,
+             [kernel(55, name="head"), kernel(8, name="fusion"), kernel(2, name="norm"), kernel(2, name="norm")]]
+    assert tm.heavy_names(steps, budget=5) == ["head", "fusion"]         # 2 + 3 launches
+    assert tm.heavy_names(steps, budget=4) == ["head", "norm"]           # fusion's 3 no longer fit; norm's 2 do
     assert tm.heavy_names(steps, budget=1) == ["add"]
 
 
@@ -94,8 +94,8 @@ def test_each_kernel_takes_its_slowest_bound_with_turings_constants():
 
 
 def test_a_step_is_the_slower_lane_and_the_pessimistic_bound_adds_them():
-    bw = C["t4g_bandwidth_Bps"]
-    weights = kernel(1000, read=bw * 10e-3)                # 10 ms of bytes on a T4G, 1 ms here
+    bw = C["t4g_gemv_Bps"]
+    weights = kernel(1000, read=bw * 10e-3)                # a GEMV: 10 ms of bytes on a T4G, 1 ms here
     gpu_bound = tm.predict([weights], wall_ms=1.5, rows=1, c=C, here=HERE)
     assert gpu_bound["bound_by"] == "gpu" and gpu_bound["t4g_step_ms"] == pytest.approx(10.0)
     assert gpu_bound["t4g_host_ms"] == pytest.approx(1.5 * C["host_factor"])
@@ -112,7 +112,7 @@ def test_a_step_is_the_slower_lane_and_the_pessimistic_bound_adds_them():
 
 
 def test_a_cells_range_brackets_its_point_and_calibration_reports_its_error():
-    bw = C["t4g_bandwidth_Bps"]
+    bw = C["t4g_gemv_Bps"]
     steps = {"1": [kernel(1000, read=bw * 20e-3), kernel(1, name="small", write=4096)] * 2,
              "8": [kernel(1000, read=bw * 20e-3, name="big8")] * 2}
     cell = tm.cell_prediction({"steps": steps, "step_ms_1": 40.0, "step_ms_8": 10.0, "here": HERE})
@@ -202,3 +202,175 @@ def test_t4g_kernels_runs_each_case_beside_its_peers_on_cpu(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "t4g_kernels.py"), str(tmp_path), "--cases",
                           "attention-7"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown case(s) attention-7" in bad.stderr
+
+
+# ------------------------------------------------------------------------------ round 3: the GPU lane calibrated
+def test_the_gemv_rate_is_the_published_kernel_times_over_the_bytes_they_read():
+    src = tm.GEMV_SOURCE
+    assert src["published_total_ms"] == pytest.approx(10.155 + 9.634) == pytest.approx(19.79, abs=0.005)
+    # the bytes: the memory plan's streamed bytes of the E2B fp16 checkpoint, as the measure recorded them, less the
+    # tied LM head (262 144 x 1536 fp16)
+    eager = json.loads((RESULTS / "raw" / "transformers-fp16.json").read_text())
+    assert src["plan_streamed_bytes"] == eager["plan_streamed_bytes"]
+    assert src["bytes"] == eager["plan_streamed_bytes"] - 262_144 * 1536 * 2
+    rate = tm.CONSTANTS["t4g_gemv_Bps"]
+    assert rate["value"] == pytest.approx(src["bytes"] / 19.789e-3, rel=1e-5)
+    assert 0.6 < rate["value"] / C["t4g_bandwidth_Bps"] < 0.72          # the source's "about two thirds" of copy
+    assert rate["pessimistic"] < rate["value"] < rate["optimistic"] < C["t4g_bandwidth_Bps"]
+    assert rate["optimistic"] == pytest.approx(src["plan_streamed_bytes"] / 19.789e-3, rel=1e-5)
+    assert "gemv2T" in rate["source"] and "19.79" in rate["source"]
+
+
+def test_a_gemv_is_a_profiled_large_read_into_a_small_output_not_attention():
+    mib = 2**20
+    assert tm.gemv_kind(kernel(10, read=12 * mib, write=mib / 64, name="nvjet_sm90_hsh_128x8_64x12_4x1_v_bz_TNT"))
+    assert tm.gemv_kind(kernel(10, read=5 * mib, name="input_reduce_fusion_288"))     # XLA's packed multiply-reduce
+    assert tm.gemv_kind(kernel(10, read=805e6, write=1e6, name="void gemv2T_kernel_val<int, int, __half>(...)"))
+    assert not tm.gemv_kind(kernel(10, read=12 * mib, write=12 * mib, name="vectorized_elementwise_kernel"))
+    assert not tm.gemv_kind(kernel(10, read=12 * mib, name="fmha_cutlassF_f16_aligned_32x128_gmem_sm80"))
+    assert not tm.gemv_kind(kernel(10, read=mib - 1, name="gemvx_kernel"))           # under 1 MiB: not counted
+    unprofiled = {**kernel(10, read=12 * mib, name="gemvx_kernel"), "profiled": False}
+    assert not tm.gemv_kind(unprofiled) and not tm.gemv_kind({"name": "gemvx", "dur_ns": 1e4})
+
+
+def test_a_gemv_streams_at_the_gemv_rate_and_a_copy_at_the_copy_rate():
+    read = 100e6
+    t, bound = tm.t4g_kernel_s(kernel(1, read=read, name="gemv"), C, HERE)
+    assert bound == "gemv bytes" and t == pytest.approx(read / C["t4g_gemv_Bps"])
+    t, bound = tm.t4g_kernel_s(kernel(1, read=read / 2, write=read / 2, name="copy"), C, HERE)
+    assert bound == "bytes" and t == pytest.approx(read / C["t4g_bandwidth_Bps"])
+    # the weights floor of a step is the plan's weights read through GEMVs
+    p = tm.predict([kernel(1)], wall_ms=0.1, rows=1, c=C, here=HERE, least_bytes=read)
+    assert p["weights_floor_ms"] == pytest.approx(read / C["t4g_gemv_Bps"] * 1e3, abs=1e-3)
+    # the JSON says which kernels the rate applied to, per step
+    ks = [kernel(1, read=read, name="void gemv2T_kernel_val<int>(int)"), kernel(1, read=read, name="gemv2T_kernel_val"),
+          kernel(1, read=read, write=read, name="copy"), kernel(1, read=read, name="input_reduce_fusion_7")]
+    p = tm.predict(ks, wall_ms=0.1, rows=1, c=C, here=HERE)
+    assert p["gemv_rate_applied_to"] == {"gemv2T_kernel_val": 2, "input_reduce_fusion_7": 1}
+    assert p["gemv_kernels"] == 3 and p["gemv_bytes"] == int(3 * read)
+    assert p["gemv_t4g_ms"] == pytest.approx(3 * read / C["t4g_gemv_Bps"] * 1e3, abs=1e-3)
+
+
+def test_the_gemv_calibration_is_the_layers_weight_reads_without_the_head_and_needs_them_all_profiled():
+    per_layer = tm.GEMV_SOURCE["bytes"] / 100
+    layers = [kernel(5, read=per_layer, name=f"nvjet_sm90_hsh_{i % 3}x8_TNT") for i in range(100)]
+    head = kernel(190, read=tm.GEMV_SOURCE["lm_head_bytes"], name="nvjet_sm90_hsh_256x8_64x6_2x1_v_bz_TNT")
+    others = [kernel(1, read=4 * 2**20, name="reduce_kernel"), kernel(3, read=2**21, name="fmha_cutlassF_f16")]
+    g = tm.layer_gemvs([*layers, head, *others], HERE)
+    assert g["layer_gemv_kernels"] == 100 and g["layer_gemv_unprofiled"] == 0
+    assert g["layer_gemv_bytes"] == pytest.approx(tm.GEMV_SOURCE["bytes"], rel=1e-6)
+    # the plan's layer weights read at the published rate take the published time: the constant's own arithmetic
+    assert g["layer_gemv_t4g_ms"] == pytest.approx(19.789, rel=1e-3)
+    cell = tm.cell_prediction({"steps": {"1": [*layers, head, *others], "8": layers}, "step_ms_1": 40.0,
+                               "step_ms_8": 50.0, "here": HERE})
+    cal = tm.calibration(cell)
+    assert cal["published_gemv_ms_1"] == pytest.approx(19.789) and cal["gemv_t4g_ms_1"] == pytest.approx(19.789, rel=1e-3)
+    assert cal["gemv_within_15pct"] and abs(cal["gemv_error_pct"]) < 0.5
+    # a layer GEMV ncu did not profile: its bytes are unknown, the sum is short and the check cannot pass
+    missing = [*layers[:-1], {**layers[-1], "profiled": False}, head]
+    cal = tm.calibration(tm.cell_prediction({"steps": {"1": missing}, "step_ms_1": 40.0, "here": HERE}))
+    assert cal["gemv_unprofiled_1"] == 1 and not cal["gemv_within_15pct"]
+    # 20% too many bytes (a GEMV reading its weight more than once) is outside 15%
+    heavy = [{**k, "dram__bytes_read.sum": k["dram__bytes_read.sum"] * 1.2} for k in layers]
+    cal = tm.calibration(tm.cell_prediction({"steps": {"1": heavy}, "step_ms_1": 40.0, "here": HERE}))
+    assert cal["gemv_error_pct"] == pytest.approx(20.0, abs=0.2) and not cal["gemv_within_15pct"]
+
+
+def test_ncu_takes_every_matrix_kernel_first():
+    steps = [[kernel(50, name="elementwise_long")] + [kernel(9, name="gemv2T_kernel_val")] * 3 +
+             [kernel(8, name="nvjet_sm90_x")] * 2, [kernel(9, name="gemv2T_kernel_val")]]
+    assert tm.heavy_names(steps, budget=7) == ["gemv2T_kernel_val", "nvjet_sm90_x", "elementwise_long"]
+    assert tm.heavy_names(steps, budget=6) == ["gemv2T_kernel_val", "nvjet_sm90_x"]     # 4 + 2 launches
+    assert tm.heavy_names(steps, budget=5) == ["gemv2T_kernel_val", "elementwise_long"]
+
+
+# ------------------------------------------------------------------------------ round 3: the host lane
+def test_the_host_lane_scales_the_hosts_work_not_its_waits():
+    weights = kernel(1000, read=C["t4g_gemv_Bps"] * 10e-3)      # 10 ms on a T4G
+    unmeasured = tm.predict([weights], wall_ms=8.0, rows=1, c=C, here=HERE)
+    assert unmeasured["t4g_host_ms"] == pytest.approx(8.0 * C["host_factor"]) and not unmeasured["host_work_measured"]
+    # 5 of the 8 ms here the host was blocked on this GPU: only 3 ms of work is scaled to Graviton2
+    p = tm.predict([weights], wall_ms=8.0, rows=1, c=C, here=HERE, work_ms=3.0)
+    assert p["t4g_host_ms"] == pytest.approx(3.0 * C["host_factor"]) and p["host_work_measured"]
+    assert p["bound_by"] == "gpu" and p["t4g_step_ms"] == pytest.approx(10.0)
+    # the traced work is an upper bound (the tracer slows the host), never more than the wall time here
+    assert tm.predict([weights], 8.0, 1, C, HERE, work_ms=9.5)["t4g_host_ms"] == pytest.approx(8.0 * C["host_factor"])
+    # the optimistic range takes the smaller of the work and what the GPU left uncovered (8 - 1 ms)
+    lean = tm.predict([weights], 8.0, 1, C, HERE, host_all_wall=False, work_ms=9.0)
+    assert lean["t4g_host_ms"] == pytest.approx(7.0 * C["host_factor"])
+    cell = tm.cell_prediction({"steps": {"1": [weights]}, "step_ms_1": 40.0, "here": HERE,
+                               "host_work_ms": {"1": 36.0}})
+    assert cell["step1"]["host_work_ms_here"] == 36.0
+    assert tm.calibration(cell)["implied_host_factor"] == pytest.approx(93.2 / 36.0, abs=0.01)
+
+
+def test_the_hosts_waits_are_read_from_each_tracer():
+    trace = {"traceEvents": [
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 7.0},
+        {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 10, "dur": 1500.0},
+        {"cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 20, "dur": 250.0},
+        {"cat": "cuda_runtime", "name": "cudaDeviceSynchronize", "ts": 30, "dur": 40.0},
+        {"cat": "cpu_op", "name": "aten::item", "ts": 5, "dur": 2000.0},
+        {"cat": "kernel", "name": "gemv", "ts": 12, "dur": 900.0}]}
+    assert tm.torch_trace_blocked_ms(trace) == pytest.approx(1.79)
+    ev = types.SimpleNamespace
+    host = ev(name="/host:CPU", lines=[ev(name="python", events=[
+        ev(name="PjRtStreamExecutorBuffer::BlockHostUntilReady", start_ns=100, duration_ns=2_000_000),
+        ev(name="BlockHostUntilReady inner", start_ns=200, duration_ns=1_000_000),     # nested: counted once
+        ev(name="ExecuteHelper", start_ns=0, duration_ns=500_000)])])
+    gpu = ev(name="/device:GPU:0", lines=[ev(name="Stream #1", events=[
+        ev(name="Await fusion", start_ns=0, duration_ns=9_000_000)])])               # device events: not the host
+    blocked, names = tm.jax_trace_blocked_ms(ev(planes=[host, gpu]))
+    assert blocked == pytest.approx(2.0)
+    assert list(names)[0] == "PjRtStreamExecutorBuffer::BlockHostUntilReady" and names["ExecuteHelper"] == 0.5
+
+
+# ------------------------------------------------------------------------------ round 3: the served step
+def test_the_measure_builds_its_engine_as_the_server_does(monkeypatch, tmp_path):
+    """The server's load and the measure's go through serving.__main__.load_engine, with serving_speed's flags;
+    the measure's children get serving_speed's settings (slots, buckets, caches), the Turing paths on top."""
+    import serving.__main__ as server_main
+    from benchmarks import serving_speed
+
+    calls = []
+    fake = types.ModuleType("fake_runtime")
+    fake.load = lambda model, **kw: calls.append((model, kw)) or "engine"
+    monkeypatch.setitem(sys.modules, "fake_runtime", fake)
+    monkeypatch.setitem(server_main.RUNTIMES, "fake", "fake_runtime")
+    assert server_main.load_engine("fake", tmp_path) == "engine" and calls[-1] == (tmp_path, {})
+    server_main.load_engine("fake", tmp_path, 1024)
+    assert calls[-1] == (tmp_path, {"max_context": 1024})
+
+    seen = []
+    monkeypatch.setattr(server_main, "load_engine", lambda *a: seen.append(a) or types.SimpleNamespace())
+    tm.EngineRunner("jax", tmp_path / "ckpt", tmp_path)
+    flags = server_main.parse(["--runtime", "jax", "--model", "m", *serving_speed.SERVER_FLAGS])
+    assert seen == [("jax", tmp_path / "ckpt", flags.max_model_len)] and flags.max_model_len == tm.CONTEXT
+    env = serving_speed.served_settings(tmp_path)
+    assert env["G5G_JAX_SLOTS"] == env["G5G_TORCH_SLOTS"] == str(tm.SLOTS) and "G5G_JAX_BATCHES" not in env
+    assert env["G5G_JAX_BUCKETS"].split(",")[-1] == str(tm.CONTEXT)
+    src = Path(tm.__file__).read_text()
+    assert "env = {**served_settings(a.work), **TURING" in src          # the children's environment
+    assert "Settings(" not in src and "torch_runtime import load" not in src     # no engine built any other way
+    main_src = Path(server_main.__file__).read_text()
+    assert "return load_engine(args.runtime, model, args.max_model_len)" in main_src
+
+
+def test_each_fp16_cells_wall_sits_beside_the_served_tpot_of_the_same_gpu():
+    wire = {"device": "NVIDIA H100 80GB HBM3",
+            "jax": {"single_256": {"median_tpot_ms": 3.85}, "concurrent_8x256": {"median_tpot_ms": 5.3}},
+            "pytorch_batched": {"single_256": {"median_tpot_ms": 3.7}, "concurrent_8x256": {"median_tpot_ms": 7.3}}}
+    here = {**HERE, "device": "NVIDIA H100 80GB HBM3"}
+    raws = {"jax-fp16": {"step_ms_1": 4.0, "step_ms_8": 5.0, "here": here},
+            "pytorch-fp16": {"step_ms_1": 5.2, "step_ms_8": 5.3, "here": here},
+            "jax-w8a16": {"step_ms_1": 9.0, "here": here}}
+    made = tm.table(raws, wire)["runtimes"]
+    jax = made["jax"]["fp16"]
+    assert (jax["wall_ms_here_1"], jax["wire_tpot_ms_1"], jax["wall_ms_here_8"], jax["wire_tpot_ms_8"]) == \
+        (4.0, 3.85, 5.0, 5.3)
+    assert jax["wall_vs_wire_pct_1"] == pytest.approx(3.9) and jax["wall_within_15pct_of_wire"]
+    torch_ = made["pytorch"]["fp16"]                        # 5.2 against 3.7: +40.5%, the 8-slot server's TPOT
+    assert torch_["wall_vs_wire_pct_1"] == pytest.approx(40.5) and not torch_["wall_within_15pct_of_wire"]
+    assert "wire_tpot_ms_1" not in made["jax"]["w8a16"]
+    other = tm.table({"jax-fp16": {**raws["jax-fp16"], "here": {**HERE, "device": "NVIDIA H200"}}}, wire)
+    assert not other["runtimes"]["jax"]["fp16"]["wall_within_15pct_of_wire"]    # another GPU: no comparison
