@@ -143,7 +143,8 @@ def test_a_burst_gets_exactly_the_running_slot_plus_max_waiting(paced):
 
     def ask():
         go.wait()
-        r = requests.post(f"{paced}/v1/chat/completions", json={**LONG, "max_tokens": 60}, timeout=120)  # 3 s: all six arrive within it
+        # 60 paced steps, 3 s: all six arrive within the first request, under load too
+        r = requests.post(f"{paced}/v1/chat/completions", json={**LONG, "max_tokens": 60}, timeout=120)
         results.append(r)
 
     threads = [threading.Thread(target=ask) for _ in range(6)]
@@ -385,10 +386,11 @@ def _status_line(sock, timeout: float = 30.0) -> bytes:
 
 
 def test_idle_slow_and_surplus_connections_are_answered_and_closed(tiny_gemma4):
-    """--header-timeout 3 (the surplus connection comes well within it), --max-connections 3, --body-total-timeout 2. An idle connection and one that sends its
-    headers a byte at a time get a 408 and are closed (before: kept for ever, 20 100 of them ran the server out
-    of descriptors); a fourth connection while three are open gets a 503 at once; a body that comes a byte every
-    0.3 s (each gap well inside --body-timeout 10) gets a 408 once it has taken 2 s in all. /health answers after."""
+    """--header-timeout 3 (the surplus connection comes well within it), --max-connections 3, --body-total-timeout 2.
+    An idle connection and one that sends its headers a byte at a time get a 408 and are closed (before: kept
+    for ever, 20 100 of them ran the server out of descriptors); a fourth connection while three are open gets a
+    503 at once; a body that comes a byte every 0.3 s (each gap well inside --body-timeout 10) gets a 408 once
+    it has taken 2 s in all. /health answers after."""
     import socket
     with tiny_server(tiny_gemma4, "--header-timeout", "3", "--max-connections", "3", "--body-total-timeout", "2",
                      "--body-timeout", "10") as srv:
