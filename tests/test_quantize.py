@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,10 +28,9 @@ from compressed_tensors.utils.match import match_name  # noqa: E402
 
 from serving import memory_plan, quantized  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import quantize  # noqa: E402  (tools/quantize.py)
 from devtools.tiny_gemma4 import _prompt_ids  # noqa: E402
-from tests.fixtures.quantised import assert_safe_argmax_kept, kl_top1, quantised, runtime_logits  # noqa: E402
+from tests.fixtures.quantised import (assert_safe_argmax_kept, kl_top1, quantize, quantised,  # noqa: E402
+                                      runtime_logits)
 
 BOUNDS = {"w8a16": (2e-3, 0.97), "w4a16": (5e-2, 0.85)}
 
