@@ -126,8 +126,8 @@ def test_every_runtime_and_profile_renders_and_validates(helm, runtime, profile)
     assert c["args"][2:4] == (["/models/gemma-4-E2B-it", "--served-model-name"] if runtime == "vllm"
                               else ["--model", "/models/gemma-4-E2B-it"])
     # no secret named: nothing but the streams variable of our runtimes (vLLM takes a flag)
-    assert c.get("env", []) == ([] if runtime == "vllm" else [{"name": f"G5G_{'JAX' if runtime == 'jax' else 'TORCH'}_SLOTS",
-                                                               "value": "8"}])
+    slots = f"G5G_{'JAX' if runtime == 'jax' else 'TORCH'}_SLOTS"
+    assert c.get("env", []) == ([] if runtime == "vllm" else [{"name": slots, "value": "8"}])
     assert dep["spec"]["replicas"] == 1 and "replicas" not in by_kind(full)["Deployment"]["spec"]
     caches = [v for v in by_kind(full)["Deployment"]["spec"]["template"]["spec"]["volumes"]
               if v["name"] == "compile-cache"]
@@ -423,13 +423,14 @@ def test_pods_are_hardened(helm):  # noqa: F811
 
 def test_the_model_from_the_hub_is_fetched_once_into_a_cache_and_checked(helm):  # noqa: F811
     docs = by_kind(render(helm, "values-vllm-g5g.yaml", "model.source=huggingface",
-                          "model.huggingface.revision=0123abc000000000000000000000000000000000", "secrets.hfToken.name=hf",
+                          "model.huggingface.revision=0123abc" + "0" * 33, "secrets.hfToken.name=hf",
                           "model.cache.claimName=models"))
     pod = docs["Deployment"]["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]
     cmd = init["command"]
     assert cmd[:3] == ["python3", "/opt/g5g-chart/fetch_model.py", "huggingface"]
-    assert cmd[cmd.index("--repo") + 1] == "google/gemma-4-E2B-it" and cmd[cmd.index("--revision") + 1] == "0123abc000000000000000000000000000000000"
+    assert cmd[cmd.index("--repo") + 1] == "google/gemma-4-E2B-it"
+    assert cmd[cmd.index("--revision") + 1] == "0123abc" + "0" * 33
     dest = cmd[cmd.index("--dest") + 1]
     assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in init["env"]
     assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "models"}} in pod["volumes"]
@@ -441,7 +442,7 @@ def test_the_model_from_the_hub_is_fetched_once_into_a_cache_and_checked(helm): 
     assert script == (CHART / "files" / "fetch_model.py").read_text()
     # another revision is another directory: never the old checkpoint under the new name
     other = by_kind(render(helm, "values-vllm-g5g.yaml", "model.source=huggingface",
-                           "model.huggingface.revision=4567def000000000000000000000000000000000"))["Deployment"]["spec"]["template"]["spec"]
+                           "model.huggingface.revision=4567def" + "0" * 33))["Deployment"]["spec"]["template"]["spec"]
     cmd2 = other["initContainers"][0]["command"]
     assert cmd2[cmd2.index("--dest") + 1] != dest
 

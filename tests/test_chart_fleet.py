@@ -128,7 +128,8 @@ def test_the_model_revision_is_a_commit(helm):  # noqa: F811
     """No `main` default: a branch moves, and pods started a day apart would serve different weights."""
     for path in CHART.glob("values*.yaml"):
         assert yaml.safe_load(path.read_text())["model"]["huggingface"]["revision"] == "", path.name
-    pod = by_kind(render(helm, "values.yaml", "model.source=huggingface", REV))["Deployment"]["spec"]["template"]["spec"]
+    docs = render(helm, "values.yaml", "model.source=huggingface", REV)
+    pod = by_kind(docs)["Deployment"]["spec"]["template"]["spec"]
     cmd = pod["initContainers"][0]["command"]
     assert re.fullmatch("[0-9a-f]{40}", cmd[cmd.index("--revision") + 1])
 

@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from tests.fixtures.helm import helm  # noqa: F401 - the fixture
-from tests.test_chart import AWS_CLI, CHART, COMBOS, FLEET, PROM_LABEL, REPO, REV, _fetcher, arg, by_kind, render, validate
+from tests.test_chart import (AWS_CLI, CHART, COMBOS, FLEET, PROM_LABEL, REPO, REV, _fetcher, arg, by_kind, render,
+                              validate)
 
 
 def pod_spec(docs: list[dict]) -> dict:
@@ -73,7 +74,8 @@ def test_helm_test_asks_the_service_for_a_token_without_a_gpu(helm, runtime, pro
     assert env["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "llm-api"
     svc = by_kind(docs)["Service"]
     assert c["command"][:2] == ["python3", "/opt/g5g-probe/token_probe.py"]
-    assert arg(c | {"args": c["command"]}, "--url") == f"http://{svc['metadata']['name']}:{svc['spec']['ports'][0]['port']}"
+    url = f"http://{svc['metadata']['name']}:{svc['spec']['ports'][0]['port']}"
+    assert arg(c | {"args": c["command"]}, "--url") == url
     assert arg(c | {"args": c["command"]}, "--model") == "gemma-4-E2B-it"
     probe_cm = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-probe"))
     assert probe_cm["data"]["token_probe.py"] == (CHART / "files" / "token_probe.py").read_text()
