@@ -710,8 +710,11 @@ def test_the_helm_commands_in_the_docs_render(helm):  # noqa: F811
     """Every `helm install` in docs/fleet.md, as `helm template`: a documented value that the schema no longer
     takes fails here."""
     text = (REPO / "docs" / "fleet.md").read_text().replace("\\\n", " ")
-    commands = [line.split() for line in text.splitlines() if line.strip().startswith("helm install ")]
-    assert len(commands) >= 3
+    # the placeholders a reader fills in, filled; upstream's charts (an oci:// reference) are not ours to render
+    text = text.replace("<40-hex commit>", "0" * 40).replace("sha256:<64 hex>", "sha256:" + "a" * 64)
+    commands = [line.split() for line in text.splitlines()
+                if line.strip().startswith("helm install ") and " deploy/chart " in line]
+    assert len(commands) >= 4
     for argv in commands:
         argv = argv[argv.index("helm"):]
         r = subprocess.run([helm, "template", *argv[2:]], capture_output=True, text=True, timeout=120, cwd=REPO)

@@ -251,3 +251,39 @@ def test_the_hardened_example_renders_pinned_private_and_never_one_pod(helm):  #
     (c,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "gemma-vllm"][0]["spec"][
         "template"]["spec"]["containers"]
     assert {"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llm-api", "key": "api-key"}}} in c["env"]
+
+
+# --- docs/fleet.md: the install steps as a new user reads them --------------------------------------------------------
+
+DOCS = (REPO / "docs" / "fleet.md").read_text()
+
+
+def test_the_install_steps_schedule_the_device_plugin_on_the_node_group_they_create():
+    """Step 1's node group carries a label the device plugin's DaemonSet selects (nvidia.com/gpu.present=true) and
+    the taint the chart tolerates, on an instance type the chart selects; the plugin is installed after it."""
+    steps = DOCS[DOCS.index("## Install, step by step"):]
+    block = steps[steps.index("apiVersion: eksctl.io/v1alpha5"):steps.index("Why a label")]
+    group = yaml.safe_load("\n".join(line[7:] for line in block.splitlines()))["managedNodeGroups"][0]
+    assert group["labels"]["nvidia.com/gpu.present"] == "true"
+    values = yaml.safe_load((CHART / "values-vllm-g5g.yaml").read_text())
+    assert group["instanceType"] in values["instanceTypes"]
+    (taint,) = group["taints"]
+    assert any(t["key"] == taint["key"] and t["effect"] == taint["effect"] and t["operator"] == "Exists"
+               for t in values["tolerations"])
+    assert steps.index("nvidia.com/gpu.present") < steps.index("helm upgrade --install nvdp")
+    assert steps.index("helm upgrade --install nvdp") < steps.index("helm install gemma ")
+
+
+def test_the_docs_say_what_every_autoscaling_setting_does_with_a_burst_and_with_silence():
+    table = DOCS[DOCS.index("| setting | default | with a burst | with silence |"):]
+    table = table[:table.index("\n\n")]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["autoscaling"]
+    tunable = set(values) - {"enabled", "prometheusServer", "authenticationRef", "authModes"}
+    rows = [line.split("|")[1] for line in table.splitlines()[2:]]
+    named = {k for k in tunable if any(f"`{k}" in r or f"`{k}`" in r for r in rows)}
+    assert named == tunable, tunable - named
+    assert any("fresh install" in r for r in rows)
+    # the scale-down figures quoted are the rendered ones
+    for runtime, label in (("vllm", "vLLM"), ("jax", "JAX"), ("pytorch", "PyTorch")):
+        down = yaml.safe_load((CHART / f"values-{runtime}-g5g.yaml").read_text())["autoscaling"]["behavior"]["scaleDown"]
+        assert f"{down['stabilizationWindowSeconds']} s {label}" in table, (runtime, down)
