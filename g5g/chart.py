@@ -253,8 +253,8 @@ def values(image: ImagePlan, plan: Plan, fleet: dict, repo_root: Path) -> dict:
                                "limits": dict(fleet["fetch_resources"]["limits"])},
         },
         # streams one pod decodes at once: a flag (vLLM) or an environment variable (ours)
-        "streams": {"perReplica": fleet["streams"]["per_replica"], **{"flag": "", "env": ""},
-                    **fleet["streams"]["how"][image.runtime]},
+        "streams": {"perReplica": fleet["streams"]["per_replica"], "flag": "", "env": "",
+                    **fleet["streams"]["how"].get(image.runtime, {})},
         "extraArgs": [],
         "env": {},
         "secrets": {"apiKey": {"name": "", "key": "api-key"}, "hfToken": {"name": "", "key": "token"}},
