@@ -64,6 +64,7 @@ class Probes(_Model):
     period_s: Count
     liveness: Probe
     readiness: Probe
+    token_deadline_s: Count   # files/token_probe.py's deadline: the liveness of a runtime without a heartbeat flag
 
 
 class Shutdown(_Model):
@@ -77,12 +78,29 @@ class Rollout(_Model):
 
 class Resources(_Model):
     requests: dict[Literal["cpu", "memory"], StrictStr]
-    limits: dict[Literal["memory"], StrictStr]
+    limits: dict[Literal["cpu", "memory"], StrictStr]
 
 
 class FetchResources(_Model):
     requests: dict[Literal["cpu", "memory"], StrictStr]
-    limits: dict[Literal["memory"], StrictStr]
+    limits: dict[Literal["cpu", "memory"], StrictStr]
+
+
+class StreamsHow(_Model):
+    flag: Annotated[StrictStr, Field(pattern=r"^--[a-z][a-z0-9-]*$")] | None = None
+    env: Annotated[StrictStr, Field(pattern=r"^[A-Z][A-Z0-9_]*$")] | None = None
+
+
+class Streams(_Model):
+    per_replica: Count
+    how: dict[Name, StreamsHow]
+
+
+class Autoscaling(_Model):
+    target_streams: Positive
+    window_s: Count
+    scale_up_window_s: Annotated[StrictInt, Field(ge=0)]
+    pods_up: Count
 
 
 class Fleet(_Model):
@@ -99,6 +117,8 @@ class Fleet(_Model):
     resources: Resources
     fetch_resources: FetchResources
     engine_stall_s: dict[Name, Count] = {}   # runtimes whose server takes --engine-stall-timeout
+    streams: Streams
+    autoscaling: Autoscaling
 
 
 UNITS = {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
@@ -138,7 +158,16 @@ def check_fleet(data, file: str, repo_root: Path) -> dict:
                         f"{profile}")
     if unknown := sorted(set(fleet.engine_stall_s) - set(fleet.boot)):
         raise UserError(f"{file}: engine_stall_s.{unknown[0]}: not a runtime that boots ({', '.join(fleet.boot)})")
+    if fleet.probes.token_deadline_s >= fleet.probes.liveness.timeout_s:
+        raise UserError(f"{file}: probes.token_deadline_s: {fleet.probes.token_deadline_s} is not below "
+                        f"probes.liveness.timeout_s ({fleet.probes.liveness.timeout_s}): the kubelet would kill the "
+                        "probe before it reports")
+    if fleet.autoscaling.target_streams > fleet.streams.per_replica:
+        raise UserError(f"{file}: autoscaling.target_streams: {fleet.autoscaling.target_streams:g} is above "
+                        f"streams.per_replica ({fleet.streams.per_replica}): the scaler would wait on a queue")
     for rt in fleet.boot:
+        if rt not in fleet.streams.how:
+            raise UserError(f"{file}: streams.how.{rt}: missing (how the runtime takes its streams per pod)")
         if rt not in fleet.decode_tok_s:
             raise UserError(f"{file}: decode_tok_s.{rt}: missing (every runtime that boots needs its drain speed)")
         for i, entry in enumerate(fleet.boot[rt]):
@@ -194,11 +223,17 @@ def values(image: ImagePlan, plan: Plan, fleet: dict, repo_root: Path) -> dict:
     cmd = server_command(image.context_vars["model_arg"], mount, None) or []  # how this runtime takes its model: a flag or positional
     probes = fleet["probes"]
     boot = boot_seconds(fleet, image.runtime, repo_root)
+    schedule = math.ceil(sum(_term(t, repo_root) for t in fleet["rollout"]["schedule"]))
+    # what it costs to get a pod back: a node, the pull, the boot (the scale-down window and pace, below)
+    comeback = schedule + math.ceil(boot)
+    stall = fleet.get("engine_stall_s", {}).get(image.runtime)
+    scale = fleet["autoscaling"]
     return {
         "runtime": image.runtime,
         "profile": profile,
-        # digest: sha256:... pins the image (repository@digest; the tag stays for people)
-        "image": {"repository": repo, "tag": tag, "digest": "", "pullPolicy": "IfNotPresent"},
+        # digest: sha256:... pins the image (repository@digest; the tag stays for people); requireDigest: refuse to
+        # render without one (on in deploy/examples/hardened.yaml)
+        "image": {"repository": repo, "tag": tag, "digest": "", "requireDigest": False, "pullPolicy": "IfNotPresent"},
         "imagePullSecrets": [],
         "replicaCount": 1,
         "port": image.context_vars["port"],
@@ -207,7 +242,8 @@ def values(image: ImagePlan, plan: Plan, fleet: dict, repo_root: Path) -> dict:
             "mountPath": mount, "servedModelName": MODEL, "flag": cmd[0] if cmd and cmd[0] != mount else "",
             "source": "pvc",                                     # pvc | huggingface | s3
             "pvc": {"claimName": MODEL.lower(), "subPath": MODEL},
-            "huggingface": {"repo": f"google/{MODEL}", "revision": "main"},
+            # revision: a commit id, required with source huggingface (a branch moves: pods would differ)
+            "huggingface": {"repo": f"google/{MODEL}", "revision": ""},
             # the AWS CLI image; s3 refuses it without a digest (@sha256:...): it runs with the bucket's credentials
             "s3": {"uri": "", "image": "public.ecr.aws/aws-cli/aws-cli:2.35.19"},
             "sha256": {},                                        # file -> sha256: checked after a fetch
@@ -216,6 +252,9 @@ def values(image: ImagePlan, plan: Plan, fleet: dict, repo_root: Path) -> dict:
             "fetchResources": {"requests": dict(fleet["fetch_resources"]["requests"]),
                                "limits": dict(fleet["fetch_resources"]["limits"])},
         },
+        # streams one pod decodes at once: a flag (vLLM) or an environment variable (ours)
+        "streams": {"perReplica": fleet["streams"]["per_replica"], "flag": "", "env": "",
+                    **fleet["streams"]["how"].get(image.runtime, {})},
         "extraArgs": [],
         "env": {},
         "secrets": {"apiKey": {"name": "", "key": "api-key"}, "hfToken": {"name": "", "key": "token"}},
@@ -224,7 +263,7 @@ def values(image: ImagePlan, plan: Plan, fleet: dict, repo_root: Path) -> dict:
                   "shutdownTimeoutSeconds": None},               # None: ceil(maxModelLen / decodeTokensPerSecond)
         "lifecycle": {"preStopSleepSeconds": fleet["shutdown"]["prestop_sleep_s"],
                       "exitBackstopSeconds": fleet["shutdown"]["exit_backstop_s"]},
-        "rollout": {"scheduleSeconds": math.ceil(sum(_term(t, repo_root) for t in fleet["rollout"]["schedule"]))},
+        "rollout": {"scheduleSeconds": schedule, "maxSurge": 1},
         "probes": {
             "startup": {"periodSeconds": probes["period_s"], "timeoutSeconds": 5,
                         "failureThreshold": math.ceil(boot * fleet["startup_margin"] / probes["period_s"]),
@@ -236,7 +275,9 @@ def values(image: ImagePlan, plan: Plan, fleet: dict, repo_root: Path) -> dict:
                          "timeoutSeconds": probes["liveness"]["timeout_s"],
                          "failureThreshold": probes["liveness"]["failures"],
                          # --engine-stall-timeout: /health turns 503 when the engine is stuck (None: no such flag)
-                         "engineStallSeconds": fleet.get("engine_stall_s", {}).get(image.runtime)},
+                         "engineStallSeconds": stall,
+                         # no heartbeat flag: liveness runs files/token_probe.py (a token must come out)
+                         "tokenProbe": {"enabled": stall is None, "deadlineSeconds": probes["token_deadline_s"]}},
         },
         "nodeSelector": {"kubernetes.io/arch": ARCH[image.platforms[0]]},
         "instanceTypes": list(fleet["nodes"][profile]["instance_types"]),
@@ -245,9 +286,18 @@ def values(image: ImagePlan, plan: Plan, fleet: dict, repo_root: Path) -> dict:
         "topologySpread": [{"topologyKey": k, "maxSkew": 1, "whenUnsatisfiable": "ScheduleAnyway"}
                            for k in ("topology.kubernetes.io/zone", "kubernetes.io/hostname")],
         "resources": {"limits": {"nvidia.com/gpu": 1, **fleet["resources"]["limits"]},
-                      "requests": dict(fleet["resources"]["requests"])},
+                      "requests": {"nvidia.com/gpu": 1, **fleet["resources"]["requests"]}},
+        "priorityClassName": "",
+        # emptyDirs are bounded: a runaway cache is this pod's eviction, not the node's full disk
+        "scratch": {"homeSizeLimit": "2Gi", "tmpSizeLimit": "1Gi"},
         # a runtime's compile cache (fleet.yaml compile_cache; the image's own cache dir): a restart boots warm
-        "compileCache": {"path": fleet.get("compile_cache", {}).get(image.runtime, ""), "claimName": ""},
+        "compileCache": {"path": fleet.get("compile_cache", {}).get(image.runtime, ""), "claimName": "",
+                         "sizeLimit": "4Gi"},
+        # low-priority pods that hold GPU nodes (and the pulled image) for the next scale-up, preempted by it
+        "placeholders": {"replicas": 0, "priority": -10},
+        # ingress to the server's port from these peers only; egress DNS (and 443 while a model is fetched)
+        "networkPolicy": {"enabled": False, "from": [{"podSelector": {}}],
+                          "dns": {"namespace": "kube-system", "podLabels": {"k8s-app": "kube-dns"}}},
         "service": {"type": "ClusterIP", "port": 80},
         # one replica (replicaCount, or autoscaling.minReplicas): minAvailable 1, a drain waits for a new pod;
         # more: maxUnavailable of them at a time
@@ -256,13 +306,19 @@ def values(image: ImagePlan, plan: Plan, fleet: dict, repo_root: Path) -> dict:
         # selects PodMonitors by, e.g. {release: kube-prometheus-stack}: required, none is refused
         "podMonitor": {"enabled": False, "interval": "15s", "labels": {}},
         # fallbackReplicas: what KEDA scales to after `fallbackAfterFailures` failed queries (None: maxReplicas)
-        # Gateway API Inference Extension: an InferencePool of this release's pods, routed by an Endpoint Picker
-        # (name "": <fullname>-epp, the Service upstream's inferencepool chart gives a release of that name)
-        "inferencePool": {"enabled": False,
-                          "endpointPicker": {"name": "", "port": 9002, "failureMode": "FailOpen"}},
-        "autoscaling": {"enabled": False, "minReplicas": 1, "maxReplicas": 4, "waitingPerReplica": 4,
+        # fallback: after `fallbackAfterFailures` failed queries, keep the current replicas, or fallbackReplicas if
+        # higher (None: minReplicas, so a failing query never scales an idle release up)
+        "autoscaling": {"enabled": False, "minReplicas": 1, "maxReplicas": 4,
+                        "targetStreamsPerReplica": scale["target_streams"], "window": f"{scale['window_s']}s",
                         "pollingInterval": 15, "cooldownPeriod": 300, "fallbackAfterFailures": 3,
-                        "fallbackReplicas": None,
+                        "fallbackReplicas": None, "fallbackBehavior": "currentReplicasIfHigher",
+                        "behavior": {
+                            "scaleUp": {"stabilizationWindowSeconds": scale["scale_up_window_s"], "selectPolicy": "Max",
+                                        "policies": [{"type": "Pods", "value": scale["pods_up"], "periodSeconds": 60}]},
+                            "scaleDown": {"stabilizationWindowSeconds": comeback, "selectPolicy": "Min",
+                                          "policies": [{"type": "Pods", "value": 1, "periodSeconds": comeback}]}},
+                        # a TriggerAuthentication for a Prometheus that needs one (name "": none)
+                        "authenticationRef": {"name": "", "kind": "TriggerAuthentication"}, "authModes": "",
                         "prometheusServer": "http://prometheus-operated.monitoring.svc:9090"},
     }
 

@@ -79,7 +79,8 @@ def _json_list(text: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The server's flags, defined here only (`build.py serve` passes them through)."""
-    p = argparse.ArgumentParser(prog="python -m serving", description="OpenAI-compatible server for Gemma 4")
+    p = argparse.ArgumentParser(prog="python -m serving", description="OpenAI-compatible server for Gemma 4",
+                                allow_abbrev=False)   # --por=9001 must not slip past the chart's extraArgs guard
     p.add_argument("--runtime", choices=sorted(RUNTIMES), required=True)
     p.add_argument("--model", required=True, help="checkpoint directory (config.json, *.safetensors, tokenizer)")
     p.add_argument("--host", default="127.0.0.1")

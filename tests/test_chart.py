@@ -21,10 +21,11 @@ from tests.fixtures.helm import helm  # noqa: F401 - the fixture
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "deploy" / "chart"
 RESULTS = REPO / "benchmarks" / "results" / "serving_speed_h200"
-CRD_SCHEMAS = {"PodMonitor": "podmonitor.json", "ScaledObject": "scaledobject.json", "InferencePool": "inferencepool.json"}
+CRD_SCHEMAS = {"PodMonitor": "podmonitor.json", "ScaledObject": "scaledobject.json"}
 COMBOS = [(r, p) for p in ("g5g", "g4dn") for r in ("vllm", "jax", "pytorch")]
 FLEET = yaml.safe_load((REPO / "deploy" / "fleet.yaml").read_text())
 PROM_LABEL = "podMonitor.labels.release=kube-prometheus-stack"   # what a default kube-prometheus-stack selects by
+REV = "model.huggingface.revision=" + "0123456789abcdef" * 2 + "01234567"   # a commit id (required with the Hub)
 AWS_CLI = "model.s3.image=public.ecr.aws/aws-cli/aws-cli:2.35.19@sha256:" + "c" * 64   # pinned (a made-up digest)
 VLLM_ENGINE_INIT_S = 76.4  # docs/FACTS.md, fleet section: "engine init 76.4 s" (vLLM on a G5g; not measurable here)
 
@@ -75,7 +76,8 @@ def test_chart_registry_and_a_new_directory(tmp_path):
     assert (out / "templates" / "deployment.yaml").read_text() == (CHART / "templates" / "deployment.yaml").read_text()
     v = yaml.safe_load((out / "values-jax-g4dn.yaml").read_text())
     assert v["image"] == {"repository": "123456789012.dkr.ecr.us-west-2.amazonaws.com/llm/g5g-images",
-                          "tag": "jax-0.12.0.1-cu130-sm75-g4dn", "digest": "", "pullPolicy": "IfNotPresent"}
+                          "tag": "jax-0.12.0.1-cu130-sm75-g4dn", "digest": "", "requireDigest": False,
+                          "pullPolicy": "IfNotPresent"}
     for static in ("values.schema.json", "files/fetch_model.py"):   # the hand-written parts travel with it
         assert (out / static).read_text() == (CHART / static).read_text()
     r = subprocess.run([sys.executable, str(REPO / "build.py"), "chart", "--out", str(out), "--registry", "a b"],
@@ -97,8 +99,9 @@ def test_every_runtime_and_profile_renders_and_validates(helm, runtime, profile)
     plain = render(helm, values)
     full = render(helm, values, "autoscaling.enabled=true", "podMonitor.enabled=true", "secrets.apiKey.name=llm-api",
                   "secrets.hfToken.name=hf", "compileCache.claimName=jax-cache", PROM_LABEL)
-    assert sorted(d["kind"] for d in plain) == ["Deployment", "Pod", "PodDisruptionBudget", "Service"]   # Pod: helm test
-    assert sorted(d["kind"] for d in full) == ["Deployment", "Pod", "PodDisruptionBudget", "PodMonitor",
+    # Pod: helm test; ConfigMap: its token probe (and vLLM's liveness)
+    assert sorted(d["kind"] for d in plain) == ["ConfigMap", "Deployment", "Pod", "PodDisruptionBudget", "Service"]
+    assert sorted(d["kind"] for d in full) == ["ConfigMap", "Deployment", "Pod", "PodDisruptionBudget", "PodMonitor",
                                                "ScaledObject", "Service"]
     for doc in plain + full:
         validate(doc)
@@ -111,7 +114,7 @@ def test_every_runtime_and_profile_renders_and_validates(helm, runtime, profile)
     assert types["matchExpressions"][0]["key"] == "node.kubernetes.io/instance-type"
     assert {t.split(".")[0] for t in types["matchExpressions"][0]["values"]} == {profile}
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
-    assert c["resources"]["limits"] == {"nvidia.com/gpu": 1, "memory": FLEET["resources"]["limits"]["memory"]}
+    assert c["resources"]["limits"] == {"nvidia.com/gpu": 1, **FLEET["resources"]["limits"]}
     assert c["image"].split(":")[1].startswith(f"{runtime}-") and c["image"].endswith("-sm75" if profile == "g5g"
                                                                                       else "-sm75-g4dn")
     model = next(v for v in pod["volumes"] if v["name"] == "model")
@@ -122,7 +125,9 @@ def test_every_runtime_and_profile_renders_and_validates(helm, runtime, profile)
     # how the runtime takes its model: vllm serve MODEL, python -m serving --model MODEL (g5g/containers.py)
     assert c["args"][2:4] == (["/models/gemma-4-E2B-it", "--served-model-name"] if runtime == "vllm"
                               else ["--model", "/models/gemma-4-E2B-it"])
-    assert "env" not in c  # no secret named: nothing
+    # no secret named: nothing but the streams variable of our runtimes (vLLM takes a flag)
+    slots = f"G5G_{'JAX' if runtime == 'jax' else 'TORCH'}_SLOTS"
+    assert c.get("env", []) == ([] if runtime == "vllm" else [{"name": slots, "value": "8"}])
     assert dep["spec"]["replicas"] == 1 and "replicas" not in by_kind(full)["Deployment"]["spec"]
     caches = [v for v in by_kind(full)["Deployment"]["spec"]["template"]["spec"]["volumes"]
               if v["name"] == "compile-cache"]
@@ -130,10 +135,10 @@ def test_every_runtime_and_profile_renders_and_validates(helm, runtime, profile)
                       if runtime in ("jax", "vllm", "pytorch") else [])      # fleet.yaml compile_cache
     # the model fetched by an init container instead: renders and validates too (ConfigMap with the script)
     for source in ("huggingface", "s3"):
-        docs = render(helm, values, f"model.source={source}", "model.s3.uri=s3://models/gemma/", AWS_CLI,
+        docs = render(helm, values, f"model.source={source}", "model.s3.uri=s3://models/gemma/", AWS_CLI, REV,
                       "model.sha256.config\\.json=" + "a" * 64, "model.cache.claimName=model-cache")
-        assert sorted(d["kind"] for d in docs) == ["ConfigMap", "Deployment", "Pod", "PodDisruptionBudget",
-                                                   "Service"]
+        assert sorted(d["kind"] for d in docs) == ["ConfigMap", "ConfigMap", "Deployment", "Pod",
+                                                   "PodDisruptionBudget", "Service"]
         for doc in docs:
             validate(doc)
 
@@ -142,7 +147,7 @@ def test_secrets_come_from_secret_refs_never_from_values(helm):  # noqa: F811
     token = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
     for source in ("pvc", "huggingface"):
         docs = render(helm, "values.yaml", "secrets.apiKey.name=llm-api", "secrets.hfToken.name=hf",
-                      f"model.source={source}")
+                      f"model.source={source}", REV)
         pod = by_kind(docs)["Deployment"]["spec"]["template"]["spec"]
         (c,) = pod["containers"]
         # the server reads a model already on disk: the Hub token goes only to the init container that fetches
@@ -229,15 +234,19 @@ def test_the_drain_outlasts_the_longest_reply_the_chart_allows_at_t4g_speed(helm
     assert pod["terminationGracePeriodSeconds"] > drain
 
 
-def test_the_scaler_asks_prometheus_for_this_releases_queue(helm):  # noqa: F811
+def test_the_scaler_asks_prometheus_for_this_releases_load(helm):  # noqa: F811
+    """The load is every pod's streams, running + waiting, averaged over the window (a full pod with an empty queue
+    is still load: scaling on the queue alone drops to minReplicas under full load and flaps); no series is 0."""
     docs = render(helm, "values-pytorch-g4dn.yaml", "autoscaling.enabled=true", "autoscaling.maxReplicas=8",
                   PROM_LABEL, namespace="team-a")
     so = by_kind(docs)["ScaledObject"]
     assert so["spec"]["scaleTargetRef"]["name"] == by_kind(docs)["Deployment"]["metadata"]["name"] == "gemma-pytorch"
     (trigger,) = so["spec"]["triggers"]
-    assert trigger["metadata"]["query"] == \
-        'sum(vllm:num_requests_waiting{namespace="team-a",pod=~"gemma-pytorch-[a-z0-9]+-[a-z0-9]+"})'
-    assert so["spec"]["maxReplicaCount"] == 8 and trigger["metadata"]["threshold"] == "4"
+    sel = '{namespace="team-a",pod=~"gemma-pytorch-[a-z0-9]+-[a-z0-9]+"}'
+    assert trigger["metadata"]["query"] == (f"(sum(avg_over_time(vllm:num_requests_running{sel}[120s])) + "
+                                            f"sum(avg_over_time(vllm:num_requests_waiting{sel}[120s]))) or vector(0)")
+    assert so["spec"]["maxReplicaCount"] == 8
+    assert trigger["metadata"]["threshold"] == f"{FLEET['autoscaling']['target_streams']:g}" == "6"
 
 
 def test_the_validation_can_fail(helm):  # noqa: F811
@@ -344,15 +353,15 @@ def test_autoscaling_scrapes_the_metric_its_scaler_queries(helm):  # noqa: F811
     assert endpoint["port"] in {p["name"] for p in c["ports"]} and endpoint["path"] == "/metrics"
     assert pm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     (trigger,) = so["spec"]["triggers"]
-    assert trigger["metadata"]["ignoreNullValues"] == "false"
     # prometheus-operator labels each series with the pod's namespace and name: the query's selector matches the
     # names a ReplicaSet of this Deployment gives its pods
     import re
     pod_re = re.search(r'pod=~"([^"]+)"', trigger["metadata"]["query"]).group(1)
     assert re.fullmatch(pod_re, f"{dep['metadata']['name']}-7c9d8f6b5-x2k4q")
     assert 'namespace="team-a"' in trigger["metadata"]["query"]
-    # the metric exists on our servers under that name (serving/metrics.py registers it)
-    assert '"vllm:num_requests_waiting"' in (REPO / "serving" / "metrics.py").read_text()
+    # the metrics exist on our servers under those names (serving/metrics.py registers them)
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running"):
+        assert f'"{name}"' in (REPO / "serving" / "metrics.py").read_text()
 
 
 @pytest.mark.parametrize("runtime", ["vllm", "jax", "pytorch"])
@@ -395,7 +404,7 @@ def test_port_reaches_the_server(helm, runtime, profile):  # noqa: F811
 def test_pods_are_hardened(helm):  # noqa: F811
     digest = "sha256:" + "ab" * 32
     docs = by_kind(render(helm, "values.yaml", f"image.digest={digest}", "model.source=huggingface",
-                          "secrets.hfToken.name=hf"))
+                          REV, "secrets.hfToken.name=hf"))
     pod = docs["Deployment"]["spec"]["template"]["spec"]
     assert pod["automountServiceAccountToken"] is False
     keys = {s["topologyKey"] for s in pod["topologySpreadConstraints"]}
@@ -414,24 +423,26 @@ def test_pods_are_hardened(helm):  # noqa: F811
 
 def test_the_model_from_the_hub_is_fetched_once_into_a_cache_and_checked(helm):  # noqa: F811
     docs = by_kind(render(helm, "values-vllm-g5g.yaml", "model.source=huggingface",
-                          "model.huggingface.revision=0123abc", "secrets.hfToken.name=hf",
+                          "model.huggingface.revision=0123abc" + "0" * 33, "secrets.hfToken.name=hf",
                           "model.cache.claimName=models"))
     pod = docs["Deployment"]["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]
     cmd = init["command"]
     assert cmd[:3] == ["python3", "/opt/g5g-chart/fetch_model.py", "huggingface"]
-    assert cmd[cmd.index("--repo") + 1] == "google/gemma-4-E2B-it" and cmd[cmd.index("--revision") + 1] == "0123abc"
+    assert cmd[cmd.index("--repo") + 1] == "google/gemma-4-E2B-it"
+    assert cmd[cmd.index("--revision") + 1] == "0123abc" + "0" * 33
     dest = cmd[cmd.index("--dest") + 1]
     assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in init["env"]
     assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "models"}} in pod["volumes"]
     (c,) = pod["containers"]
     mount = next(m for m in c["volumeMounts"] if m["name"] == "model-cache")
     assert mount["readOnly"] is True and f"/cache/{mount['subPath']}" == dest   # the server reads what was checked
-    script = docs["ConfigMap"]["data"]["fetch_model.py"]
+    script = next(d for d in render(helm, "values-vllm-g5g.yaml", "model.source=huggingface", REV)
+                  if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-fetch"))["data"]["fetch_model.py"]
     assert script == (CHART / "files" / "fetch_model.py").read_text()
     # another revision is another directory: never the old checkpoint under the new name
     other = by_kind(render(helm, "values-vllm-g5g.yaml", "model.source=huggingface",
-                           "model.huggingface.revision=4567def"))["Deployment"]["spec"]["template"]["spec"]
+                           "model.huggingface.revision=4567def" + "0" * 33))["Deployment"]["spec"]["template"]["spec"]
     cmd2 = other["initContainers"][0]["command"]
     assert cmd2[cmd2.index("--dest") + 1] != dest
 
@@ -468,9 +479,14 @@ def test_fleet_yaml_errors_are_one_line_naming_the_key(tmp_path):
          "resources.requests.memory: '12 GB' is not a memory quantity"),
         ({"engine_stall_s": {"llama": 60}}, "engine_stall_s.llama: not a runtime that boots"),
         ({"shutdown": {**good["shutdown"], "exit_backstop_s": -5}}, "shutdown.exit_backstop_s: Input should be"),
-        ({"probe": {}}, "probe: unknown key (allowed: boot, compile_cache, decode_tok_s, default, engine_stall_s, "
-                        "fetch_resources, max_model_len, nodes, probes, resources, rollout, shutdown, "
-                        "startup_margin)"),
+        ({"probe": {}}, "probe: unknown key (allowed: autoscaling, boot, compile_cache, decode_tok_s, default, "
+                        "engine_stall_s, fetch_resources, max_model_len, nodes, probes, resources, rollout, shutdown, "
+                        "startup_margin, streams)"),
+        ({"probes": {**good["probes"], "token_deadline_s": 10}},
+         "probes.token_deadline_s: 10 is not below probes.liveness.timeout_s (10)"),
+        ({"autoscaling": {**good["autoscaling"], "target_streams": 9.0}},
+         "autoscaling.target_streams: 9 is above streams.per_replica (8)"),
+        ({"streams": {"per_replica": 8, "how": {"vllm": {"flag": "--max-num-seqs"}}}}, "streams.how.jax: missing"),
         ({"max_model_len": "4k"}, "max_model_len: must be a number"),
         ({"boot": {**good["boot"], "jax": [[{"from": "benchmarks/results/nope.json", "key": "a"}]]}},
          "boot.jax[0][0].from: cannot read benchmarks/results/nope.json"),
@@ -694,8 +710,11 @@ def test_the_helm_commands_in_the_docs_render(helm):  # noqa: F811
     """Every `helm install` in docs/fleet.md, as `helm template`: a documented value that the schema no longer
     takes fails here."""
     text = (REPO / "docs" / "fleet.md").read_text().replace("\\\n", " ")
-    commands = [line.split() for line in text.splitlines() if line.strip().startswith("helm install ")]
-    assert len(commands) >= 3
+    # the placeholders a reader fills in, filled; upstream's charts (an oci:// reference) are not ours to render
+    text = text.replace("<40-hex commit>", "0" * 40).replace("sha256:<64 hex>", "sha256:" + "a" * 64)
+    commands = [line.split() for line in text.splitlines()
+                if line.strip().startswith("helm install ") and " deploy/chart " in line]
+    assert len(commands) >= 4
     for argv in commands:
         argv = argv[argv.index("helm"):]
         r = subprocess.run([helm, "template", *argv[2:]], capture_output=True, text=True, timeout=120, cwd=REPO)

@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from tests.fixtures.helm import helm  # noqa: F401 - the fixture
-from tests.test_chart import AWS_CLI, CHART, COMBOS, FLEET, PROM_LABEL, REPO, _fetcher, arg, by_kind, render, validate
+from tests.test_chart import (AWS_CLI, CHART, COMBOS, FLEET, PROM_LABEL, REPO, REV, _fetcher, arg, by_kind, render,
+                              validate)
 
 
 def pod_spec(docs: list[dict]) -> dict:
@@ -25,12 +26,14 @@ def pod_spec(docs: list[dict]) -> dict:
 @pytest.mark.parametrize("sets,spec", [
     ((), {"minAvailable": 1}),
     (("replicaCount=3",), {"maxUnavailable": 1}),
-    (("autoscaling.enabled=true", PROM_LABEL), {"minAvailable": 1}),
+    # autoscaled: one at a time even at minReplicas 1 (minAvailable 1 would let 3 of 4 go at once)
+    (("autoscaling.enabled=true", PROM_LABEL), {"maxUnavailable": 1}),
     (("autoscaling.enabled=true", PROM_LABEL, "autoscaling.minReplicas=2"), {"maxUnavailable": 1}),
     (("replicaCount=3", "podDisruptionBudget.maxUnavailable=2"), {"maxUnavailable": 2}),
 ])
 def test_a_drain_never_evicts_the_only_serving_pod(helm, sets, spec):  # noqa: F811
-    """One replica: minAvailable 1 (an eviction waits until a second pod is Ready); more: maxUnavailable at a time.
+    """A fixed single replica: minAvailable 1 (an eviction waits until a second pod is Ready); more, or autoscaled:
+    maxUnavailable at a time.
     A pod that is not Ready never blocks a drain."""
     pdb = by_kind(render(helm, "values.yaml", *sets))["PodDisruptionBudget"]
     validate(pdb)
@@ -38,38 +41,55 @@ def test_a_drain_never_evicts_the_only_serving_pod(helm, sets, spec):  # noqa: F
     assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
 
 
-def test_the_scaler_falls_back_when_its_query_fails(helm):  # noqa: F811
+def test_the_scaler_falls_back_without_scaling_an_idle_release_up(helm):  # noqa: F811
+    """After fallbackAfterFailures failed queries KEDA keeps the current replicas, or fallbackReplicas if higher, and
+    that defaults to minReplicas: a Prometheus outage over an idle release never buys GPU nodes (the old default,
+    maxReplicas, sent every fresh install to the maximum)."""
     so = by_kind(render(helm, "values-jax-g5g.yaml", "autoscaling.enabled=true", PROM_LABEL,
-                        "autoscaling.maxReplicas=6"))["ScaledObject"]
+                        "autoscaling.maxReplicas=6", "autoscaling.minReplicas=2"))["ScaledObject"]
     validate(so)
-    assert so["spec"]["fallback"] == {"failureThreshold": 3, "replicas": 6}      # default: maxReplicas
-    assert so["spec"]["triggers"][0]["metadata"]["ignoreNullValues"] == "false"  # a lost series is a failure
+    assert so["spec"]["fallback"] == {"failureThreshold": 3, "replicas": 2, "behavior": "currentReplicasIfHigher"}
     so = by_kind(render(helm, "values-jax-g5g.yaml", "autoscaling.enabled=true", PROM_LABEL,
-                        "autoscaling.fallbackReplicas=2", "autoscaling.fallbackAfterFailures=5"))["ScaledObject"]
-    assert so["spec"]["fallback"] == {"failureThreshold": 5, "replicas": 2}
+                        "autoscaling.fallbackReplicas=3", "autoscaling.fallbackAfterFailures=5"))["ScaledObject"]
+    assert so["spec"]["fallback"] == {"failureThreshold": 5, "replicas": 3, "behavior": "currentReplicasIfHigher"}
 
 
 @pytest.mark.parametrize("runtime,profile", COMBOS)
-def test_helm_test_asks_the_releases_nodes_for_a_gpu_and_lists_it(helm, runtime, profile):  # noqa: F811
-    docs = render(helm, f"values-{runtime}-{profile}.yaml", "image.digest=sha256:" + "ab" * 32)
+def test_helm_test_asks_the_service_for_a_token_without_a_gpu(helm, runtime, profile):  # noqa: F811
+    """`helm test`: the release's Service must answer a 1-token completion (GPU, driver, model and Service at once);
+    the pod asks for no GPU and is kept from the node's GPUs, runs where the release runs, from its image."""
+    docs = render(helm, f"values-{runtime}-{profile}.yaml", "image.digest=sha256:" + "ab" * 32,
+                  "secrets.apiKey.name=llm-api")
     (test,) = [d for d in docs if d["kind"] == "Pod"]
     validate(test)
     assert test["metadata"]["annotations"]["helm.sh/hook"] == "test"
     spec, pod = test["spec"], pod_spec(docs)
-    for key in ("nodeSelector", "affinity", "tolerations"):      # where the release's pods go, the test goes
+    for key in ("nodeSelector", "affinity", "tolerations"):      # where the release's pods go (its image is there)
         assert spec[key] == pod[key], key
     (c,) = spec["containers"]
-    assert c["command"] == ["nvidia-smi", "-L"] and c["resources"]["limits"] == {"nvidia.com/gpu": 1}
+    for part in ("limits", "requests"):
+        assert not any(k.startswith("nvidia.com/") for k in c["resources"].get(part, {})), c["resources"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "void"
+    assert env["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "llm-api"
+    svc = by_kind(docs)["Service"]
+    assert c["command"][:2] == ["python3", "/opt/g5g-probe/token_probe.py"]
+    url = f"http://{svc['metadata']['name']}:{svc['spec']['ports'][0]['port']}"
+    assert arg(c | {"args": c["command"]}, "--url") == url
+    assert arg(c | {"args": c["command"]}, "--model") == "gemma-4-E2B-it"
+    probe_cm = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-probe"))
+    assert probe_cm["data"]["token_probe.py"] == (CHART / "files" / "token_probe.py").read_text()
+    assert next(v for v in spec["volumes"] if v["name"] == "probe-script")["configMap"]["name"] == \
+        probe_cm["metadata"]["name"]
     assert c["image"] == pod["containers"][0]["image"]
-    assert "utility" in next(e["value"] for e in c["env"] if e["name"] == "NVIDIA_DRIVER_CAPABILITIES")
     assert spec["restartPolicy"] == "Never" and c["securityContext"]["readOnlyRootFilesystem"] is True
 
 
 @pytest.mark.parametrize("sets,storage", [
-    (("model.source=huggingface",), "24Gi"),
-    (("model.source=huggingface", "model.cache.sizeLimit=40Gi"), "40Gi"),
+    (("model.source=huggingface", REV), "24Gi"),
+    (("model.source=huggingface", REV, "model.cache.sizeLimit=40Gi"), "40Gi"),
     (("model.source=s3", "model.s3.uri=s3://m/g/", AWS_CLI, "model.sha256.config\\.json=" + "a" * 64), "24Gi"),
-    (("model.source=huggingface", "model.cache.claimName=models"), None),    # a PVC: not the node's disk
+    (("model.source=huggingface", REV, "model.cache.claimName=models"), None),    # a PVC: not the node's disk
     ((), None),                                                              # pvc: nothing fetched
 ])
 def test_a_model_fetched_onto_the_nodes_disk_is_requested_as_ephemeral_storage(helm, sets, storage):  # noqa: F811
@@ -84,14 +104,27 @@ def test_a_model_fetched_onto_the_nodes_disk_is_requested_as_ephemeral_storage(h
 
 
 @pytest.mark.parametrize("runtime", ["jax", "pytorch", "vllm"])
-def test_liveness_restarts_a_wedged_engine_through_the_heartbeat(helm, runtime):  # noqa: F811
+def test_liveness_restarts_a_wedged_engine_on_every_runtime(helm, runtime):  # noqa: F811
     """Our servers get --engine-stall-timeout (fleet.yaml engine_stall_s), so the liveness probe's /health turns 503
-    when their engine holds work without finishing a step; vLLM has no such flag and gets none."""
-    (c,) = pod_spec(render(helm, f"values-{runtime}-g5g.yaml"))["containers"]
-    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    when their engine holds work without finishing a step. vLLM has no such flag and its /health stays 200 while its
+    engine core is stuck: its liveness is the token probe, which needs a token out within its deadline."""
+    pod = pod_spec(render(helm, f"values-{runtime}-g5g.yaml"))
+    (c,) = pod["containers"]
+    live = c["livenessProbe"]
     if runtime == "vllm":
-        assert "--engine-stall-timeout" not in c["args"]
+        assert "--engine-stall-timeout" not in c["args"] and "httpGet" not in live
+        cmd = live["exec"]["command"]
+        assert cmd[:2] == ["python3", "/opt/g5g-probe/token_probe.py"]
+        argv = {"args": cmd}
+        assert arg(argv, "--url") == f"http://127.0.0.1:{c['ports'][0]['containerPort']}"
+        assert arg(argv, "--model") == arg(c, "--served-model-name")
+        deadline = int(arg(argv, "--deadline"))
+        assert deadline == FLEET["probes"]["token_deadline_s"] and deadline < live["timeoutSeconds"]
+        assert arg(argv, "--state").startswith("/tmp/")                 # the writable emptyDir
+        mount = next(m for m in c["volumeMounts"] if m["mountPath"] == "/opt/g5g-probe")
+        assert next(v for v in pod["volumes"] if v["name"] == mount["name"])["configMap"]["name"] == "gemma-vllm-probe"
         return
+    assert live["httpGet"]["path"] == "/health"
     stall = int(arg(c, "--engine-stall-timeout"))
     assert stall == FLEET["engine_stall_s"][runtime]
     from serving.__main__ import build_parser
@@ -185,35 +218,3 @@ def test_the_drain_takes_the_slowest_decode_speed_on_record():
     fleet = {"decode_tok_s": {"jax": [{"value": 30.0, "source": "a fast run"}, {"value": 12.0, "source": "slow"},
                                       {"value": 20.0, "source": "another"}]}}
     assert chart.decode_speed(fleet, "jax", REPO) == 12.0
-
-
-@pytest.mark.parametrize("runtime,profile", COMBOS)
-def test_an_inference_pool_hands_the_releases_pods_to_an_endpoint_picker(helm, runtime, profile):  # noqa: F811
-    """inferencePool.enabled renders an InferencePool (inference.networking.k8s.io/v1) that selects exactly the
-    Deployment's pods on the server's port and names the Endpoint Picker as upstream's chart does for a release of
-    the pool's name; validated against the CRD's schema and its two CEL rules."""
-    import jsonschema
-
-    docs = render(helm, f"values-{runtime}-{profile}.yaml", "inferencePool.enabled=true", "port=9000")
-    assert "InferencePool" not in by_kind(render(helm, f"values-{runtime}-{profile}.yaml"))   # optional
-    pool, dep = by_kind(docs)["InferencePool"], by_kind(docs)["Deployment"]
-    validate(pool)
-    spec = pool["spec"]
-    assert spec["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
-    assert spec["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
-    (c,) = dep["spec"]["template"]["spec"]["containers"]
-    assert spec["targetPorts"] == [{"number": c["ports"][0]["containerPort"]}] == [{"number": 9000}]
-    ref = spec["endpointPickerRef"]
-    assert ref == {"name": f"{pool['metadata']['name']}-epp", "port": {"number": 9002}, "failureMode": "FailOpen"}
-    # the CRD's CEL rules: a Service (the default kind) needs its port; target port numbers are unique
-    assert ref.get("kind", "Service") != "Service" or "port" in ref
-    assert len({p["number"] for p in spec["targetPorts"]}) == len(spec["targetPorts"])
-    named = by_kind(render(helm, "values.yaml", "inferencePool.enabled=true",
-                           "inferencePool.endpointPicker.name=picker", "inferencePool.endpointPicker.failureMode=FailClose"))
-    assert named["InferencePool"]["spec"]["endpointPickerRef"]["name"] == "picker"
-    # the schema can fail: no target port, an unknown field
-    for spoil in (lambda s: s.update(targetPorts=[]), lambda s: s.update(targetPortNumber=8000)):
-        bad = {**pool, "spec": dict(spec)}
-        spoil(bad["spec"])
-        with pytest.raises(jsonschema.ValidationError, match="should be non-empty|Additional properties"):
-            validate(bad)

@@ -69,6 +69,19 @@ def test_missing_checkpoint_is_one_line_and_exit_2(tmp_path):
         assert proc.stderr.startswith("error:") and "config.json" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("argv", [["--por=9001"], ["--por", "9001"], ["--engine-stall", "0"],
+                                  ["--max-model", "8192"]])
+def test_python_m_serving_refuses_abbreviated_flags(tmp_path, argv):
+    """argparse would expand a prefix (--por to --port): the chart's extraArgs guard, which matches the full flags it
+    sets, would then be bypassed. The process stops at the parser, before any model is looked at."""
+    proc = subprocess.run([sys.executable, "-m", "serving", "--runtime", "pytorch", "--model", str(tmp_path), *argv],
+                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "unrecognized arguments" in proc.stderr, proc.stderr
+    from serving.__main__ import build_parser
+
+    assert build_parser().parse_args(["--runtime", "pytorch", "--model", "m", "--port=9001"]).port == 9001
+
+
 def test_driver_never_imports_torch_or_the_server():
     code = ("import sys, g5g.cli, g5g.commands.serve; "
             "print(sorted(m for m in ('torch', 'jax', 'transformers', 'serving') if m in sys.modules))")
