@@ -152,12 +152,17 @@ def measure_server(runtime: str, ckpt: Path, work: Path, runs: int, p: dict, tor
 
 # ------------------------------------------------------------------------------------------------ peer
 def measure_peer(ckpt: Path, runs: int, p: dict) -> dict:
-    """transformers `generate(cache_implementation="static")`, eager, on the PyTorch runtime's model."""
+    """transformers as a user runs it: `AutoModelForCausalLM.from_pretrained` on the same checkpoint, then
+    `generate(cache_implementation="static")`, which compiles its own decode step where it can (a GPU). `path` says
+    which it took."""
     import torch
-    from serving.torch_runtime import load
+    from transformers import AutoModelForCausalLM
 
-    model = load(ckpt, max_context=1024).model
-    res: dict = {"transformers": __import__("transformers").__version__, "torch": torch.__version__}
+    cuda = torch.cuda.is_available()
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float16 if cuda else torch.float32)
+    model.to("cuda" if cuda else "cpu").eval()
+    res: dict = {"transformers": __import__("transformers").__version__, "torch": torch.__version__,
+                 "model_class": type(model).__name__}
 
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
 
@@ -175,6 +180,8 @@ def measure_peer(ckpt: Path, runs: int, p: dict) -> dict:
     short = p["short"]["ids"]
     for batch, n in ((1, 64), (1, 256), (8, 256)):
         timed(short, batch, n)                               # warm-up (and the static cache's first allocation)
+        # generate keeps the forward it compiled (get_compiled_call) on the model: none means it decoded eagerly
+        res["path"] = "compiled decode (torch.compile)" if hasattr(model, "_compiled_call") else "eager"
         rates = []
         for _ in range(runs):
             t1, tn = timed(short, batch, 1), timed(short, batch, n)
