@@ -33,6 +33,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 
 from serving import openai_text, tokenization
 from serving.engine import Engine
@@ -220,12 +221,19 @@ async def _http_error(_: Request, e: StarletteHTTPException):
                     else "server_error").response(headers=getattr(e, "headers", None))
 
 
+async def _client_gone(_: Request, e: ClientDisconnect):
+    # The connection closed before the body came whole: the HTTP parser refused the rest (its one warning line says
+    # so) or the client left. Nobody reads this answer, and it is no error of the server's: nothing to log.
+    return APIError(400, "request body incomplete: the connection closed").response()
+
+
 async def _unexpected(_: Request, e: Exception):
     log.exception("unexpected error")
     return APIError(500, f"internal error: {type(e).__name__}", "server_error").response()
 
 
-ERROR_HANDLERS = {APIError: _api_error, StarletteHTTPException: _http_error, Exception: _unexpected}
+ERROR_HANDLERS = {APIError: _api_error, StarletteHTTPException: _http_error, ClientDisconnect: _client_gone,
+                  Exception: _unexpected}
 
 
 # ----------------------------------------------------------------------------------------- small routes
