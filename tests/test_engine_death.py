@@ -28,14 +28,15 @@ def chat(url: str, **extra) -> requests.Response:
 class Stream(threading.Thread):
     """A long streamed request in a thread: .status, .lines once joined; .first set at its first line."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, **extra):
         super().__init__(daemon=True)
         self.url, self.status, self.lines, self.first = url, None, [], threading.Event()
+        self.extra = extra
         self.start()
 
     def run(self):
         body = {"model": "tiny", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 200,
-                "ignore_eos": True, "stream": True}
+                "ignore_eos": True, "stream": True, **self.extra}
         try:
             with requests.post(f"{self.url}/v1/chat/completions", json=body, stream=True, timeout=120) as r:
                 self.status = r.status_code
@@ -60,24 +61,31 @@ def _server(tiny_gemma4, tmp_path, inner: str):
 @pytest.mark.parametrize("inner", ["pytorch", "jax"])
 def test_a_poisoned_engine_fails_every_request_then_the_server_exits_non_zero(tiny_gemma4, tmp_path, inner):
     """Before: each request got a 500 and /health stayed 200 for ever. Now: one out-of-memory is that request's
-    500 and the next request is served; then an illegal address: its request and a stream in flight get the 503
-    'engine failed', /health is 503, and the process exits 1."""
+    500 and the next request is served; then an illegal address in a stream: it ends with the error 'engine
+    failed', the request beside or behind it gets that 503, /health is 503 until the process exits 1."""
     with _server(tiny_gemma4, tmp_path, inner) as srv:
         oom = chat(srv.url, seed=OOM_SEED)
         assert oom.status_code == 500 and "out of memory" in oom.json()["error"]["message"], oom.text
         assert requests.get(f"{srv.url}/health", timeout=10).status_code == 200
         assert chat(srv.url).status_code == 200
-        stream = Stream(srv.url)
-        assert stream.first.wait(60) and stream.status == 200, stream.lines
-        poisoned = chat(srv.url, seed=POISON_SEED)
-        assert poisoned.status_code == 503, poisoned.text
-        assert poisoned.json()["error"]["message"].startswith("engine failed: device error: RuntimeError: CUDA error")
-        health = requests.get(f"{srv.url}/health", timeout=10)
-        assert health.status_code == 503 and "engine failed" in health.json()["error"]["message"]
-        stream.join(EXIT_S)
-        errors = [json.loads(line[len("data: "):])["error"] for line in stream.lines
+        poisoned = Stream(srv.url, seed=POISON_SEED)          # fails at its POISON_AFTER-th step (seconds)
+        assert poisoned.first.wait(60) and poisoned.status == 200, poisoned.lines
+        behind = []                                             # running beside it, or queued behind it
+        asking = threading.Thread(target=lambda: behind.append(chat(srv.url, max_tokens=8)), daemon=True)
+        asking.start()
+        poisoned.join(EXIT_S)
+        errors = [json.loads(line[len("data: "):])["error"] for line in poisoned.lines
                   if line.startswith("data: {\"error\"")]
-        assert errors and errors[0]["message"].startswith("engine failed: "), stream.lines[-3:]
+        assert errors and errors[0]["message"].startswith("engine failed: device error: RuntimeError: CUDA error"), \
+            poisoned.lines[-3:]
+        asking.join(EXIT_S)
+        assert behind and behind[0].status_code == 503, behind and behind[0].text
+        assert behind[0].json()["error"]["message"].startswith("engine failed: ")
+        try:
+            health = requests.get(f"{srv.url}/health", timeout=10)
+            assert health.status_code == 503 and "engine failed" in health.json()["error"]["message"]
+        except requests.ConnectionError:
+            pass                                                # already gone: the exit below says so
         assert srv.proc.wait(EXIT_S) == 1
 
 
