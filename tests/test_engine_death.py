@@ -71,7 +71,8 @@ def test_a_poisoned_engine_fails_every_request_then_the_server_exits_non_zero(ti
         poisoned = Stream(srv.url, seed=POISON_SEED)          # fails at its POISON_AFTER-th step (seconds)
         assert poisoned.first.wait(60) and poisoned.status == 200, poisoned.lines
         behind = []                                             # running beside it, or queued behind it
-        asking = threading.Thread(target=lambda: behind.append(chat(srv.url, max_tokens=8)), daemon=True)
+        long = {"max_tokens": 200, "ignore_eos": True}         # still in hand when the poison comes
+        asking = threading.Thread(target=lambda: behind.append(chat(srv.url, **long)), daemon=True)
         asking.start()
         poisoned.join(EXIT_S)
         errors = [json.loads(line[len("data: "):])["error"] for line in poisoned.lines
