@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -199,5 +200,23 @@ def serve_image(image: str, *, gpu: bool, model_style: str = "flag", model: str 
         url, boot = wait_ready(container, timeout, t0=started, port=port)
         yield Server(url=url, container=container, model_name=name, started=started, boot=boot)
     finally:
-        with contextlib.suppress(Exception):
-            container.remove(force=True)
+        leftover = remove(container)
+        if leftover:
+            failing = sys.exc_info()[1]
+            if failing is None:
+                raise UserError(leftover)
+            failing.add_note(leftover)      # the failure that ended the run stays the one reported
+
+
+def remove(container) -> str | None:
+    """Remove a smoke container (one already gone is fine); what to tell the user if it stays behind."""
+    import docker
+
+    try:
+        container.remove(force=True)
+    except docker.errors.NotFound:
+        return None
+    except (docker.errors.DockerException, requests.RequestException) as e:
+        return f"the smoke container {container.id[:12]} could not be removed ({e}); remove it with " \
+               f"`docker rm -f {container.id[:12]}`"
+    return None

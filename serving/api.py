@@ -33,6 +33,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 
 from serving import openai_text, tokenization
 from serving.engine import Engine
@@ -77,6 +78,8 @@ class Context:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
     def check_serving(self) -> None:
+        if self.scheduler.dead:
+            raise unavailable(f"engine failed: {self.scheduler.dead}; the server is exiting")
         if self.draining:
             raise unavailable("server is shutting down")
         if not self.ready:
@@ -116,7 +119,9 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
     calls it on SIGTERM) starts the drain: new requests get 503, running ones `shutdown_grace` seconds to finish, then
     every open stream ends with finish_reason "abort" and [DONE] and every other request gets a 503.
     `engine_stall_timeout` (seconds, 0: off): /health is also 503 while the engine has work and has finished no
-    prefill or decode step for that long (a wedged CUDA call), so a liveness probe on /health restarts the pod."""
+    prefill or decode step for that long (a wedged CUDA call), so a liveness probe on /health restarts the pod.
+    An engine that dies (serving/scheduler.py: a device error, or failures in a row) turns /health 503 at once and
+    is handed to `on_load_error` as EngineDead, as a failed load is: `python -m serving` exits 1."""
 
     model_dir = Path(model_dir)
     name = served_model_name or model_dir.name
@@ -170,6 +175,12 @@ async def _startup(ctx: Context, load_engine: Callable[[], Engine],
             on_load_error(e)
         return
     await sched.run()
+    if sched.dead and on_load_error:        # the engine died (serving/scheduler.py): the server exits non-zero
+        on_load_error(EngineDead(sched.dead))
+
+
+class EngineDead(RuntimeError):
+    """The engine failed past recovery after it loaded (Scheduler.dead says why)."""
 
 
 async def _drain(ctx: Context, shutdown_grace: float) -> None:
@@ -220,12 +231,19 @@ async def _http_error(_: Request, e: StarletteHTTPException):
                     else "server_error").response(headers=getattr(e, "headers", None))
 
 
+async def _client_gone(_: Request, e: ClientDisconnect):
+    # The connection closed before the body came whole: the HTTP parser refused the rest (its one warning line says
+    # so) or the client left. Nobody reads this answer, and it is no error of the server's: nothing to log.
+    return APIError(400, "request body incomplete: the connection closed").response()
+
+
 async def _unexpected(_: Request, e: Exception):
     log.exception("unexpected error")
     return APIError(500, f"internal error: {type(e).__name__}", "server_error").response()
 
 
-ERROR_HANDLERS = {APIError: _api_error, StarletteHTTPException: _http_error, Exception: _unexpected}
+ERROR_HANDLERS = {APIError: _api_error, StarletteHTTPException: _http_error, ClientDisconnect: _client_gone,
+                  Exception: _unexpected}
 
 
 # ----------------------------------------------------------------------------------------- small routes

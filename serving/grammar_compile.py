@@ -13,6 +13,9 @@
   The same budget bounds every compiled grammar the server holds, cached or in a request's hands: while those in use
   fill it, a new compile is GrammarBusy. A refusal that comes from the schema itself (too large, a compile past its
   time limit) is cached like a grammar; one that comes from the server's load never is.
+- **A compile that dies is the server's failure**: one killed from outside (SIGKILL from the OOM killer, SIGTERM),
+  stopped (SIGSTOP) or starved of CPU past its deadline (less than STARVED of it spent computing), or one whose
+  input found no room, is CompileFailed: the client's 503, to retry, and nothing is cached.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import ctypes
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import tempfile
@@ -45,11 +49,22 @@ CACHE_BYTES = 384 * 2**20   # compiled grammars held, cached or in use (--gramma
 # vocabulary: pickled 123 MiB, 288 MiB of RSS held): what a grammar counts against CACHE_BYTES.
 LOADED_PER_PICKLED = 2.4
 POLL_S = 0.25               # how often a waiter or a compile looks whether to stop
+# A compile at its deadline that spent less than this share of it on the CPU was starved (a loaded server) or
+# stopped: not the schema's doing, so no verdict on it.
+STARVED = 0.25
+# How a compile's process ends when something outside kills it (the OOM killer's SIGKILL, a stop of the server),
+# rather than the schema (past its memory share: a MemoryError, or an abort from the index's allocator).
+OUTSIDE_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 
 
 class GrammarBusy(Exception):
     """Every compile worker and waiting place is taken, or compiled grammars in use fill the budget: the
     client's 429 (retry later), never cached."""
+
+
+class CompileFailed(Exception):
+    """The compile ended with no verdict on the schema, for a cause of the server's: its process killed, stopped or
+    starved from outside, or no room for its input. The client's 503 (retry), never cached."""
 
 
 class _Stopped(InvalidGrammar):
@@ -205,6 +220,9 @@ class Grammars:
                     self._free_workers.release()
                 entry.future.set_result(self._held(grammar))
             except BaseException as e:      # handed to whoever waits on it
+                if not isinstance(e, InvalidGrammar) or isinstance(e, _Stopped):
+                    with self._lock:        # no verdict on the schema: out of the cache before anyone sees it
+                        self._forget(key, entry)
                 entry.future.set_exception(e)
             self._finished(key, entry)
 
@@ -282,23 +300,32 @@ def build_index(schema_json: str, vocabulary, deadline: float, stop: threading.E
     holds once loaded (LOADED_PER_PICKLED times its size as it crossed), built in a child process (the server's
     threads, memory and devices stay out of it) that is killed at `deadline` or once `stop` is set (TimeoutError).
     Its reason (ValueError) if it cannot."""
-    with tempfile.TemporaryFile() as payload:      # a file, not a pipe: no write to resume after a timeout
-        pickle.dump((schema_json, max_string, max_regex_chars, vocabulary), payload)
-        payload.seek(0)
-        proc = subprocess.Popen([sys.executable, "-c", _INDEX_PROGRAM, str(os.getpid()), _ROOT, str(memory)],
-                                stdin=payload, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        with _payload() as payload:     # a file, not a pipe: no write to resume after a timeout
+            pickle.dump((schema_json, max_string, max_regex_chars, vocabulary), payload)
+            payload.seek(0)
+            proc = subprocess.Popen([sys.executable, "-c", _INDEX_PROGRAM, str(os.getpid()), _ROOT, str(memory)],
+                                    stdin=payload, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    except OSError as e:            # no room for its input (a full TMPDIR), no process to be had
+        raise CompileFailed(f"the compile could not start: {e}") from None
+    started = time.monotonic()
     try:
         while True:
             try:        # a retry goes on reading where the last call stopped
                 out, err = proc.communicate(None, min(POLL_S, max(0.0, deadline - time.monotonic())))
                 break
             except subprocess.TimeoutExpired:
-                if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
+                if stop is not None and stop.is_set():
+                    raise TimeoutError from None
+                if time.monotonic() >= deadline:
+                    _starved(proc.pid, deadline - started)
                     raise TimeoutError from None
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+    if -proc.returncode in OUTSIDE_SIGNALS:
+        raise CompileFailed(f"the compile's process was killed ({signal.Signals(-proc.returncode).name})")
     if proc.returncode:             # e.g. past its memory
         last = (err.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
         raise ValueError(f"the compile stopped (exit code {proc.returncode}: {last})")
@@ -306,3 +333,25 @@ def build_index(schema_json: str, vocabulary, deadline: float, stop: threading.E
     if not ok:
         raise ValueError(index)
     return index, int(len(out) * LOADED_PER_PICKLED)
+
+
+def _payload():
+    """Where the compile's input waits for it: memory of its own where Linux gives it (no TMPDIR to fill), else a
+    temporary file."""
+    if hasattr(os, "memfd_create"):
+        return open(os.memfd_create("grammar-compile"), "w+b")
+    return tempfile.TemporaryFile()
+
+
+def _starved(pid: int, budget: float) -> None:
+    """CompileFailed if the process at its deadline is stopped, or spent less than STARVED of `budget` seconds on
+    the CPU (Linux's /proc; elsewhere every timeout is the schema's)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return
+    state, cpu = fields[0], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    if state in ("T", "t"):
+        raise CompileFailed("the compile's process was stopped")
+    if cpu < STARVED * budget:
+        raise CompileFailed(f"the compile was starved: {cpu:.1f} s on the CPU in {budget:g} s")

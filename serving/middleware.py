@@ -9,16 +9,19 @@
   Content-Length of 100 and 7 bytes sent), or that takes longer than `--body-total-timeout` in all (one byte every
   few seconds), gets a 408, instead of holding its connection and handler open;
 
-and, below the app, in the HTTP protocol (`http_protocol`):
+and, below the app, in the HTTP protocol (`http_protocol`, uvicorn's h11 one):
 
-- a request uvicorn's HTTP parser refuses (a malformed Content-Length, a garbled request line) gets an OpenAI
-  error body too, not uvicorn's plain text;
-- a connection whose request headers are not complete `--header-timeout` seconds after it opened (or after the
-  first byte of its next request) gets a 408 and is closed: idle and slowloris connections hold no descriptor;
-- past `--max-connections` open connections (kept below the process's descriptor limit) a new one gets a 503 and
-  is closed at once, so the server always has a descriptor left to answer with;
-- a client that shuts down its write side once its request is sent (a half-close) still gets its answer, and one
-  that closed its socket is still found gone (`eof_received`).
+- a request uvicorn's HTTP parser refuses (a malformed Content-Length, a garbled request line, a chunk header past
+  its limits) gets an OpenAI error body too, not uvicorn's plain text, and one warning line in the log;
+- a request framed two ways (Content-Length and Transfer-Encoding), or not HTTP/1.x (an HTTP/2 preface), gets a 400
+  and the connection is closed: no byte after it is read as a request (no smuggling past a proxy);
+- a connection whose request headers are not complete `--header-timeout` seconds after it opened, or after the
+  first byte of its next request (kept alive), gets a 408 and is closed: each request has its own deadline;
+- past `--max-connections` open connections (kept below the process's descriptor limit), the oldest idle
+  connection of the client holding the most gives way (a 503, closed) to the new one; where none is idle, the new
+  one may ask for /health only (RESERVE places past the cap), and anything else is a 503; past those, a 503 at once;
+- a client that shuts down its write side once its requests are sent (a half-close) still gets every answer,
+  pipelined ones too, and one that closed its socket is still found gone (`eof_received`).
 """
 from __future__ import annotations
 
@@ -106,19 +109,77 @@ class Guard:
 
 
 PEER_POLL_S = 0.1       # how often a half-closed connection is checked for the reset that says its client is gone
+RESERVE = 32            # connections past --max-connections that may ask for /health only (within the 128 spare)
+HEALTH_LINE = 256       # the most bytes of a reserve connection's request line read before it is refused
+BUSY = "server busy: {} connections open (--max-connections); retry later"
+
+
+def framing_problem(http_version: bytes, headers) -> str | None:
+    """Why a request's framing cannot be trusted, or None. Both Content-Length and Transfer-Encoding: a proxy that
+    frames by the one and a server that frames by the other read different requests from the same bytes (RFC 9112
+    §6.1: the server closes the connection after answering). Any version but HTTP/1.x (an HTTP/2 preface,
+    `PRI * HTTP/2.0`): what follows it is no HTTP/1.1 request either."""
+    if http_version not in (b"1.0", b"1.1"):
+        return f"HTTP/{http_version.decode(errors='replace')} is not served here (HTTP/1.1 only)"
+    names = {name.lower() for name, _ in headers}
+    if b"content-length" in names and b"transfer-encoding" in names:
+        return "both Content-Length and Transfer-Encoding (ambiguous framing, RFC 9112 section 6.1)"
+    return None
+
+
+def is_health(line: bytes) -> bool:
+    """Whether a request line asks for /health (GET or HEAD, any query)."""
+    method, _, rest = line.partition(b" ")
+    target = rest.partition(b" ")[0].partition(b"?")[0]
+    return method in (b"GET", b"HEAD") and target == b"/health"
+
+
+def evictable(connections, newcomer) -> object | None:
+    """The connection to close so that `newcomer` may stay, past the cap: the oldest idle one (no request in
+    progress) of the client holding the most connections, provided it holds at least as many as the newcomer's
+    client. One client's flood of idle sockets thus gives way to every other client, and to its own next one."""
+    counts: dict = {}
+    for c in connections:
+        counts[c.peer] = counts.get(c.peer, 0) + 1
+    idle = [c for c in connections if c is not newcomer and c.idle() and not c.transport.is_closing()]
+    if not idle:
+        return None
+    victim = max(idle, key=lambda c: (counts[c.peer], -c.opened))
+    return victim if counts[victim.peer] >= counts[newcomer.peer] else None
 
 
 def http_protocol(header_timeout_s: float = 10.0, max_connections: int = 0) -> type:
-    """uvicorn's HTTP protocol as its "auto" picks it (httptools when installed, else h11), with an OpenAI error body
-    for a request it cannot parse, a deadline on each request's headers, and a bound on open connections
-    (0: none)."""
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+    """uvicorn's h11 protocol (pinned, whatever else is installed: the one parser whose framing is tested here),
+    with an OpenAI error body for a request it cannot parse, a refusal of ambiguous framing (framing_problem), a
+    deadline on each request's headers, and a bound on open connections (0: none) that neither /health nor a light
+    client can be starved by."""
+    import h11
+    from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    class Protocol(AutoHTTPProtocol):
-        _header_timer = None
+    class Connection(h11.Connection):
+        problem: str | None = None
+
+        def next_event(self):
+            event = super().next_event()
+            if isinstance(event, h11.Request):
+                self.problem = framing_problem(event.http_version, event.headers)
+                if self.problem:        # uvicorn's handler: send_400_response, and the connection closed
+                    raise h11.RemoteProtocolError(self.problem)
+            return event
+
+    class Protocol(H11Protocol):
+        _header_timer = _header_cycle = None
+        _input_ended = False        # the client half-closed: answer what it sent whole, then close
+        _health_only: bytes | None = None   # past the cap: the request line read so far (only /health is served)
+
+        def __init__(self, config, *args, **kw):
+            super().__init__(config, *args, **kw)
+            self.conn = Connection(h11.SERVER, config.h11_max_incomplete_event_size or
+                                   DEFAULT_MAX_INCOMPLETE_EVENT_SIZE)
 
         def send_400_response(self, msg: str) -> None:
-            self._answer_and_close(APIError(400, f"malformed HTTP request: {msg}"))
+            self._answer_and_close(APIError(400, f"malformed HTTP request: {self.conn.problem or msg}"))
 
         def _answer_and_close(self, error: APIError) -> None:
             body = json.dumps(error.body()).encode()
@@ -127,52 +188,103 @@ def http_protocol(header_timeout_s: float = 10.0, max_connections: int = 0) -> t
                                  b"connection: close\r\n\r\n%s" % (error.status, reason, len(body), body))
             self.transport.close()
 
+        def idle(self) -> bool:
+            """No request in progress: none yet, or the last one answered."""
+            return self.cycle is None or self.cycle.response_complete
+
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            if max_connections and len(self.connections) > max_connections:
-                self._answer_and_close(APIError(503, f"server busy: {max_connections} connections open "
-                                                     f"(--max-connections); retry later", "service_unavailable"))
+            self.peer = (transport.get_extra_info("peername") or ("",))[0]
+            self.opened = self.loop.time()
+            self._await_headers()
+            if not max_connections or len(self.connections) <= max_connections:
+                return
+            busy = APIError(503, BUSY.format(max_connections), "service_unavailable")
+            victim = evictable(self.connections, self)
+            if victim is not None:
+                victim._answer_and_close(busy)
+            elif len(self.connections) <= max_connections + RESERVE:
+                self._health_only = b""
             else:
-                self._await_headers()
+                self._answer_and_close(busy)
 
         def data_received(self, data: bytes) -> None:
-            if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
+            if self._health_only is not None:
+                data = self._admit_health(data)
+                if not data:
+                    return
+            if self._header_timer is None and self.idle():
                 self._await_headers()           # the first byte of a next request on a kept-alive connection
             super().data_received(data)
+            if self._header_timer is not None and self._header_cycle is not self.cycle:
+                self._stop_header_timer()       # this request's headers came: its deadline is met
+
+        def _admit_health(self, data: bytes) -> bytes:
+            """A connection past the cap: its request line, once read, is served if it asks for /health (and the
+            connection closed after), refused with a 503 otherwise. Returns what to parse now (b"": nothing yet)."""
+            seen = self._health_only + data
+            line, newline, _ = seen.partition(b"\r\n")
+            if not newline and len(seen) < HEALTH_LINE:
+                self._health_only = seen
+                return b""
+            self._health_only = None
+            if newline and is_health(line):
+                self._input_ended = True        # answered, then closed: a reserve place is not kept
+                return seen
+            self._answer_and_close(APIError(503, BUSY.format(max_connections), "service_unavailable"))
+            return b""
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()      # starts the next request if one came whole (pipelined)
+            if self.transport.is_closing():
+                return
+            if self._input_ended and (self.idle() or self.cycle.more_body):
+                self.transport.close()          # nothing more can come: what was sent whole is answered
+            elif self.idle() and self._header_timer is None and self.conn.trailing_data[0]:
+                self._await_headers()           # part of the next request is here already: its deadline runs
 
         def eof_received(self) -> bool | None:
             """The client's end of input. TCP says the same for a half-close (`shutdown(SHUT_WR)`, the client still
             reading) and for a closed socket, so an HTTP/1.1 request sent whole and not yet answered keeps its
             connection open for writing: an interim `100 Continue` (which HTTP/1.1 lets any request have) goes out
             if the answer has not started; a closed socket answers it, or the answer's next bytes, with a reset,
-            seen within PEER_POLL_S, and the request's client counts as gone; a half-closed one reads its answer,
-            then the connection closes. Anything else closes now, as uvicorn does (and so vLLM's server)."""
+            seen within PEER_POLL_S, and the request's client counts as gone; a half-closed one reads its answers,
+            every request it sent whole (pipelined ones too), then the connection closes. Anything else closes now,
+            as uvicorn does (and so vLLM's server)."""
             cycle = self.cycle
             if cycle is None or cycle.response_complete or cycle.more_body or \
                     cycle.scope.get("http_version") != "1.1":
                 return None
-            cycle.keep_alive = False
+            self._input_ended = True
             if not cycle.response_started:
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             self._watch_peer()
             return True
 
         def _watch_peer(self) -> None:
-            if self.transport.is_closing():
+            sock = self.transport.get_extra_info("socket")
+            if self.transport.is_closing() or sock is None:
                 return
-            if self.transport.get_extra_info("socket").getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
                 self.transport.abort()      # reset: uvicorn tells the request its client is gone
             else:
                 self.loop.call_later(PEER_POLL_S, self._watch_peer)
 
         def connection_lost(self, exc) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
+            self._stop_header_timer()
             super().connection_lost(exc)
 
         def _await_headers(self) -> None:
+            """A deadline for the next request's headers, armed once per request (the timer knows for which)."""
             if header_timeout_s:
+                self._stop_header_timer()
+                self._header_cycle = self.cycle
                 self._header_timer = self.loop.call_later(header_timeout_s, self._headers_late, self.cycle)
+
+        def _stop_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
 
         def _headers_late(self, cycle) -> None:
             self._header_timer = None

@@ -21,7 +21,7 @@ from serving.generation import Delta, Finish, Logprob, PromptLogprob, SamplingPa
 from serving.protocol import (APIError, ChatRequest, CompletionRequest, ResponseFormat, messages, read,
                               template_options)
 from serving.scheduler import Job, QueueFull
-from serving.grammar_compile import POLL_S, GrammarBusy
+from serving.grammar_compile import POLL_S, CompileFailed, GrammarBusy
 from serving.structured import ANY_OBJECT, InvalidGrammar
 from serving.tokenizer_info import PromptTooLong
 from serving.tool_calls import GemmaCalls, NamedCall, Reader, RequiredCalls, merge, required_schema
@@ -155,7 +155,8 @@ def grammar_schema(fmt: ResponseFormat | None, tool_schema: Any = None) -> tuple
 async def output_grammar(request: Request, fmt: ResponseFormat | None, tool_schema: Any = None) -> Any:
     """The grammar the output follows, or None for free text. Compiled by the server's Grammars
     (serving/grammar_compile.py: its own workers and admission) and awaited here, holding no thread; a compile
-    nobody waits for any more (its clients left) stops. Busy compiling: a 429, to retry."""
+    nobody waits for any more (its clients left) stops. Busy compiling: a 429, to retry; a compile that died (killed,
+    stopped, no room): a 503, to retry."""
     wanted = grammar_schema(fmt, tool_schema)
     if wanted is None:
         return None
@@ -176,6 +177,9 @@ async def output_grammar(request: Request, fmt: ResponseFormat | None, tool_sche
     except GrammarBusy as e:
         raise APIError(429, f"server busy compiling schemas: {e}; retry later", "rate_limit_error", param=param,
                        code="rate_limit_exceeded") from None
+    except CompileFailed as e:
+        raise APIError(503, f"schema compile failed on the server: {e}; retry later", "service_unavailable",
+                       param=param) from None
     except InvalidGrammar as e:
         message = ("tools: a function's parameters are not a usable JSON schema" if param == "tools" else
                    "response_format: invalid JSON schema")

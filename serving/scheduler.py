@@ -1,10 +1,18 @@
 """The engine thread and its queue (Scheduler), a request's work as that thread sees it (Job), and the refusal of
 one more than the queue holds (QueueFull). serving/api.py runs the Scheduler; the endpoints (serving/openai_text.py)
-submit Jobs to it."""
+submit Jobs to it.
+
+A failed join or step is reported to its requests (a 500) and the engine goes on: one bad request, or one request's
+out-of-memory, costs that request only. A device error (DEVICE_ERRORS: a poisoned CUDA context, an XLA device
+failure) or FATAL_AFTER failures in a row mean every later step fails too: the engine is dead (`dead` says why),
+every request in hand and in the queue gets a 503 naming it, new ones are refused, and the loop ends, so that the
+server can exit (serving/api.py) and its orchestrator restart it (as vLLM's engine-dead exit).
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 import time
 from collections import deque
@@ -15,9 +23,28 @@ from typing import Any, Callable
 from serving.engine import Engine
 from serving.generation import Batch, Finish, SamplingParams, TokenizerInfo
 from serving.metrics import Metrics
-from serving.protocol import APIError
+from serving.protocol import APIError, unavailable
 
 log = logging.getLogger(__name__)
+
+FATAL_AFTER = 3         # failed joins and steps, no decode step done between, after which the engine is dead
+# A request's own failure, however it is worded (an allocation past the device's memory): never fatal alone.
+PER_REQUEST_ERRORS = re.compile(r"out of memory|RESOURCE_EXHAUSTED|OutOfMemory", re.I)
+# A device that fails every call from now on: a sticky CUDA error (an illegal address, an Xid, an ECC error, a
+# device-side assert), XLA's device errors.
+DEVICE_ERRORS = re.compile(r"CUDA error|CUDA_ERROR_|cudaError|CUBLAS_STATUS_EXECUTION_FAILED|illegal memory access|"
+                           r"illegal address|misaligned address|unspecified launch failure|device-side assert|"
+                           r"ECC error|Xid|DEVICE_LOST|device lost|INTERNAL: .*(?:CUDA|GPU|device)", re.I)
+
+
+def fatal(e: BaseException, failures: int) -> str | None:
+    """Why a failed engine call (the `failures`-th in a row) means the engine is dead, or None."""
+    text = f"{type(e).__name__}: {e}"
+    if failures >= FATAL_AFTER:
+        return f"{failures} engine steps failed in a row, the last: {text[:300]}"
+    if DEVICE_ERRORS.search(text) and not PER_REQUEST_ERRORS.search(text):
+        return f"device error: {text[:300]}"
+    return None
 
 
 @dataclass
@@ -81,6 +108,8 @@ class Scheduler:
         self.batch: Batch | None = None
         self.info: TokenizerInfo | None = None
         self.beat = time.monotonic()        # the engine thread's last sign of life: a join, a step or an idle wait ended
+        self.failures = 0                   # failed engine calls in a row
+        self.dead: str | None = None        # why the engine is dead (fatal); set once, never cleared
 
     @property
     def slots(self) -> int:
@@ -111,6 +140,8 @@ class Scheduler:
     def submit(self, *jobs: Job) -> None:
         """Admit all of `jobs` (a request's n choices) or none."""
         with self.wake:
+            if self.dead:
+                raise unavailable(f"engine failed: {self.dead}")
             if self._running() + self._live() + len(jobs) > self.capacity:
                 raise QueueFull
             self.queued.extend(jobs)
@@ -171,16 +202,24 @@ class Scheduler:
                 pending = len(joining) - i - 1          # admitted, not joined yet: they count as running
                 self.metrics.queue_time.observe(time.monotonic() - job.arrival)
                 try:
-                    self._emit(batch.join(job), pending)
+                    self._emit(batch.join(job), pending)     # a prefill done proves no decode step works
                 except Exception as e:    # a runtime bug must not kill the engine thread: report it to this request
                     self._fail([job], e, pending)
                 self.pending, self.beat = pending, time.monotonic()
+                if self.dead:
+                    break
             with self.wake:
                 self.joining = []
+            if self.dead:
+                break
             try:
-                self._emit(batch.step())
+                if batch.live:
+                    self._emit(batch.step())
+                    self.failures = 0
             except Exception as e:
                 self._fail(batch.drop_all(), e)
+            if self.dead:
+                break
             self.beat = time.monotonic()
             self.metrics.set_queue(self._live(), running=len(batch.live))
             self._kv_usage()
@@ -235,11 +274,31 @@ class Scheduler:
 
     def _fail(self, jobs: list[Job], e: Exception, pending: int = 0) -> None:
         log.exception("generation failed")
+        self.failures += 1
+        why = fatal(e, self.failures)
+        if why:
+            return self._die(why, jobs)
         self._kv_usage()
         for job in jobs:
             self.metrics.finished(job.arrival, Finish("abort", len(job.prompt_ids), 0, []),
                                   running=len(self.batch.live) + pending)
             job.send(APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error"))
+
+    def _die(self, why: str, failed: list[Job]) -> None:
+        """The engine is dead: every job in hand (`failed`, the batch's, those joining) and in the queue gets a 503
+        naming why, new ones are refused (submit), and the engine loop stops."""
+        log.critical("engine dead: %s", why)
+        with self.wake:
+            self.dead = why
+            queued, self.queued = list(self.queued), deque()
+            self.stopping.set()
+        error = unavailable(f"engine failed: {why}; the server is exiting")
+        jobs = {id(j): j for j in [*failed, *self.batch.drop_all(), *self.joining, *queued]}
+        for job in jobs.values():
+            job.cancelled.set()
+            self.metrics.finished(job.arrival, Finish("abort", len(job.prompt_ids), 0, []), running=0)
+            job.send(error)
+        self.metrics.set_queue(0, running=0)
 
     def call(self, fn: Callable, *args):
         return asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)

@@ -388,17 +388,18 @@ def _status_line(sock, timeout: float = 30.0) -> bytes:
 def test_idle_slow_and_surplus_connections_are_answered_and_closed(tiny_gemma4):
     """--header-timeout 3 (the surplus connection comes well within it), --max-connections 3, --body-total-timeout 2.
     An idle connection and one that sends its headers a byte at a time get a 408 and are closed (before: kept
-    for ever, 20 100 of them ran the server out of descriptors); a fourth connection while three are open gets a
-    503 at once; a body that comes a byte every 0.3 s (each gap well inside --body-timeout 10) gets a 408 once
-    it has taken 2 s in all. /health answers after."""
+    for ever, 20 100 of them ran the server out of descriptors); a fourth connection while three are open takes the
+    place of the oldest idle one, which gets a 503 at once (before: the fourth got it, /health too:
+    tests/test_http_framing.py); a body that comes a byte every 0.3 s (each gap well inside --body-timeout 10) gets
+    a 408 once it has taken 2 s in all. /health answers after."""
     import socket
     with tiny_server(tiny_gemma4, "--header-timeout", "3", "--max-connections", "3", "--body-total-timeout", "2",
                      "--body-timeout", "10") as srv:
         server = address(srv.url)
         idle = [socket.create_connection(server, timeout=10) for _ in range(3)]
         with socket.create_connection(server, timeout=10) as surplus:
-            assert _status_line(surplus) == b"HTTP/1.1 503 Service Unavailable"
-        assert [_status_line(s) for s in idle] == [b"HTTP/1.1 408 Request Timeout"] * 3
+            assert _status_line(idle[0]) == b"HTTP/1.1 503 Service Unavailable"
+            assert [_status_line(s) for s in (*idle[1:], surplus)] == [b"HTTP/1.1 408 Request Timeout"] * 3
         for s in idle:
             s.close()
         with socket.create_connection(server, timeout=10) as slow:

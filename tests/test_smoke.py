@@ -156,6 +156,46 @@ def test_repo_id_mounts_the_hf_cache(tmp_path, monkeypatch):
         containers.model_mount(str(tmp_path / "missing" / "dir"))
 
 
+class _Container:
+    """A created container whose removal fails with `error` (None: removed)."""
+    id = "0123456789abcdef"
+
+    def __init__(self, error):
+        self.error = error
+
+    def start(self):
+        pass
+
+    def remove(self, force=False):
+        if self.error is not None:
+            raise self.error
+
+
+class _Client:
+    def __init__(self, container):
+        self.containers = type("Containers", (), {"create": lambda _, *a, **kw: container})()
+
+
+@pytest.mark.parametrize("failing_run", [False, True])
+def test_a_smoke_container_that_cannot_be_removed_is_reported(monkeypatch, failing_run):
+    """Before: its removal ran under contextlib.suppress(Exception), so a container left behind went unsaid. Now the
+    run says which one and how to remove it: as its error, or as a note on the error that ended the run (that error
+    stays the one reported). One already gone is no error."""
+    import docker
+
+    monkeypatch.setattr(containers, "wait_ready", lambda *a, **kw: ("http://127.0.0.1:1", {}))
+    stuck = _Container(docker.errors.APIError("removal of container is already in progress"))
+    with pytest.raises(UserError if not failing_run else KeyError) as got:
+        with containers.serve_image("img", gpu=False, model="org/m", docker_client=_Client(stuck)):
+            if failing_run:
+                raise KeyError("the run failed")
+    told = str(got.value) if not failing_run else " ".join(got.value.__notes__)
+    assert "0123456789ab could not be removed" in told and "docker rm -f 0123456789ab" in told
+    with containers.serve_image("img", gpu=False, model="org/m",
+                                docker_client=_Client(_Container(docker.errors.NotFound("gone")))):
+        pass
+
+
 def test_hf_token_comes_from_the_environment(monkeypatch):
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setenv("HUGGING_FACE_HUB_TOKEN", "hf_fake")

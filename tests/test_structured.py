@@ -711,3 +711,81 @@ def test_integer_ranges_are_exact_across_digit_counts():
                   *(rng.randint(lo, hi) for _ in range(20))}
         wrong = [n for n in probes if bool(rx.fullmatch(str(n))) != (lo <= n <= hi)]
         assert not wrong, (lo, hi, wrong[:5])
+
+
+# ----------------------------------------------------------------------------- a compile that dies (issue 53)
+def _spawned(monkeypatch) -> list:
+    """The compile processes started from now on (subprocess.Popen, recorded)."""
+    import subprocess
+    procs, real = [], subprocess.Popen
+
+    class Recorded(real):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            procs.append(self)
+
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    return procs
+
+
+def _first(procs: list, bound_s: float = 60):
+    deadline = time.monotonic() + bound_s
+    while not procs:
+        assert time.monotonic() < deadline, "no compile process started"
+        time.sleep(0.01)
+    return procs[0]
+
+
+@pytest.mark.parametrize("sig,timeout_s", [("SIGKILL", 120), ("SIGSTOP", 3)])
+def test_a_compile_killed_or_stopped_from_outside_is_the_servers_failure_and_not_cached(info, monkeypatch, sig,
+                                                                                         timeout_s):
+    """SIGKILL (as the OOM killer sends) and SIGSTOP (held past the deadline) of a compile's process: before, the
+    client's 400 'the compile stopped (exit code -9)' or 'takes longer than', cached, so the same valid schema was
+    refused at once ever after. Now CompileFailed (the API's 503, to retry), and the schema compiles when sent
+    again."""
+    import signal
+    import threading
+
+    from serving.grammar_compile import CompileFailed
+    grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=timeout_s)
+    grammars.json_schema({"type": "boolean"})            # the vocabulary, built once
+    procs = _spawned(monkeypatch)
+    got = []
+    asking = threading.Thread(target=lambda: got.append(_outcome(lambda: grammars.json_schema(SCHEMA))),
+                              daemon=True)
+    asking.start()
+    _first(procs).send_signal(getattr(signal, sig))
+    asking.join(timeout_s + 60)
+    assert len(got) == 1 and isinstance(got[0], CompileFailed), got
+    assert ("killed (SIGKILL)" if sig == "SIGKILL" else "stopped") in str(got[0])
+    monkeypatch.undo()
+    assert grammars.json_schema(SCHEMA) is not None         # compiled: nothing of the failure was cached
+
+
+def _outcome(ask):
+    try:
+        return ask()
+    except Exception as e:      # noqa: BLE001 - the test looks at it
+        return e
+
+
+def test_a_full_tmpdir_does_not_stop_compiles_and_no_room_at_all_is_the_servers_failure(info, monkeypatch):
+    """A full TMPDIR made every compile a 500 (OSError writing its input). Now the input waits in memory of its own
+    (memfd), so compiles go on; where no room is to be had at all, CompileFailed (a 503), and nothing is cached."""
+    import errno
+    import os
+    import tempfile
+
+    from serving.grammar_compile import CompileFailed
+
+    def full(*a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    grammars = Grammars(info, len(info.prompt_tokenizer))
+    monkeypatch.setattr(tempfile, "TemporaryFile", full)
+    assert grammars.json_schema({"type": "integer"}) is not None
+    monkeypatch.setattr(os, "memfd_create", full, raising=False)
+    with pytest.raises(CompileFailed, match="could not start"):
+        grammars.json_schema(SCHEMA)
+    monkeypatch.undo()
+    assert grammars.json_schema(SCHEMA) is not None         # compiled: nothing of the failure was cached
