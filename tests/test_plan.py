@@ -17,7 +17,7 @@ from g5g.plan import make_plan
 from devtools.server import free_port
 
 REPO = Path(__file__).resolve().parent.parent
-CONTRACT_KEYS = {"runtime", "tags", "platforms", "build_args", "labels", "patches", "upstream", "commands"}
+CONTRACT_KEYS = {"runtime", "tags", "platforms", "build_args", "env", "labels", "patches", "upstream", "commands"}
 
 
 @pytest.fixture(scope="module")

@@ -234,4 +234,5 @@ RUN id -u g5g >/dev/null 2>&1 \
 ENV HOME=/home/g5g HF_HOME=/home/g5g/.cache/huggingface
 WORKDIR /home/g5g
 USER 1000:1000
+ENV NVIDIA_REQUIRE_CUDA="cuda>=13.0"
 CMD ["python3"]
