@@ -865,3 +865,62 @@ def test_the_header_stage_gates_the_compile_with_torchs_defines_archs_and_includ
     copy = next(c for c in build if c.cmd == "COPY")
     assert copy.flags == ("--from=torch-headers",) and build.index(copy) < next(
         i for i, c in enumerate(build) if c.cmd == "RUN" and "git clone" in c.value[0])
+
+
+# --- issue 51, item 4: JAX's sm_75 proven on its CUDA plugin's libraries ------------------------------------------------
+
+def jax_sass_check(nvidia_venv, archs: str, site: Path) -> subprocess.CompletedProcess:
+    sp = next(nvidia_venv.glob("lib/python*/site-packages"))
+    env = {**os.environ, "CUOBJDUMP": str(sp / "nvidia/cu13/bin/cuobjdump")}
+    return subprocess.run(["bash", str(REPO / "dockerfiles/check-jax-sass.sh"), archs, str(site)], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+@pytest.mark.slow   # one nvcc compile
+def test_the_jax_plugin_check_fails_a_plugin_library_without_sm75(nvidia_venv, nvcc, tmp_path):
+    """A site-packages laid out as jax[cuda13]'s (the PJRT plugin, jax_cuda13_plugin's kernels and host-only
+    libraries), of real libraries: NCCL's (sm_75 among others, and PTX) passes; one library compiled for sm_80 only
+    (the mutation: a plugin without sm_75) fails, named; no plugin, or no device code in it, fails too."""
+    sp = next(nvidia_venv.glob("lib/python*/site-packages"))
+    site = tmp_path / "site-packages"
+    (site / "jax_plugins/xla_cuda13").mkdir(parents=True)
+    (site / "jax_cuda13_plugin").mkdir()
+    shutil.copy(sp / "nvidia/nccl/lib/libnccl.so.2", site / "jax_plugins/xla_cuda13/xla_cuda_plugin.so")
+    shutil.copy(sp / "nvidia/nccl/lib/libnccl.so.2", site / "jax_cuda13_plugin/_prng.so")
+    (tmp_path / "h.c").write_text("int f(void) { return 1; }\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(site / "jax_cuda13_plugin/_hybrid.so"), str(tmp_path / "h.c")],
+                   check=True, timeout=60)
+    r = jax_sass_check(nvidia_venv, "7.5", site)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "_hybrid.so: no device code" in r.stdout and "3 JAX CUDA plugin libraries" in r.stdout
+    assert re.search(r"xla_cuda_plugin\.so sass: .*\bsm_75\b", r.stdout)
+    # the mutation: one kernel library of the plugin built without sm_75
+    (tmp_path / "k.cu").write_text(KERNEL)
+    subprocess.run([nvcc, "-shared", "-Xcompiler", "-fPIC", "-gencode=arch=compute_80,code=sm_80", "-o",
+                    str(site / "jax_cuda13_plugin/_prng.so"), str(tmp_path / "k.cu")], check=True, timeout=600,
+                   capture_output=True)
+    r = jax_sass_check(nvidia_venv, "7.5", site)
+    assert r.returncode == 1 and f"{site}/jax_cuda13_plugin/_prng.so: no sm_75 SASS (it has: sm_80)" in r.stderr, \
+        r.stdout + r.stderr
+    # nothing to read is not a pass
+    r = jax_sass_check(nvidia_venv, "7.5", tmp_path / "empty")
+    assert r.returncode == 1 and "no JAX CUDA plugin library under" in r.stderr
+    for so in ("jax_plugins/xla_cuda13/xla_cuda_plugin.so", "jax_cuda13_plugin/_prng.so"):
+        (site / so).unlink()
+    r = jax_sass_check(nvidia_venv, "7.5", site)
+    assert r.returncode == 1 and "none of the 1 plugin libraries" in r.stderr and "holds device code" in r.stderr
+
+
+@pytest.mark.parametrize("profile,rehearse", [("g5g", False), ("g5g", True), ("g4dn", False)])
+def test_the_jax_image_and_the_rehearsal_check_the_plugins_sass(profile, rehearse):
+    """The check runs in the jax image's build (the rehearsal builds it as always), after jax[cuda13] is installed,
+    against the profile's archs, with both scripts in its build context."""
+    m = manifest.load(REPO / "manifests", profile=profile)
+    plan = make_plan(m, profile=profile, repo_root=REPO, rehearse=rehearse)
+    jax = next(i for i in plan.images if i.runtime == "jax")
+    text = render.render(plan)[jax.dockerfile].replace("\\\n", "")
+    assert jax.build_args["JAX_CUDA_ARCHS"] == " ".join(m.profiles[profile].cuda.archs) == "7.5"
+    assert {"dockerfiles/check-sass.sh", "dockerfiles/check-jax-sass.sh"} <= set(jax.copy)
+    check = text.index('bash /tmp/check/check-jax-sass.sh "${JAX_CUDA_ARCHS}"')
+    assert text.index('pip install "jax[${JAX_EXTRA}]==${JAX_VERSION}"') < check
+    assert "CUOBJDUMP=/tmp/cuobjdump/nvidia/cu13/bin/cuobjdump bash /tmp/check/check-jax-sass.sh" in text
