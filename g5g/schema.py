@@ -122,6 +122,8 @@ class Cuda(_Model):
     pip_toolkit: Annotated[StrictStr, _check(VERSION_RE.match, "{v!r} is not an exact version of cuda-toolkit")]
     devel_image: Image | None = None  # an nvidia/cuda …-devel image: its /usr/local/cuda, not the wheels' nvcc
     cuobjdump: Pin  # nvidia-cuda-cuobjdump==X: lists the SASS of torch's and vLLM's libraries at build time
+    constraints: dict[StrictStr, Pin] = {}  # toolkit parts held at pip_toolkit's own versions in every later pip install
+    # (torch-base's PIP_CONSTRAINT): a package that asks for nvcc or cccl unpinned gets the toolkit's, not the newest
 
 
 class Build(_Model):
