@@ -200,9 +200,9 @@ COPY --from=torch-headers /report/torch-headers.log /opt/g5g/torch-headers.log
 COPY --from=torch-discovery /report/torch-discovery.log /opt/g5g/torch-discovery.log
 # torch is fixed from here on: every later pip install (vllm, pytorch and their users) runs under a constraint that
 # pins it, and images built FROM this one compare torch with /opt/g5g/torch.txt after installing.
+ARG CUDA_CONSTRAINTS="nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-cccl==13.0.85 nvidia-cuda-runtime==13.0.96 nvidia-cuda-nvrtc==13.0.88"
 # So are the toolkit's parts a package may ask for unpinned (humming-kernels[cu13]: nvcc, cccl…), at the toolkit's
 # own versions (the profile's cuda.constraints): CUDA_CONSTRAINTS, exact pins split into words on purpose.
-ARG CUDA_CONSTRAINTS="nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-cccl==13.0.85 nvidia-cuda-runtime==13.0.96 nvidia-cuda-nvrtc==13.0.88"
 # hadolint ignore=SC2086
 RUN mkdir -p /opt/g5g \
  && python3 -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" > /opt/g5g/constraints.txt \
