@@ -55,7 +55,7 @@ def test_max_jobs_is_divided_by_nvcc_threads_only_once_by_vllms_setup(profile):
 
 
 def test_rust_frontend_is_built_and_required_where_the_profile_says_so():
-    s = stages("g5g", "vllm")
+    s = stages("g5g", "vllm", ["profile.build.rust_frontend=true"])
     toolchain = runs(s["toolchain"])
     assert re.search(r"apt-get install[^&]*\bmake\b", toolchain) and re.search(r"apt-get install[^&]*\bperl\b",
                                                                                toolchain)
@@ -69,6 +69,22 @@ def test_rust_frontend_off_is_a_named_setting_not_a_silent_skip():
     assert "Rust frontend off (profile build.rust_frontend: false)" in runs(s["vllm-build"])
     on = stages("g4dn", "vllm", ["profile.build.rust_frontend=true"])
     assert "export VLLM_REQUIRE_RUST_FRONTEND=1" in runs(on["vllm-build"])
+
+
+def test_no_profile_builds_a_rust_frontend_that_vllm_would_not_run(vllm_sdist):
+    """Issue 51, item 5: vLLM runs its Rust frontend only with VLLM_USE_RUST_FRONTEND=1, off by default in the pinned
+    sdist and set by no image: no profile builds it (nor requires it) untested. A vLLM whose default turns it on
+    fails here, and the choice is made again."""
+    with tarfile.open(vllm_sdist.path) as t:
+        envs = t.extractfile(f"vllm-{vllm_sdist.version}/vllm/envs.py").read().decode()
+    assert "VLLM_USE_RUST_FRONTEND: bool = False" in envs
+    assert 'os.environ.get("VLLM_USE_RUST_FRONTEND", "0")' in envs
+    for profile in ("g5g", "g4dn"):
+        assert manifest.load(REPO / "manifests", profile=profile).profiles[profile].build.rust_frontend is False
+        s = stages(profile, "vllm")
+        assert "VLLM_REQUIRE_RUST_FRONTEND" not in runs(s["vllm-build"]) and "rustup" not in runs(s["toolchain"])
+        assert "Rust frontend off (profile build.rust_frontend: false)" in runs(s["vllm-build"])
+        assert not any("VLLM_USE_RUST_FRONTEND" in text for text in rendered_files(profile).values())
 
 
 @pytest.mark.parametrize("profile", ["g5g", "g4dn"])
@@ -433,8 +449,9 @@ def test_the_rust_pin_is_labelled_only_where_the_frontend_is_built():
     def upstream(profile, overrides=None):
         plan = make_plan(manifest.load(REPO / "manifests", profile=profile, overrides=overrides), profile=profile)
         return next(i for i in plan.images if i.runtime == "vllm").upstream
-    assert "rust" not in upstream("g4dn") and upstream("g5g")["rust"] == "1.95"
+    assert "rust" not in upstream("g4dn") and "rust" not in upstream("g5g")
     assert upstream("g4dn", ["profile.build.rust_frontend=true"])["rust"] == "1.95"
+    assert upstream("g5g", ["profile.build.rust_frontend=true"])["rust"] == "1.95"
     # torch-base's CUDA wheel pins label the source-built torch only; a CPU torch claims no cuDNN
     def base(profile):
         plan = make_plan(manifest.load(REPO / "manifests", profile=profile), profile=profile, runtime="torch-base")
