@@ -102,3 +102,22 @@ def test_torch_picks_the_device_asked_for(monkeypatch):
     monkeypatch.setattr(torch_engine.torch.cuda, "is_available", lambda: True)
     assert torch_engine.select_device({"G5G_DEVICE": "gpu"}) == "cuda"
     assert torch_engine.select_device({"G5G_DEVICE": "cpu"}) == "cpu"
+
+
+def test_the_jax_check_starts_xla_only_after_its_default_flags(monkeypatch):
+    """The server's check (before it listens) starts XLA, which reads XLA_FLAGS once: the defaults are in by then."""
+    jax_engine = pytest.importorskip("serving.jax_runtime.engine")
+    seen = {}
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setattr(jax_engine.xla_bridge, "backends_are_initialized", lambda: False)
+    monkeypatch.setattr(jax_engine.jax.config, "update", lambda k, v: seen.setdefault("config", (k, v)))
+
+    def backend():
+        seen["flags"] = jax_engine.os.environ.get("XLA_FLAGS", "")
+        return "gpu"
+    monkeypatch.setattr(jax_engine.jax, "default_backend", backend)
+    assert jax_engine.select_device({"G5G_DEVICE": "gpu"}) == "gpu"
+    assert seen["config"] == ("jax_platforms", "cuda") and "--xla_gpu_enable_command_buffer=" in seen["flags"]
+    monkeypatch.delenv("XLA_FLAGS")
+    jax_engine.select_device({"G5G_DEVICE": "gpu", "G5G_JAX_XLA_DEFAULTS": "0"})
+    assert seen["flags"] == ""

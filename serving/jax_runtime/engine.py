@@ -396,11 +396,14 @@ class JaxEngine:
         return [TokenLogprobs(chosen[i], tuple(zip(ids[i][:k], top[i][:k])), rank[i]) for i in range(n - 1)]
 
 
-def select_device(env: Mapping[str, str] = os.environ) -> str:
+def select_device(env: Mapping[str, str] = os.environ, xla_defaults: bool | None = None) -> str:
     """JAX's backend as G5G_DEVICE asks (serving/device.py): gpu pins JAX to its CUDA plugin, whose failure to start
     (an old driver, no GPU) JAX then raises instead of logging it and falling back to the CPU; that failure becomes
-    NoGpuError. cpu pins it to the CPU; auto leaves JAX_PLATFORMS to JAX."""
+    NoGpuError. cpu pins it to the CPU; auto leaves JAX_PLATFORMS to JAX. This starts XLA, which reads XLA_FLAGS
+    then only: the defaults go in first (xla_defaults; None: as G5G_JAX_XLA_DEFAULTS says)."""
     want = gpu_device.expected(env)
+    if Settings.from_env(env).xla_defaults if xla_defaults is None else xla_defaults:
+        apply_default_xla_flags()
     if want != "auto" and not xla_bridge.backends_are_initialized():
         jax.config.update("jax_platforms", "cuda" if want == "gpu" else "cpu")
     try:
@@ -454,10 +457,10 @@ def load(model_dir: str | Path, settings: Settings | None = None, max_context: i
         settings = dataclasses.replace(
             settings, buckets=tuple(b for b in settings.buckets if b < max_context) + (int(max_context),))
     t0 = time.perf_counter()
-    select_device()                    # before XLA starts: G5G_DEVICE=gpu and no usable GPU stops here
     xla_flags = apply_default_xla_flags() if settings.xla_defaults else os.environ.get("XLA_FLAGS", "")
     xla.listen()
     configure_persistent_cache(settings.cache_dir)
+    select_device(xla_defaults=False)  # starts XLA, after its flags: G5G_DEVICE=gpu and no usable GPU stops here
     cfg = config.load(Path(model_dir))
     dtype = settings.resolve_dtype(_gpu_capability())     # a dtype the GPU cannot run: refused before anything
     gpu = _gpu_memory()
