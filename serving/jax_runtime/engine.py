@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,8 +31,9 @@ from typing import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import xla_bridge  # backends_are_initialized: jax_platforms is read once, when a backend starts
 
-from serving import memory_plan
+from serving import device as gpu_device, memory_plan
 from serving.engine import TOP_LOGPROBS, DeviceRow, SamplingParams, TokenLogprobs
 from serving.structured import mask_words
 
@@ -394,6 +396,40 @@ class JaxEngine:
         return [TokenLogprobs(chosen[i], tuple(zip(ids[i][:k], top[i][:k])), rank[i]) for i in range(n - 1)]
 
 
+def select_device(env: Mapping[str, str] = os.environ, xla_defaults: bool | None = None) -> str:
+    """JAX's backend as G5G_DEVICE asks (serving/device.py): gpu pins JAX to its CUDA plugin, whose failure to start
+    (an old driver, no GPU) JAX then raises instead of logging it and falling back to the CPU; that failure becomes
+    NoGpuError. cpu pins it to the CPU; auto leaves JAX_PLATFORMS to JAX. This starts XLA, which reads XLA_FLAGS
+    then only: the defaults go in first (xla_defaults; None: as G5G_JAX_XLA_DEFAULTS says)."""
+    want = gpu_device.expected(env)
+    if Settings.from_env(env).xla_defaults if xla_defaults is None else xla_defaults:
+        apply_default_xla_flags()
+    if want != "auto" and not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cuda" if want == "gpu" else "cpu")
+    try:
+        backend = jax.default_backend()
+    except Exception as e:   # "Unable to initialize backend 'cuda': …"; no GPU visible: an assert in JAX's backends()
+        if want != "gpu":
+            raise
+        why = str(e).strip() or f"no 'cuda' backend started ({type(e).__name__}: no GPU visible, or no CUDA plugin)"
+        raise gpu_device.no_gpu(f"jax: {why}", _plugin_cuda(), env) from e
+    if want == "gpu" and backend != "gpu":
+        raise gpu_device.no_gpu(f"jax's backend is {backend}", _plugin_cuda(), env)
+    if want == "auto" and backend != "gpu":
+        log.warning("JAX backend %s: serving on the CPU (%s=auto; gpu makes a missing GPU an error)", backend,
+                    gpu_device.ENV)
+    return backend
+
+
+def _plugin_cuda() -> str | None:
+    """The CUDA major of the installed JAX CUDA plugin (jax-cuda13-plugin: "13"), None without one."""
+    from importlib import metadata
+    for d in metadata.distributions():
+        if m := re.match(r"^jax[-_]cuda(\d+)[-_]plugin$", d.metadata.get("Name") or ""):
+            return m.group(1)
+    return None
+
+
 def _gpu_capability() -> tuple[int, int] | None:
     """The GPU's compute capability, e.g. (7, 5) for a T4, None off a GPU."""
     if jax.default_backend() != "gpu":
@@ -424,6 +460,7 @@ def load(model_dir: str | Path, settings: Settings | None = None, max_context: i
     xla_flags = apply_default_xla_flags() if settings.xla_defaults else os.environ.get("XLA_FLAGS", "")
     xla.listen()
     configure_persistent_cache(settings.cache_dir)
+    select_device(xla_defaults=False)  # starts XLA, after its flags: G5G_DEVICE=gpu and no usable GPU stops here
     cfg = config.load(Path(model_dir))
     dtype = settings.resolve_dtype(_gpu_capability())     # a dtype the GPU cannot run: refused before anything
     gpu = _gpu_memory()

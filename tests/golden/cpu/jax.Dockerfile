@@ -27,6 +27,7 @@ RUN id -u g5g >/dev/null 2>&1 \
 ENV HOME=/home/g5g HF_HOME=/home/g5g/.cache/huggingface
 WORKDIR /home/g5g
 USER 1000:1000
+ENV G5G_DEVICE="cpu"
 # XLA's persistent compilation cache: mount a volume here (-v g5g-jax-cache:/home/g5g/.cache/g5g-jax) and a
 # second boot loads the compiled bucket ladder instead of compiling it again.
 ENV G5G_JAX_CACHE_DIR=/home/g5g/.cache/g5g-jax

@@ -24,6 +24,7 @@ RUN id -u g5g >/dev/null 2>&1 \
 ENV HOME=/home/g5g HF_HOME=/home/g5g/.cache/huggingface
 WORKDIR /home/g5g
 USER 1000:1000
+ENV G5G_DEVICE="cpu"
 # inductor's cache of the compiled decode step: mount a volume here (-v g5g-torch-cache:/home/g5g/.cache/g5g-torch)
 # and a restart loads the step instead of compiling it again.
 ENV G5G_TORCH_CACHE_DIR=/home/g5g/.cache/g5g-torch
