@@ -50,8 +50,8 @@ COMPILES = 2                # compiles at once (--grammar-compiles); twice as ma
 # 262 144-token vocabulary (benchmarks/grammar_bench.py's): json_object peaks at 235 MiB, an object of 60 required
 # strings at 605 MiB.
 COMPILE_MEMORY = 3 * 2**30
-# How long a compile may run in the quick slot before it waits for a worker instead: json_object, the slowest
-# common schema, takes 0.1-0.3 s over the tiny checkpoint's vocabulary (a process start and an index build).
+# How long a compile may run in the quick slot before it waits for a worker instead: a typical schema takes 0.64 s
+# over Gemma's 262 144-token vocabulary (docs/serving.md), 0.3-0.5 s over the tiny checkpoint's (its process's start).
 QUICK_S = float(os.environ.get("G5G_GRAMMAR_QUICK_S", "1"))
 CACHE_BYTES = 384 * 2**20   # compiled grammars held, cached or in use (--grammar-cache-bytes)
 # An index takes this many times its pickled size once loaded (an object of 60 required strings over a 262 144-token
