@@ -7,8 +7,9 @@
 - **A quick slot**, so that a small schema never waits behind slow ones (one client's slow schemas held every other
   client's for 12-29 s): a compile that finds every worker busy runs in the quick slot first, for at most `quick_s`
   (QUICK_S); one still running then is stopped and waits for a worker, where it starts again with its whole
-  deadline. Most schemas compile well within it, so a small one waits at most for one quick attempt ahead of it,
-  never for a slow compile (the slow ones, whoever sent them, pay a QUICK_S attempt at most once each).
+  deadline. Most schemas compile well within it, so a small one waits at most QUICK_S for each new compile ahead
+  of it, never for a slow compile to end (a slow one, whoever sent it, pays one quick try). No per-client share:
+  behind a proxy every client is the same peer.
 - **Admission**: at most `workers + queued` distinct compiles are in flight (running, or waiting for a worker);
   one more is GrammarBusy, the client's 429, never cached: the same schema compiles when sent again.
 - **Waiting holds no thread**: the API awaits a compile's future (serving/openai_text.py); `json_schema` waits in
