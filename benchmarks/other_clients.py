@@ -79,7 +79,7 @@ def measure(url: str, repeats: int) -> dict:
     runs: dict[str, list[pressure.Beside]] = {}
     for name, scenario in REQUESTS.items():
         small = BESIDE.get(name, lambda: pressure.SMALL_CHAT)
-        runs[name] = [pressure.beside_small(url, *scenario(), chats=CHATS, small=small) for _ in range(repeats)]
+        runs[name] = [pressure.beside_small(url, *scenario(), chats=CHATS, chat=small) for _ in range(repeats)]
     for name, hold in CONNECTIONS.items():
         runs[name] = []
         for _ in range(repeats):

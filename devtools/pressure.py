@@ -88,8 +88,8 @@ def small_schema_chat(i: int) -> dict:
 
 
 def beside_small(url: str, path: str, bodies: list[dict], chats: int = 1, limit_s: float = 120,
-                 small=lambda: SMALL_CHAT) -> Beside:
-    """Post `bodies` at once; 0.05 s later ask the small chat (`small()`), again and again while any of them is
+                 chat=lambda: SMALL_CHAT) -> Beside:
+    """Post `bodies` at once; 0.05 s later ask the small chat (`chat()`), again and again while any of them is
     unanswered (at least once, at most `chats` times), and poll /health until all have answered (at least once)."""
     got = Beside(answers=[(0, "", 0.0)] * len(bodies))
     deadline = time.monotonic() + limit_s
@@ -107,7 +107,7 @@ def beside_small(url: str, path: str, bodies: list[dict], chats: int = 1, limit_
     def small():
         while len(got.chats) < chats and (not got.chats or any(t.is_alive() for t in huge)) \
                 and time.monotonic() < deadline:
-            status, _, seconds = post(CHAT, json.dumps(small()))
+            status, _, seconds = post(CHAT, json.dumps(chat()))
             got.chats.append((status, seconds))
 
     huge = [threading.Thread(target=ask, args=(i, json.dumps(b)), daemon=True) for i, b in enumerate(bodies)]
