@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "twice as many more may wait, past that a 429 (default: %(default)s)")
     p.add_argument("--grammar-memory", type=_count, default=COMPILE_MEMORY,
                    help="bytes of address space for all schema compiles' processes together, shared equally "
-                        "(0: no cap; default: 2 GiB)")
+                        "by the compiles and the quick slot (0: no cap; default: 3 GiB, 1 GiB each)")
     p.add_argument("--grammar-cache-bytes", type=_count, default=CACHE_BYTES,
                    help="bytes of compiled schemas the server holds, cached or in use; a new compile past it is a "
                         "429 (default: 384 MiB)")
