@@ -260,3 +260,63 @@ def test_every_fbgemm_amd64_set_with_the_g4dn_flags(tmp_path):
     assert sum(e["entries"] for e in json.loads(cc.read_text())) == 175
     bad = tool(cc, "--cxxflags=-march=no-such-arch")   # the sets do reach the compiler with what we add
     assert bad.returncode == 1 and "[1/10] CXX (1 entries)" in bad.stdout and "FAILED" in bad.stdout
+
+
+# --- the torch build: the flag-set step before the compile, as data (profile build.flagset_check) -------------------
+
+def torch_base(profile: str, overrides: list[str] | None = None, rehearse: bool = False):
+    from g5g import render
+    from g5g.plan import make_plan
+    m = manifest.load(REPO / "manifests", profile=profile, overrides=overrides, rehearse=rehearse)
+    plan = make_plan(m, profile=profile, rehearse=rehearse)
+    files = render.render(plan)
+    tb = next(i for i in plan.all_images if i.runtime == "torch-base")
+    return tb, files[tb.dockerfile], files
+
+
+def stage_runs(text: str, stage: str) -> list[str]:
+    import dockerfile
+    out, current = [], None
+    for c in dockerfile.parse_string(text):
+        if c.cmd == "FROM":
+            current = c.value[-1]
+        elif c.cmd == "RUN" and current == stage:
+            out.append(c.value[0])
+    return out
+
+
+def test_the_torch_build_checks_every_flag_set_before_its_compile():
+    """g5g compiles torch: in torch-build, after the clone and torch's requirements and before `pip wheel`, a step
+    configures torch in the compile step's own environment (CFLAGS/CXXFLAGS from the profile's cpu_flags, the nvcc
+    flags, TORCH_BUILD_FLAGS) with compile commands exported, and builds every flag set with check-flagsets.py."""
+    tb, text, _ = torch_base("g5g")
+    runs = stage_runs(text, "torch-build")
+    clone = next(i for i, r in enumerate(runs) if "git clone" in r and "/src/pytorch" in r)
+    check = next(i for i, r in enumerate(runs) if "check-flagsets.py" in r)
+    wheel = next(i for i, r in enumerate(runs) if "pip wheel" in r)
+    assert clone < check < wheel
+    step, compile_step = runs[check], runs[wheel]
+    env = compile_step[compile_step.index('if [ "$MAX_JOBS" = auto ]'):compile_step.index('echo "building torch')]
+    assert env in step, "the configure runs in the compile step's environment"
+    assert 'CFLAGS="${CPU_FLAGS}" CXXFLAGS="${CPU_FLAGS}" TORCH_NVCC_FLAGS="--threads=${NVCC_THREADS}"' in env
+    assert tb.build_args["CPU_FLAGS"] == manifest.load(REPO / "manifests", profile="g5g").profiles["g5g"].cpu_flags
+    assert "cmake -G Ninja -S /src/pytorch -B /tmp/flagsets -DCMAKE_EXPORT_COMPILE_COMMANDS=ON" in step
+    assert "$CMAKE_ARGS" in step                       # TORCH_BUILD_FLAGS as -D, as the compile's CMAKE_ARGS
+    assert ('check-flagsets.py /tmp/flagsets/compile_commands.json --ninja /tmp/flagsets --cflags "$CFLAGS" '
+            '--cxxflags "$CXXFLAGS" --cudaflags "$TORCH_NVCC_FLAGS"') in " ".join(step.split())
+    assert ("RUN --mount=type=bind,source=check-flagsets.py,target=/tmp/check/check-flagsets.py \\\n"
+            "    if [ \"$MAX_JOBS\" = auto ]") in text
+    assert "dockerfiles/check-flagsets.py" in tb.copy
+    assert "ARG CPU_FLAGS=\"-mtune=neoverse-n1\"" in text.split("AS torch-build")[1].split("AS torch-wheel")[0]
+
+
+@pytest.mark.parametrize("profile,overrides,rehearse", [
+    ("g5g", ["profile.build.flagset_check=false"], False),   # turned off in the profile
+    ("g5g", None, True),                                     # the rehearsal: PyPI's torch stands in, no compile
+    ("g4dn", None, False),                                   # PyPI's torch
+    ("cpu", None, False),                                    # a local CPU wheel
+])
+def test_no_flagset_step_without_a_torch_compile_or_when_off(profile, overrides, rehearse):
+    tb, _, files = torch_base(profile, overrides, rehearse)
+    assert not any("check-flagsets" in t for t in files.values())
+    assert "dockerfiles/check-flagsets.py" not in tb.copy
