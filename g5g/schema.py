@@ -130,6 +130,8 @@ class Build(_Model):
     max_jobs: Annotated[StrictStr | StrictInt, AfterValidator(_max_jobs)] = "auto"
     nvcc_threads: Annotated[StrictInt, _check(lambda n: n >= 1, "must be at least 1")] = 1
     rust_frontend: StrictBool = True  # vLLM's Rust frontend (vllm-rs) needs the crates registry at build time
+    flagset_check: StrictBool = True  # torch's compile starts only after one translation unit of every flag set
+    # of its configure built with our flags (dockerfiles/check-flagsets.py): a refused flag fails in minutes
     vllm_sources: Annotated[StrictStr, AfterValidator(_in_repo)] | None = None  # local tree of vLLM's external
     # projects (tools/vllm_sources.py), not GitHub
 
