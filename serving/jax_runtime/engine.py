@@ -292,12 +292,28 @@ class JaxEngine:
         # head's dot has compiled alone (compile_waves).
         lowered = {k: jax.jit(jobs[k][0], donate_argnums=(1, 2)).lower(*jobs[k][1]) for k in todo}
         t_lower = time.perf_counter() - t0 - t_store
+        fresh = set()
+
+        def compile_one(k):
+            hits = xla.thread_cache_hits()
+            out = lowered[k].compile()
+            if xla.thread_cache_hits() == hits:
+                fresh.add(k)
+            return out
+
         first, rest = compile_waves(todo)
-        compiled |= {k: lowered[k].compile() for k in first}
+        compiled |= {k: compile_one(k) for k in first}
         with ThreadPoolExecutor(max(1, min(len(rest), workers))) as pool:
-            compiled |= dict(zip(rest, pool.map(lambda k: lowered[k].compile(), rest)))
+            compiled |= dict(zip(rest, pool.map(compile_one, rest)))
         t_compile = time.perf_counter() - t0 - t_store - t_lower
-        saved = sum(store.save(k, jobs[k][1], compiled[k]) for k in todo)
+        # Only what XLA compiled in this process is kept: XLA:CPU serialises an executable it deserialised (from
+        # JAX's cache) without its kernels ("NOT_FOUND: Function wrapped_convert.1 not found" when run; jax 0.10.2).
+        saved = sum(store.save(k, jobs[k][1], compiled[k]) for k in todo if k in fresh)
+        if store.root is not None and len(fresh) < len(todo):
+            log.warning("jax boot: %d executables came from JAX's persistent cache but not from the executable "
+                        "store, and cannot be added to it: every boot traces them until they are compiled afresh "
+                        "(empty %s to have that done once)", len(todo) - len(fresh),
+                        jax.config.jax_compilation_cache_dir)
         self.boot.update({"store_hits": len(jobs) - len(todo), "store_saved": saved, "store_load_s": round(t_store, 3),
                           "lower_s": round(t_lower, 3), "xla_s": round(t_compile, 3)})
         return ({k[1]: v for k, v in compiled.items() if k[0] == "prefill"},
@@ -504,8 +520,8 @@ def load(model_dir: str | Path, settings: Settings | None = None, max_context: i
              "lowered in %.1fs, then %d compiled by XLA and %d loaded from the persistent cache in %.1fs", b["compile_s"],
              b["executables"], b["store_hits"], b["store_load_s"], b["executables"] - b["store_hits"], b["lower_s"],
              b["boot_xla_compiles"], b["boot_cache_hits"], b["xla_s"])
-    log.info("jax boot: weights on the device %.1fs after their upload began (%.2f GB)", b["weights_ready_s"],
-             b["weight_bytes"] / 1e9)
+    log.info("jax boot: weights %.2f GB on the device %.1fs after their upload began (%.1fs of it before the ladder)",
+             b["weight_bytes"] / 1e9, b["weights_ready_s"], b["device_put_s"])
     log.info("jax runtime ready in %.1fs on %s/%s: %d executables for %d slots, batches %s, buckets %s; "
              "packed weights: %s; XLA_FLAGS %s", b["boot_s"], b["backend"], b["dtype"], b["executables"], b["slots"],
              b["batches"], b["buckets"], b["packed_dot"], b["xla_flags"] or "(none)")
