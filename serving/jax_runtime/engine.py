@@ -3,7 +3,7 @@
 Continuous batching over a fixed number of slots: one KV cache with a row per slot, allocated once at the context
 limit, updated in place (donated). Two ladders fix every shape: lengths (prompt buckets, and the prefix of the
 full-attention cache a decode step reads) and batches (how many leading rows a decode step runs). At boot every
-executable is compiled ahead of time (through JAX's persistent cache, so a second boot loads them): prefill for
+executable is compiled ahead of time (kept in executables.py's store, so a second boot loads them untraced): prefill for
 each length bucket, decode for each (batch, length) pair; each one samples its tokens on the device, among those
 its rows' allowed-token masks allow (serving/engine.py). After boot
 only those executables run; calling one with another shape raises instead of compiling.
@@ -23,7 +23,6 @@ import logging
 import os
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -280,42 +279,11 @@ class JaxEngine:
                 jobs["decode", b, c] = (functools.partial(decode_fn, c),
                                         (params_spec, cache_spec, state_spec, vec(b), vec(b), vec(b),
                                          *sampling_spec(b)))
-        workers = os.cpu_count() or 1
-        # A warm boot: every executable from the store, side by side, nothing traced (executables.py).
+        # A warm boot: every executable from the store, side by side, nothing traced (executables.py); the rest
+        # compiled after one executable per shape of the LM head's dot has compiled alone (compile_waves).
         store = executables.Store.beside_persistent_cache(cfg, self.dtype.name)
-        t0 = time.perf_counter()
-        compiled = store.load_all({k: args for k, (_, args) in jobs.items()}, workers)
-        t_store = time.perf_counter() - t0
-        todo = [k for k in jobs if k not in compiled]
-        # The rest is traced and lowered (holding the GIL: one after another), then compiled by XLA or loaded from
-        # JAX's persistent cache, which do not hold it: side by side, after one executable per shape of the LM
-        # head's dot has compiled alone (compile_waves).
-        lowered = {k: jax.jit(jobs[k][0], donate_argnums=(1, 2)).lower(*jobs[k][1]) for k in todo}
-        t_lower = time.perf_counter() - t0 - t_store
-        fresh = set()
-
-        def compile_one(k):
-            hits = xla.thread_cache_hits()
-            out = lowered[k].compile()
-            if xla.thread_cache_hits() == hits:
-                fresh.add(k)
-            return out
-
-        first, rest = compile_waves(todo)
-        compiled |= {k: compile_one(k) for k in first}
-        with ThreadPoolExecutor(max(1, min(len(rest), workers))) as pool:
-            compiled |= dict(zip(rest, pool.map(compile_one, rest)))
-        t_compile = time.perf_counter() - t0 - t_store - t_lower
-        # Only what XLA compiled in this process is kept: XLA:CPU serialises an executable it deserialised (from
-        # JAX's cache) without its kernels ("NOT_FOUND: Function wrapped_convert.1 not found" when run; jax 0.10.2).
-        saved = sum(store.save(k, jobs[k][1], compiled[k]) for k in todo if k in fresh)
-        if store.root is not None and len(fresh) < len(todo):
-            log.warning("jax boot: %d executables came from JAX's persistent cache but not from the executable "
-                        "store, and cannot be added to it: every boot traces them until they are compiled afresh "
-                        "(empty %s to have that done once)", len(todo) - len(fresh),
-                        jax.config.jax_compilation_cache_dir)
-        self.boot.update({"store_hits": len(jobs) - len(todo), "store_saved": saved, "store_load_s": round(t_store, 3),
-                          "lower_s": round(t_lower, 3), "xla_s": round(t_compile, 3)})
+        compiled, stats = executables.obtain(jobs, store, compile_waves, os.cpu_count() or 1)
+        self.boot.update(stats)
         return ({k[1]: v for k, v in compiled.items() if k[0] == "prefill"},
                 {k[1:]: v for k, v in compiled.items() if k[0] == "decode"})
 
