@@ -238,7 +238,7 @@ def test_second_boot_loads_every_executable_from_the_persistent_cache(e2b_ckpt, 
     _, ckpt = e2b_ckpt
     cache = tmp_path / "jaxcache"
     env = {"G5G_JAX_CACHE_DIR": str(cache), "G5G_JAX_BUCKETS": "16,32", "G5G_JAX_SLOTS": "2",
-           "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}
+           "G5G_JAX_EXECUTABLE_STORE": "1", "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}
 
     def boot(hash_seed):
         # Different string hashing in each process, as in real boots: the cache key must not depend on it.
@@ -516,3 +516,22 @@ def test_seeded_sampling_is_reproducible_in_any_batch(pair):
     together = _run_schedule(engine, jobs, [2, 0, 5, 1])
     assert together == alone, name
     assert len({tuple(t) for t in alone}) == 4
+
+
+def test_the_executable_store_is_opt_in(tmp_path):
+    """G5G_JAX_EXECUTABLE_STORE=1 turns the store on beside the persistent cache; unset, a boot traces as before
+    (no GPU run has yet shown that deserialised executables run as the traced ones do)."""
+    import jax
+
+    from serving.jax_runtime import executables
+
+    before = jax.config.jax_enable_compilation_cache, jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    try:
+        assert executables.Store.beside_persistent_cache("cfg", env={}).root is None
+        on = executables.Store.beside_persistent_cache("cfg", env={executables.OPT_IN: "1"})
+        assert on.root == tmp_path / executables.EXECUTABLES_DIR
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before[0])
+        jax.config.update("jax_compilation_cache_dir", before[1])

@@ -5,6 +5,8 @@ ladder and returns a ready engine. Settings come from the environment:
   G5G_DEVICE         gpu (the CUDA images) | cpu | auto (default): serving/device.py
   G5G_JAX_BUCKETS    prompt/capacity ladder, e.g. "64,128,256,512,1024,2048,4096" (largest = max_context)
   G5G_JAX_CACHE_DIR  persistent compilation cache (default ~/.cache/g5g-jax; empty disables it)
+  G5G_JAX_EXECUTABLE_STORE 1: also keep the ladder's executables whole beside that cache, so a warm boot skips
+                     tracing (executables.py; default 0 until a GPU run proves deserialised executables)
   G5G_JAX_DTYPE      auto (float16 on GPU, float32 on CPU) | float32 | float16 | bfloat16 (refused below sm_80)
   G5G_JAX_SLOTS      sequences decoded together (continuous batching; default 8)
   G5G_JAX_BATCHES    extra, smaller decode batch sizes to compile, e.g. "1,4" (default: none, only SLOTS)

@@ -9,8 +9,9 @@ JAX's and jaxlib's versions, the backend and its devices, XLA_FLAGS and JAX's en
 (jax.experimental.serialize_executable) without tracing. Anything unreadable is a miss: the boot traces, then
 JAX's persistent cache (or XLA) gives the executable, and the store keeps it for next time.
 
-It lives beside JAX's persistent cache, in EXECUTABLES_DIR under G5G_JAX_CACHE_DIR, and is on exactly when that
-cache is. Its files are pickles, like the cache's executables code that runs on load: the cache directory must be
+It lives beside JAX's persistent cache, in EXECUTABLES_DIR under G5G_JAX_CACHE_DIR, and is on when that cache is
+and G5G_JAX_EXECUTABLE_STORE=1: off by default until a GPU run shows that executables deserialised on XLA:GPU run
+as the traced ones do (on XLA:CPU a re-serialised cache load lost its kernels: see `obtain`). Its files are pickles, like the cache's executables code that runs on load: the cache directory must be
 as trusted as the image.
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ from . import xla
 log = logging.getLogger("serving.jax")
 
 EXECUTABLES_DIR = "g5g-executables"
+OPT_IN = "G5G_JAX_EXECUTABLE_STORE"
 _SERVING = Path(__file__).resolve().parents[1]
 # What the ladder's functions are traced from: a change to any of these makes every stored executable a miss.
 SOURCES = (*sorted(Path(__file__).parent.glob("*.py")), _SERVING / "engine.py", _SERVING / "structured.py")
@@ -68,8 +70,9 @@ class Store:
         self.salt = salt
 
     @classmethod
-    def beside_persistent_cache(cls, *parts) -> "Store":
-        on = jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir
+    def beside_persistent_cache(cls, *parts, env: Mapping[str, str] = os.environ) -> "Store":
+        on = (env.get(OPT_IN) == "1" and jax.config.jax_enable_compilation_cache
+              and jax.config.jax_compilation_cache_dir)
         return cls(Path(jax.config.jax_compilation_cache_dir) / EXECUTABLES_DIR if on else None,
                    fingerprint(*parts) if on else "")
 
