@@ -157,8 +157,11 @@ async def _startup(ctx: Context, load_engine: Callable[[], Engine],
         # A prefill and a decode step: both code paths are compiled/warmed before we say ready; one step per slot
         # in the engine's warm_slots (default slot 0), for an engine whose decode shape follows the highest live slot.
         greedy = SamplingParams(temperature=0.0)
+        t1 = time.monotonic()
         for slot in getattr(sched.engine, "warm_slots", (0,)):
             await sched.call(lambda s=slot: sched.engine.step({s: sched.engine.start(s, warm, greedy)}))
+        summary = getattr(sched.engine, "boot_summary", None)     # what compiling took (PyTorch: compile_cache.py)
+        log.info("warm-up: %.1fs%s", time.monotonic() - t1, f"; {summary()}" if summary else "")
         log.info("model %s ready in %.1fs (context %d)", ctx.name, time.monotonic() - t0, sched.engine.max_context)
         # What boot made (torch, transformers, the tokenizers: millions of objects) lives as long as the server:
         # out of the collector's sight, a full collection a request's allocations set off (one that holds every

@@ -105,6 +105,17 @@ def span(positions: list[int], max_context: int) -> int:
     return min(max_context, max(64, 1 << max(positions).bit_length()))
 
 
+def _buffer(shape: tuple[int, ...], padded: bool, dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed cache buffer; `padded` (full layers): a view of one more position than it shows. A decode step reads
+    its first span() positions, a view that is contiguous exactly when the span is the whole buffer: dynamo guards
+    on that, and the first context past max_context / 2 recompiled the step mid-serving (issue 49). Past the end of
+    a row, the pad makes no span contiguous (one position per full layer: 1 / max_context of its bytes)."""
+    if not padded:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    *lead, keys, dim = shape
+    return torch.zeros((*lead, keys + 1, dim), dtype=dtype, device=device)[..., :keys, :]
+
+
 class SlotKV:
     """Every layer that computes KV keeps one row per sequence: full layers [slots, kv_heads, max_context, head_dim],
     sliding layers a ring of their window [slots, kv_heads, window, head_dim] (position p at p % window). Rows are
@@ -122,10 +133,9 @@ class SlotKV:
             a = layer.self_attn
             if not a.is_kv_shared_layer:
                 self.ring[i] = a.is_sliding
-                shape = (slots, a.k_proj.out_features // a.head_dim, self.window if a.is_sliding else max_context,
-                         a.head_dim)
-                self.k[i] = torch.zeros(shape, dtype=dtype, device=device)
-                self.v[i] = torch.zeros(shape, dtype=dtype, device=device)
+                keys = self.window if a.is_sliding else max_context
+                shape = (slots, a.k_proj.out_features // a.head_dim, keys, a.head_dim)
+                self.k[i], self.v[i] = (_buffer(shape, not a.is_sliding, dtype, device) for _ in "kv")
         if device.type == "cuda":                # CUDA graphs replay over these very buffers
             for t in (*self.k.values(), *self.v.values()):
                 torch._dynamo.mark_static_address(t)
