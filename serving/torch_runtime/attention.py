@@ -105,20 +105,16 @@ def span(positions: list[int], max_context: int) -> int:
     return min(max_context, max(64, 1 << max(positions).bit_length()))
 
 
-def _buffer(shape: tuple[int, ...], padded: bool, dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed cache buffer; `padded` (full layers): a view of one more position than it shows. A decode step reads
-    its first span() positions, a view that is contiguous exactly when the span is the whole buffer: dynamo guards
-    on that, and the first context past max_context / 2 recompiled the step mid-serving (issue 49). Past the end of
-    a row, the pad makes no span contiguous (one position per full layer: 1 / max_context of its bytes)."""
-    if not padded:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    *lead, keys, dim = shape
-    return torch.zeros((*lead, keys + 1, dim), dtype=dtype, device=device)[..., :keys, :]
+# Positions a full layer's buffer keeps past max_context. A decode step writes the buffer, then reads its first span()
+# positions: traced, the write is a fresh contiguous copy of the buffer, and a slice of it is contiguous exactly when
+# the span is the whole buffer, which AOTAutograd guards on: the first context past max_context / 2 recompiled the
+# step mid-serving (issue 49). One position more than any span makes no span contiguous (never read nor written).
+PAD = 1
 
 
 class SlotKV:
-    """Every layer that computes KV keeps one row per sequence: full layers [slots, kv_heads, max_context, head_dim],
-    sliding layers a ring of their window [slots, kv_heads, window, head_dim] (position p at p % window). Rows are
+    """Every layer that computes KV keeps one row per sequence: full layers [slots, kv_heads, max_context + PAD,
+    head_dim], sliding layers a ring of their window [slots, kv_heads, window, head_dim] (position p at p % window). Rows are
     at different positions, which transformers' caches cannot hold, so the model reaches this one through the Cache
     `update` call and takes {layer type: mask} as attention_mask. A decode step attends over the first
     span(positions) keys of full layers, the length of their mask (marked dynamic: one compiled graph serves every
@@ -133,9 +129,10 @@ class SlotKV:
             a = layer.self_attn
             if not a.is_kv_shared_layer:
                 self.ring[i] = a.is_sliding
-                keys = self.window if a.is_sliding else max_context
-                shape = (slots, a.k_proj.out_features // a.head_dim, keys, a.head_dim)
-                self.k[i], self.v[i] = (_buffer(shape, not a.is_sliding, dtype, device) for _ in "kv")
+                shape = (slots, a.k_proj.out_features // a.head_dim,
+                         self.window if a.is_sliding else max_context + PAD, a.head_dim)
+                self.k[i] = torch.zeros(shape, dtype=dtype, device=device)
+                self.v[i] = torch.zeros(shape, dtype=dtype, device=device)
         if device.type == "cuda":                # CUDA graphs replay over these very buffers
             for t in (*self.k.values(), *self.v.values()):
                 torch._dynamo.mark_static_address(t)
@@ -143,7 +140,8 @@ class SlotKV:
         self._slot, self._pos = 0, None
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+        """The bytes of every position a sequence may use (memory_plan's count; the PAD positions aside)."""
+        return sum(t[:, :, :self.max_context].numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
 
     def prefill(self, slot: int, n: int) -> dict:
         """A prompt of n tokens into `slot` from position 0: it attends over its own keys (causal, window)."""
