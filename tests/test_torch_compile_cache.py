@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 # One process: load on the CPU (8 slots, context 128), decode a lone sequence in slots 0 and 1 (rows 1, then the
-# graph every row count above 1 shares), then a 70-token prompt (span 128: the whole cache); print the compiles.
+# graph every row count above 1 shares), then a 70-token prompt in slot 1 (span 128, all of max_context: the span
+# that recompiled mid-serving, attention.PAD); print the compiles.
 CHILD = """
 import json, os, sys
 from serving.engine import SamplingParams
@@ -30,11 +31,26 @@ from serving.torch_runtime import load
 eng = load(sys.argv[1], device="cpu", max_context=128, slots=8)
 greedy = SamplingParams(temperature=0.0)
 tokens = {}
-for slot, prompt in ((0, [2, 105, 9]), (1, [2, 105, 9]), (0, [2] + [9] * 69)):
+for slot, prompt in ((0, [2, 105, 9]), (1, [2, 105, 9]), (1, [2] + [9] * 69)):
     tokens[slot] = eng.step({slot: eng.start(slot, prompt, greedy)})[slot]
 print(json.dumps({"total": eng.compiles.total(), "dir": os.environ["TORCHINDUCTOR_CACHE_DIR"],
                   "set_order": list(set(eng.text_config.layer_types)), "tokens": tokens}))
 """
+
+
+@pytest.fixture(scope="module")
+def two_layers(tiny_gemma4, tmp_path_factory) -> Path:
+    """A text-only Gemma 4 of the fixture's shapes cut to one sliding and one full layer, random weights: both
+    layer types (the hash-ordered loop has two entries) at a third of the fixture's compile time."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    raw = json.loads((tiny_gemma4 / "config.json").read_text())["text_config"]
+    config = Gemma4TextConfig(**{**raw, "num_hidden_layers": 2, "num_kv_shared_layers": 0,
+                                 "layer_types": list(LAYER_TYPES)})
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("two-layers")
+    Gemma4ForCausalLM(config).save_pretrained(out)
+    return out
 
 
 def _boot(model: Path, cache: Path, hash_seed: str) -> dict:
@@ -48,10 +64,10 @@ def _boot(model: Path, cache: Path, hash_seed: str) -> dict:
 
 
 @pytest.mark.slow
-def test_a_second_process_over_the_same_cache_compiles_nothing_new(tiny_gemma4, tmp_path):
+def test_a_second_process_over_the_same_cache_compiles_nothing_new(two_layers, tmp_path):
     """Hash seeds 1 and 2 iterate Gemma 4's layer types in opposite orders: the graphs must not follow them."""
-    cold = _boot(tiny_gemma4, tmp_path / "cache", "1")
-    warm = _boot(tiny_gemma4, tmp_path / "cache", "2")
+    cold = _boot(two_layers, tmp_path / "cache", "1")
+    warm = _boot(two_layers, tmp_path / "cache", "2")
     assert cold["set_order"] != warm["set_order"]                      # the two processes do hash differently
     assert cold["dir"] == warm["dir"] == str(tmp_path / "cache")
     # the cold process compiled two graphs (rows 1, rows > 1); the whole-cache span did not make a third
