@@ -81,9 +81,16 @@ class Beside:
     health: list[tuple[int, float]] = field(default_factory=list)        # /health's (status, seconds)
 
 
-def beside_small(url: str, path: str, bodies: list[dict], chats: int = 1, limit_s: float = 120) -> Beside:
-    """Post `bodies` at once; 0.05 s later ask the small chat, again and again while any of them is unanswered (at
-    least once, at most `chats` times), and poll /health until all have answered (at least once)."""
+def small_schema_chat(i: int) -> dict:
+    """A small chat forced to a distinct schema that compiles at once (a boolean property): another client's schema."""
+    schema = {"type": "object", "properties": {f"b{i}": {"type": "boolean"}}, "required": [f"b{i}"]}
+    return {**SMALL_CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": f"b{i}", "schema": schema}}}
+
+
+def beside_small(url: str, path: str, bodies: list[dict], chats: int = 1, limit_s: float = 120,
+                 chat=lambda: SMALL_CHAT) -> Beside:
+    """Post `bodies` at once; 0.05 s later ask the small chat (`chat()`), again and again while any of them is
+    unanswered (at least once, at most `chats` times), and poll /health until all have answered (at least once)."""
     got = Beside(answers=[(0, "", 0.0)] * len(bodies))
     deadline = time.monotonic() + limit_s
 
@@ -100,7 +107,7 @@ def beside_small(url: str, path: str, bodies: list[dict], chats: int = 1, limit_
     def small():
         while len(got.chats) < chats and (not got.chats or any(t.is_alive() for t in huge)) \
                 and time.monotonic() < deadline:
-            status, _, seconds = post(CHAT, json.dumps(SMALL_CHAT))
+            status, _, seconds = post(CHAT, json.dumps(chat()))
             got.chats.append((status, seconds))
 
     huge = [threading.Thread(target=ask, args=(i, json.dumps(b)), daemon=True) for i, b in enumerate(bodies)]
@@ -173,3 +180,109 @@ def slow_bodies(url: str, count: int, gap: float = 1.0, limit_s: float = 60) -> 
     head = (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
             .encode())
     return _trickling(url, count, head, b" " * 100, gap, limit_s)
+
+
+# ------------------------------------------------------------------------------ on the wire (issue 53's repros)
+def _request(method: str, path: str, body: bytes = b"", **headers: str) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", "Host: x", *(f"{k.replace('_', '-')}: {v}" for k, v in headers.items())]
+    if body:
+        lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+_SMALL = json.dumps(SMALL_CHAT).encode()
+_SMUGGLED = b"0\r\n\r\n" + _request("GET", "/v1/models")
+_CHUNKED = _request("POST", CHAT, Transfer_Encoding="chunked", Content_Type="application/json")
+
+
+@dataclass(frozen=True)
+class Wire:
+    """Bytes sent on one connection, then (`half_close`) its write side shut; what must come back: `statuses` in
+    order (interim 100s aside; None: any, none a 5xx), and the server closing the connection. `trickle`: after the
+    first answer, these bytes one every `gap` seconds (a request whose headers never end)."""
+    name: str
+    data: bytes
+    statuses: tuple[int, ...] | None
+    half_close: bool = False
+    trickle: bytes = b""
+    gap: float = 0.5
+
+
+# Never shrinks: each is a defect found once (issue 53, round 5), answered as the wanted statuses now.
+WIRE = [
+    Wire("Content-Length beside Transfer-Encoding (smuggling)", b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
+         b"Transfer-Encoding: chunked\r\n\r\n%s" % (CHAT.encode(), len(_SMUGGLED), _SMUGGLED), (400,)),
+    Wire("an HTTP/2 preface", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", (400,)),
+    Wire("three pipelined chats, then a half-close", _request("POST", CHAT, _SMALL, Content_Type="application/json")
+         * 3, (200, 200, 200), half_close=True),
+    Wire("a 200 KB chunk extension", _CHUNKED + b"1;" + b"x" * 200_000 + b"\r\nA\r\n0\r\n\r\n", None),
+    Wire("a chunk size of 2^96", _CHUNKED + b"%x\r\nA\r\n0\r\n\r\n" % 2**96, None),
+    Wire("a kept-alive connection's second request trickling its headers",
+         _request("GET", "/health"), (200, 408), trickle=b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: x\r\n" * 60),
+]
+
+
+def on_the_wire(url: str, case: Wire, limit_s: float = 120) -> tuple[list[int], bool, float]:
+    """Send `case` on a new connection to `url`; (the statuses answered, interim 100s aside; whether the server
+    closed the connection within `limit_s`; seconds until it did)."""
+    import re
+    t0, got, closed = time.monotonic(), b"", False
+    with socket.create_connection(address(url), timeout=limit_s) as sock:
+        sock.sendall(case.data)
+        if case.half_close:
+            sock.shutdown(socket.SHUT_WR)
+        if case.trickle:
+            while b"\r\n\r\n" not in got and (chunk := sock.recv(65536)):     # the first answer (GET: no body)
+                got += chunk
+            trickle(sock, case.trickle, case.gap, until=t0 + limit_s)
+        sock.settimeout(max(0.1, t0 + limit_s - time.monotonic()))
+        try:
+            while chunk := sock.recv(65536):
+                got += chunk
+            closed = True
+        except ConnectionResetError:        # closed with input unread: the answer may be lost on the way
+            closed = True
+        except socket.timeout:
+            pass
+    statuses = [int(code) for code in re.findall(rb"HTTP/1\.1 (\d{3}) ", got) if code != b"100"]
+    return statuses, closed, time.monotonic() - t0
+
+
+def compiles_of(url: str) -> list[int]:
+    """The schema compiles' processes of the server at `url` (started with `--port PORT`, as devtools/server.py
+    starts it): children whose argv names the server's pid (serving/grammar_compile.py's _INDEX_PROGRAM)."""
+    from pathlib import Path
+
+    def argv(pid: str) -> list[bytes]:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            return []
+
+    port = str(address(url)[1]).encode()
+    pids = [p.name for p in Path("/proc").glob("[0-9]*")]
+    servers = {pid.encode() for pid in pids if any(a == b"--port" and b == port for a, b in zip(argv(pid),
+                                                                                                 argv(pid)[1:]))}
+    return [int(pid) for pid in pids
+            if (a := argv(pid)) and len(a) > 3 and a[1] == b"-c" and b"outlines_core" in a[2] and a[3] in servers]
+
+
+def killed_compile(url: str, body: dict, limit_s: float = 120) -> tuple[int, str, int]:
+    """Post `body` (a chat with a schema that compiles for seconds), SIGKILL its compile's process once it runs (as
+    the OOM killer does), then post it again: (the first status, its message, the second status)."""
+    import os
+    import signal
+    first: list = []
+    asking = threading.Thread(target=lambda: first.append(requests.post(url + CHAT, json=body, timeout=limit_s)),
+                              daemon=True)
+    asking.start()
+    deadline = time.monotonic() + limit_s
+    while not (pids := compiles_of(url)) and asking.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    asking.join(limit_s)
+    r = first[0]
+    message = r.json()["error"]["message"][:80] if r.status_code >= 400 else ""
+    return r.status_code, message, requests.post(url + CHAT, json=body, timeout=limit_s).status_code

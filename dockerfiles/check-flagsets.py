@@ -1,7 +1,7 @@
 """The flag-set rehearsal: one translation unit for every distinct set of compile flags, with the flags we export.
 
     python3 check-flagsets.py COMPILE_COMMANDS.json [--cflags FLAGS] [--cxxflags FLAGS] [--cudaflags FLAGS]
-                              [--plan] [--timeout S]
+                              [--plan] [--timeout S] [--ninja BUILD_DIR]
 
 COMPILE_COMMANDS.json is what CMake writes with CMAKE_EXPORT_COMPILE_COMMANDS=ON (torch configured at the pinned
 version, or any sub-project of it, e.g. its third_party/fbgemm). Its entries are grouped by language (C, C++, CUDA,
@@ -11,6 +11,11 @@ added where CMake puts CMAKE_<LANG>_FLAGS (right after the compiler), the object
 first compiler error stops the run with the command that failed and the compiler's own lines: a flag that some
 third-party target refuses (GCC: `switch '-mcpu=neoverse-n1' conflicts with '-march=armv8-a+sve2' switch`, under
 that target's -Werror) shows in minutes, not hours into the compile. --plan lists the sets without compiling.
+
+--ninja BUILD_DIR: the configure ran in the compile's own environment (our flags already in CMAKE_<LANG>_FLAGS), so
+each set's entry is built by ninja as the real compile builds it: its object's target, after what the object needs
+first (a configured torch includes headers that its codegen writes at build time: ATen/ops/*.h). The flags are then
+not added: a set that lacks them (a target that drops CMAKE_<LANG>_FLAGS) is named in a note.
 """
 from __future__ import annotations
 
@@ -110,9 +115,31 @@ def flags(entry: Entry) -> tuple[str, ...]:
     return tuple(out)
 
 
-def plan(items: list[Entry], added: dict[str, list[str]]) -> tuple[list[FlagSet], list[Entry]]:
+def output(entry: Entry) -> str | None:
+    """The entry's object, as its command names it (-o OBJ or -oOBJ), or None."""
+    args = entry.arguments
+    for i, a in enumerate(args[1:], 1):
+        if a == "-o" and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith("-o") and len(a) > 2:
+            return a[2:]
+    return None
+
+
+def ninja_target(entry: Entry, build_dir: str) -> str:
+    """The ninja target that builds the entry's object: its path relative to the build directory (CMake's Ninja
+    generator names objects so); ValueError (one line) when the entry names no object."""
+    obj = output(entry)
+    if obj is None:
+        raise ValueError(f"{entry.file}: its command names no object (-o), so ninja cannot build it")
+    return os.path.relpath(os.path.normpath(os.path.join(entry.directory, obj)), os.path.normpath(build_dir))
+
+
+def plan(items: list[Entry], added: dict[str, list[str]],
+         ninja: str | None = None) -> tuple[list[FlagSet], list[Entry]]:
     """The flag sets in first-seen order, each with the command that compiles its first entry with `added[language]`
-    after the compiler; and the entries in no language of LANGUAGES (assembly and the like), not compiled."""
+    after the compiler (with `ninja`, a build directory: ninja's command that builds the entry's object there, nothing
+    added); and the entries in no language of LANGUAGES (assembly and the like), not compiled."""
     groups: dict[tuple[str, tuple[str, ...]], list[Entry]] = {}
     other = []
     for e in items:
@@ -124,8 +151,11 @@ def plan(items: list[Entry], added: dict[str, list[str]]) -> tuple[list[FlagSet]
     sets = []
     for (lang, key), members in groups.items():
         first = members[0]
-        at = compiler_end(key)
-        command = (*key[:at], *added.get(lang, []), *key[at:], "-c", first.file, "-o", OUT)
+        if ninja is not None:
+            command = ("ninja", "-C", ninja, ninja_target(first, ninja))
+        else:
+            at = compiler_end(key)
+            command = (*key[:at], *added.get(lang, []), *key[at:], "-c", first.file, "-o", OUT)
         sets.append(FlagSet(lang, key, len(members), first, command))
     return sets, other
 
@@ -159,19 +189,22 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--cudaflags", default="", help="what we export for nvcc (added to CUDA entries)")
     ap.add_argument("--plan", action="store_true", help="list the flag sets, compile nothing")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one translation unit may take")
+    ap.add_argument("--ninja", metavar="BUILD_DIR", help="build each set's object with ninja in BUILD_DIR, configured "
+                    "with our flags (codegen first), instead of compiling it again with the flags added")
     a = ap.parse_args(argv)
     try:
         items = entries(a.compile_commands.read_text(), str(a.compile_commands))
         added = {"C": shlex.split(a.cflags), "CXX": shlex.split(a.cxxflags), "CUDA": shlex.split(a.cudaflags)}
+        sets, other = plan(items, added, a.ninja)
     except OSError as e:
         sys.exit(f"check-flagsets: {a.compile_commands}: {e.strerror}")
     except ValueError as e:
         sys.exit(f"check-flagsets: {e}")
-    sets, other = plan(items, added)
     if not sets:
         sys.exit(f"check-flagsets: {a.compile_commands}: no C, C++ or CUDA entry")
     print(f"check-flagsets: {a.compile_commands}: {summary(sets, other)}")
-    print("check-flagsets: added: " + "; ".join(f"{k} {' '.join(v) or '(nothing)'}" for k, v in added.items()))
+    how = "expected in the configured flags (ninja builds each set)" if a.ninja else "added"
+    print(f"check-flagsets: {how}: " + "; ".join(f"{k} {' '.join(v) or '(nothing)'}" for k, v in added.items()))
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="flagsets-") as tmp:
         for i, s in enumerate(sets, 1):
@@ -191,7 +224,9 @@ def main(argv: list[str]) -> int:
                 print(f"check-flagsets: FAILED at flag set {i} of {len(sets)} after {time.monotonic() - started:.1f} s: "
                       f"{error.strip()[:300]}", file=sys.stderr)
                 return 1
-            print(f"{head}: ok ({took:.1f} s)", flush=True)
+            lacks = [w for w in added.get(s.language, []) if w not in s.flags] if a.ninja else []
+            note = f"; note: configured without {' '.join(lacks)}" if lacks else ""
+            print(f"{head}: ok ({took:.1f} s{note})", flush=True)
     if not a.plan:
         print(f"check-flagsets: every flag set compiled with the exported flags "
               f"({len(sets)} translation units, {time.monotonic() - started:.1f} s)")

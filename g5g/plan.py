@@ -29,6 +29,7 @@ class ImagePlan:
     tags: tuple[str, ...]
     platforms: tuple[str, ...]
     build_args: dict[str, str]
+    env: dict[str, str]  # the image's ENV at run time (the runtime's `env`), rendered by the template's image_env
     labels: dict[str, str]
     patches: tuple[dict[str, str], ...]
     upstream: dict[str, str]
@@ -51,6 +52,7 @@ class ImagePlan:
             "tags": list(self.tags),
             "platforms": list(self.platforms),
             "build_args": dict(self.build_args),
+            "env": dict(self.env),
             "labels": dict(self.labels),
             "patches": [dict(p) for p in self.patches],
             "upstream": dict(self.upstream),
@@ -224,13 +226,19 @@ def _image(build: RuntimeBuild, profile: Profile, tags: dict[str, tuple[str, ...
     for k in build.args:
         if any(w in k for w in SECRET_WORDS):
             raise UserError(f"{build.file}: args.{k}: secrets travel only as BuildKit secrets (hf-token, ca-cert)")
+    for k, v in build.env.items():
+        if any(w in k for w in SECRET_WORDS):
+            raise UserError(f"{build.file}: env.{k}: an image's ENV is readable by anyone who pulls it; secrets "
+                            "travel only as BuildKit secrets")
+        if re.search(r'["\\$\n]', v):
+            raise UserError(f"{build.file}: env.{k}: {v!r}: no quotes, backslashes, $ or newlines in an ENV value")
     contexts = dict(build.contexts)
     if build.depends_on:  # bake links the image it is built FROM by its tag
         contexts = {build.from_image: f"target:{build.depends_on[-1]}", **contexts}
     ctx_vars = {"source": build.source, "serve_args": list(build.serve_args), "model_arg": build.model_arg,
                 "port": build.port, "requirements": _requirements(build, repo_root), "rehearse": rehearsal}
     return ImagePlan(runtime=name, target=name, tags=tags[name], platforms=platforms,
-                     build_args=dict(sorted(build.args.items())), labels=labels, patches=build.patches,
+                     build_args=dict(sorted(build.args.items())), env=dict(sorted(build.env.items())), labels=labels, patches=build.patches,
                      upstream=upstream, dockerfile=str(PurePosixPath(out) / name / "Dockerfile"),
                      template=f"{name}.Dockerfile.j2", contexts=contexts, depends_on=build.depends_on,
                      context_vars=ctx_vars, context=build.context, context_origin=build.context_origin,

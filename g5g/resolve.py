@@ -27,6 +27,7 @@ class RuntimeBuild:
     source: str                     # which of the runtime's sources ("": its top level)
     from_image: str
     args: dict[str, str]
+    env: dict[str, str]             # the image's ENV (the manifest's `env`, those whose `if` holds)
     contexts: dict[str, str]
     context: str | None             # the build context when it is not the image's own directory
     context_origin: str             # "FILE: KEY" the context comes from, for errors
@@ -110,7 +111,8 @@ def build(rt: Runtime, profile: Profile, base: RuntimeBuild | None, tag: Callabl
     return RuntimeBuild(
         name=rt.name, file=rt.file, description=rt.description, version_pin=rt.version_pin,
         version=pins[rt.version_pin], pins=pins, depends_on=(*base.depends_on, base.name) if base else (),
-        source=src_name, from_image=from_image, args=args, contexts=contexts, context=context, context_origin=origin,
+        source=src_name, from_image=from_image, args=args,
+        env={k: v for k, e in rt.env.items() if (v := value(f"env.{k}", e)) is not None}, contexts=contexts, context=context, context_origin=origin,
         upstream={k: _eval(rt, f"{prefix}upstream.{k}", e, ns, profile.name) for k, e in src.upstream.items()},
         copy=tuple(c.path for c in rt.copy_ if _eval(rt, "copy.if", c.if_, ns, profile.name, test=True)),
         unused_pins=tuple(sorted(unused)), patches=tuple({"path": p.path, "sha256": p.sha256} for p in rt.patches),

@@ -26,6 +26,7 @@ VERSION_RE = re.compile(r"^\d+(\.\d+)*([a-z0-9.+]*)$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/:@-]*$")
 DIGEST_RE = re.compile(r"@sha256:[0-9a-f]{64}$")
+ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _EXPR = SandboxedEnvironment(undefined=jinja2.StrictUndefined)
 
 
@@ -121,12 +122,16 @@ class Cuda(_Model):
     pip_toolkit: Annotated[StrictStr, _check(VERSION_RE.match, "{v!r} is not an exact version of cuda-toolkit")]
     devel_image: Image | None = None  # an nvidia/cuda …-devel image: its /usr/local/cuda, not the wheels' nvcc
     cuobjdump: Pin  # nvidia-cuda-cuobjdump==X: lists the SASS of torch's and vLLM's libraries at build time
+    constraints: dict[StrictStr, Pin] = {}  # toolkit parts held at pip_toolkit's own versions in every later pip install
+    # (torch-base's PIP_CONSTRAINT): a package that asks for nvcc or cccl unpinned gets the toolkit's, not the newest
 
 
 class Build(_Model):
     max_jobs: Annotated[StrictStr | StrictInt, AfterValidator(_max_jobs)] = "auto"
     nvcc_threads: Annotated[StrictInt, _check(lambda n: n >= 1, "must be at least 1")] = 1
     rust_frontend: StrictBool = True  # vLLM's Rust frontend (vllm-rs) needs the crates registry at build time
+    flagset_check: StrictBool = True  # torch's compile starts only after one translation unit of every flag set
+    # of its configure built with our flags (dockerfiles/check-flagsets.py): a refused flag fails in minutes
     vllm_sources: Annotated[StrictStr, AfterValidator(_in_repo)] | None = None  # local tree of vLLM's external
     # projects (tools/vllm_sources.py), not GitHub
 
@@ -258,6 +263,8 @@ class Runtime(Source):
     copy_: tuple[Annotated[Copy, _always("path")], ...] = Field((), alias="copy")  # repository paths copied into
     # the build context
     requirements: StrictStr | None = None  # a pyproject.toml extra the image installs (template: `requirements`)
+    env: dict[Annotated[StrictStr, _check(ENV_RE.match, "{v!r} is not an environment variable name")], Value] = {}
+    # the image's ENV at run time, e.g. NVIDIA_REQUIRE_CUDA (the container runtime refuses an older driver)
     serve_args: tuple[StrictStr, ...] = ()
     serve: Serve = Serve()
     port: Annotated[StrictInt, _check(lambda p: 1 <= p <= 65535, "{v} is not a TCP port")] = 8000
@@ -328,7 +335,7 @@ def validate(model: type[BaseModel], file: str, data: Any) -> Any:
         err = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])  # a typo: say it, not "missing"
         loc, kind, value = err["loc"], err["type"], err.get("input")
         # a union reports each branch: keep the path, drop the branch names pydantic adds ("str", "int")
-        loc = tuple(p for p in loc if p not in ("str", "int") and not str(p).startswith("function-"))
+        loc = tuple(p for p in loc if p not in ("str", "int", "[key]") and not str(p).startswith("function-"))
         where = _where(loc) or "(top level)"
         if kind == "missing":
             msg = "missing (required)"

@@ -1,8 +1,10 @@
 """python -m serving --runtime {jax,pytorch} --model DIR [--host H] [--port P] [--served-model-name N] [...]
 
 The images' entrypoint and what `python build.py serve` execs. The server listens at once (/health is 503 while
-the model loads) and exits 1 if the model cannot be loaded. SIGTERM (or Ctrl-C) drains: new requests get 503,
-running ones --shutdown-timeout seconds to finish, then the rest are aborted; the exit status is 0.
+the model loads) and exits 1 if the model cannot be loaded; where a GPU is expected (--device gpu, G5G_DEVICE=gpu:
+the CUDA images) and none is usable, it exits 1 before listening, with one line saying why (serving/device.py).
+SIGTERM (or Ctrl-C) drains: new requests get 503, running ones --shutdown-timeout seconds to finish, then the rest
+are aborted; the exit status is 0.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import os
 import pkgutil
 import sys
 from pathlib import Path
+
+from serving import device
 
 
 # --runtime NAME where it is not the package's name less `_runtime` (the images and manifests say "pytorch")
@@ -121,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "twice as many more may wait, past that a 429 (default: %(default)s)")
     p.add_argument("--grammar-memory", type=_count, default=COMPILE_MEMORY,
                    help="bytes of address space for all schema compiles' processes together, shared equally "
-                        "(0: no cap; default: 2 GiB)")
+                        "by the compiles and the quick slot (0: no cap; default: 3 GiB, 1 GiB each)")
     p.add_argument("--grammar-cache-bytes", type=_count, default=CACHE_BYTES,
                    help="bytes of compiled schemas the server holds, cached or in use; a new compile past it is a "
                         "429 (default: 384 MiB)")
@@ -132,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers, a JSON list")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--device", choices=device.CHOICES,
+                   help="gpu: a usable CUDA GPU or exit 1 with why (the CUDA images' default); cpu: the CPU on "
+                        "purpose; auto: the GPU if usable, else the CPU (default: $G5G_DEVICE, else auto)")
     return p
 
 
@@ -156,6 +163,20 @@ def main(argv: list[str] | None = None) -> int:
     if not (model / "config.json").is_file():
         print(f"error: --model {model}: no config.json there (expected a checkpoint directory)", file=sys.stderr)
         return 2
+
+    try:
+        os.environ[device.ENV] = args.device or device.expected()   # what the engine's load() reads
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if os.environ[device.ENV] == "gpu":
+        # Expected a GPU (the CUDA images): without a usable one, one line and exit before the port opens, rather
+        # than a server answering at CPU speed. This imports the framework before the port opens, on this path only.
+        try:
+            importlib.import_module(RUNTIMES[args.runtime]).select_device()
+        except device.NoGpuError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
 
     from serving.api import create_app, server as make_server
 

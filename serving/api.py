@@ -150,19 +150,35 @@ async def _startup(ctx: Context, load_engine: Callable[[], Engine],
     """Load the tokenizer and the engine, warm both code paths up, say ready, then run the engine thread."""
     sched = ctx.scheduler
     try:
-        sched.info = await asyncio.to_thread(TokenizerInfo.load, ctx.model_dir)
-        t0 = time.monotonic()
-        sched.engine = await sched.call(load_engine)
+        t0, took = time.monotonic(), {}
+
+        def timed(name: str, fn: Callable):
+            def run():
+                start = time.monotonic()
+                out = fn()
+                took[name] = time.monotonic() - start
+                return out
+            return run
+
+        # The tokenizer loads beside the engine (seconds for Gemma's 262k vocabulary); the first failure stops the boot.
+        tok = asyncio.ensure_future(asyncio.to_thread(timed("tokenizer", lambda: TokenizerInfo.load(ctx.model_dir))))
+        eng = asyncio.ensure_future(sched.call(timed("engine", load_engine)))
+        done, _ = await asyncio.wait({tok, eng}, return_when=asyncio.FIRST_EXCEPTION)
+        for f in done:
+            f.result()
+        sched.info, sched.engine = await tok, await eng
+        t_warm = time.monotonic()
         warm = sched.info.chat_prompt([{"role": "user", "content": "Hello"}])
         # A prefill and a decode step: both code paths are compiled/warmed before we say ready; one step per slot
         # in the engine's warm_slots (default slot 0), for an engine whose decode shape follows the highest live slot.
         greedy = SamplingParams(temperature=0.0)
-        t1 = time.monotonic()
         for slot in getattr(sched.engine, "warm_slots", (0,)):
             await sched.call(lambda s=slot: sched.engine.step({s: sched.engine.start(s, warm, greedy)}))
-        summary = getattr(sched.engine, "boot_summary", None)     # what compiling took (PyTorch: compile_cache.py)
-        log.info("warm-up: %.1fs%s", time.monotonic() - t1, f"; {summary()}" if summary else "")
-        log.info("model %s ready in %.1fs (context %d)", ctx.name, time.monotonic() - t0, sched.engine.max_context)
+        now = time.monotonic()
+        summary = getattr(sched.engine, "boot_summary", None)     # its compiles (torch_runtime/compile_cache.py)
+        log.info("boot: warm-up %.1fs (tokenizer %.1fs beside the engine's %.1fs)%s", now - t_warm, took["tokenizer"],
+                 took["engine"], f"; {summary()}" if summary else "")
+        log.info("model %s ready in %.1fs (context %d)", ctx.name, now - t0, sched.engine.max_context)
         # What boot made (torch, transformers, the tokenizers: millions of objects) lives as long as the server:
         # out of the collector's sight, a full collection a request's allocations set off (one that holds every
         # thread, the event loop's too) walks that request's objects only, not the whole process (as vLLM).

@@ -1,9 +1,15 @@
 """Compiling a request's schema (serving/structured.py) where it can take nothing from other clients.
 
 - **Its own workers**: at most `workers` compiles run at once (`--grammar-compiles`), each in a child process whose
-  address space is capped at `memory / workers` (`--grammar-memory` bounds all of them together), killed at its
-  deadline or once every request waiting for it left. The deadline runs from the start of its compile, never from
-  its wait for a worker: a schema is never refused for time it spent queueing.
+  address space is capped at `memory / (workers + 1)` (`--grammar-memory` bounds all of them and the quick slot's
+  together), killed at its deadline or once every request waiting for it left. The deadline runs from the start of
+  its compile, never from its wait for a worker: a schema is never refused for time it spent queueing.
+- **A quick slot**, so that a small schema never waits behind slow ones (one client's slow schemas held every other
+  client's for 12-29 s): a compile that finds every worker busy runs in the quick slot first, for at most `quick_s`
+  (QUICK_S); one still running then is stopped and waits for a worker, where it starts again with its whole
+  deadline. Most schemas compile well within it, so a small one waits at most QUICK_S for each new compile ahead
+  of it, never for a slow compile to end (a slow one, whoever sent it, pays one quick try). No per-client share:
+  behind a proxy every client is the same peer.
 - **Admission**: at most `workers + queued` distinct compiles are in flight (running, or waiting for a worker);
   one more is GrammarBusy, the client's 429, never cached: the same schema compiles when sent again.
 - **Waiting holds no thread**: the API awaits a compile's future (serving/openai_text.py); `json_schema` waits in
@@ -41,9 +47,13 @@ from serving.structured import (ANY_OBJECT, MAX_REGEX_CHARS, MAX_SCHEMA_DEPTH, M
 
 COMPILE_TIMEOUT_S = float(os.environ.get("G5G_GRAMMAR_TIMEOUT_S", "30"))     # from the start of a compile
 COMPILES = 2                # compiles at once (--grammar-compiles); twice as many more may wait for a worker
-# All compile processes together (--grammar-memory): 1 GiB each of two. Measured on a 262 144-token vocabulary
-# (benchmarks/grammar_bench.py's): json_object peaks at 235 MiB, an object of 60 required strings at 605 MiB.
-COMPILE_MEMORY = 2 * 2**30
+# All compile processes together (--grammar-memory): 1 GiB each of two workers and the quick slot. Measured on a
+# 262 144-token vocabulary (benchmarks/grammar_bench.py's): json_object peaks at 235 MiB, an object of 60 required
+# strings at 605 MiB.
+COMPILE_MEMORY = 3 * 2**30
+# How long a compile may run in the quick slot before it waits for a worker instead: a typical schema takes 0.64 s
+# over Gemma's 262 144-token vocabulary (docs/serving.md), 0.3-0.5 s over the tiny checkpoint's (its process's start).
+QUICK_S = float(os.environ.get("G5G_GRAMMAR_QUICK_S", "1"))
 CACHE_BYTES = 384 * 2**20   # compiled grammars held, cached or in use (--grammar-cache-bytes)
 # An index takes this many times its pickled size once loaded (an object of 60 required strings over a 262 144-token
 # vocabulary: pickled 123 MiB, 288 MiB of RSS held): what a grammar counts against CACHE_BYTES.
@@ -65,6 +75,10 @@ class GrammarBusy(Exception):
 class CompileFailed(Exception):
     """The compile ended with no verdict on the schema, for a cause of the server's: its process killed, stopped or
     starved from outside, or no room for its input. The client's 503 (retry), never cached."""
+
+
+class _Slow(Exception):
+    """A compile ran past the quick slot's time: it goes on to wait for a worker."""
 
 
 class _Stopped(InvalidGrammar):
@@ -93,17 +107,18 @@ class Grammars:
     def __init__(self, info, vocab_size: int, timeout_s: float = COMPILE_TIMEOUT_S,
                  max_regex_chars: int = MAX_REGEX_CHARS, cache_bytes: int = CACHE_BYTES,
                  max_string: int = MAX_STRING_BOUND, workers: int = COMPILES, queued: int | None = None,
-                 memory: int = COMPILE_MEMORY):
+                 memory: int = COMPILE_MEMORY, quick_s: float = QUICK_S):
         self.info, self.vocab_size = info, vocab_size
         self.timeout_s, self.max_regex_chars, self.cache_bytes = timeout_s, max_regex_chars, cache_bytes
-        self.max_string, self.workers = max_string, workers
+        self.max_string, self.workers, self.quick_s = max_string, workers, quick_s    # quick_s 0: no quick slot
         self.queued = 2 * workers if queued is None else queued
-        self.child_memory = memory // workers       # 0: no cap
+        self.child_memory = memory // (workers + (quick_s > 0))     # 0: no cap
         self._vocabulary = None
         # re-entrant: dropping a cached grammar may run its finalizer (_released) under the lock
         self._lock, self._vocab_lock = threading.RLock(), threading.Lock()
         self._cache: OrderedDict[str, _Compile] = OrderedDict()
-        self._free_workers = threading.Semaphore(workers)
+        self._slots = threading.Condition(threading.Lock())
+        self._free = {"worker": workers, "quick": int(quick_s > 0)}
         self.in_flight = 0          # compiles running or waiting for a worker
         self.cached_bytes = 0       # the finished grammars in the cache
         self.live_bytes = 0         # every compiled grammar still held (cached, or a request's)
@@ -210,14 +225,23 @@ class Grammars:
 
         def run():
             try:
-                while not self._free_workers.acquire(timeout=POLL_S):
-                    if entry.stop.is_set():
-                        raise _Stopped
-                try:
-                    entry.started = time.monotonic()
-                    grammar = self._compile(key, entry.started + self.timeout_s, entry.stop)
-                finally:
-                    self._free_workers.release()
+                slot, grammar = self._slot(entry, ("worker", "quick")), None
+                if slot == "quick":
+                    try:
+                        grammar = self._compile(key, time.monotonic() + min(self.quick_s, self.timeout_s),
+                                                entry.stop, quick=True)
+                    except _Slow:
+                        pass
+                    finally:
+                        self._give_back(slot)
+                    if grammar is None:
+                        slot = self._slot(entry, ("worker",))
+                if grammar is None:
+                    try:
+                        entry.started = time.monotonic()
+                        grammar = self._compile(key, entry.started + self.timeout_s, entry.stop)
+                    finally:
+                        self._give_back(slot)
                 entry.future.set_result(self._held(grammar))
             except BaseException as e:      # handed to whoever waits on it
                 if not isinstance(e, InvalidGrammar) or isinstance(e, _Stopped):
@@ -229,18 +253,40 @@ class Grammars:
         threading.Thread(target=run, name="grammar", daemon=True).start()
         return entry
 
-    def _compile(self, schema_json: str, deadline: float, stop: threading.Event) -> Grammar:
+    def _slot(self, entry: _Compile, kinds: tuple[str, ...]) -> str:
+        """Wait for the first free slot of `kinds` (a worker first), and take it; _Stopped once every requester
+        left."""
+        with self._slots:
+            while True:
+                if entry.stop.is_set():
+                    raise _Stopped
+                for kind in kinds:
+                    if self._free[kind]:
+                        self._free[kind] -= 1
+                        return kind
+                self._slots.wait(POLL_S)
+
+    def _give_back(self, slot: str) -> None:
+        with self._slots:
+            self._free[slot] += 1
+            self._slots.notify_all()
+
+    def _compile(self, schema_json: str, deadline: float, stop: threading.Event, quick: bool = False) -> Grammar:
+        """The grammar, or its reason (InvalidGrammar); in the quick slot (`quick`), _Slow at the deadline."""
         if stop.is_set():                               # every requester left while it queued
             raise _Stopped
         try:
             index, nbytes = build_index(schema_json, self._vocab(), deadline, stop, max_string=self.max_string,
-                                        max_regex_chars=self.max_regex_chars, memory=self.child_memory)
+                                        max_regex_chars=self.max_regex_chars, memory=self.child_memory,
+                                        quick=quick)
         except ValueError as e:
             # outlines-core's reason is its first line; the rest is advice to file bugs
             raise InvalidGrammar(str(e).strip().split("\n")[0].strip()) from None
         except TimeoutError:
             if stop.is_set():
                 raise _Stopped from None
+            if quick:
+                raise _Slow from None
             raise InvalidGrammar(f"compiling it takes longer than {self.timeout_s:g} s") from None
         return Grammar(index, self.info.stop_ids, mask_words(self.vocab_size), nbytes)
 
@@ -295,11 +341,12 @@ _ROOT = str(Path(__file__).resolve().parents[1])       # where `serving` is impo
 
 def build_index(schema_json: str, vocabulary, deadline: float, stop: threading.Event | None = None,
                 max_string: int = MAX_STRING_BOUND, max_regex_chars: int = MAX_REGEX_CHARS,
-                memory: int = COMPILE_MEMORY // COMPILES) -> tuple[Any, int]:
+                memory: int = COMPILE_MEMORY // (COMPILES + 1), quick: bool = False) -> tuple[Any, int]:
     """outlines-core's Index of the schema's regex (structured.schema_regex) over `vocabulary`, and the memory it
     holds once loaded (LOADED_PER_PICKLED times its size as it crossed), built in a child process (the server's
     threads, memory and devices stay out of it) that is killed at `deadline` or once `stop` is set (TimeoutError).
-    Its reason (ValueError) if it cannot."""
+    Its reason (ValueError) if it cannot. `quick`: a try in the quick slot, whose timeout says nothing of the server
+    (its CPU time is not looked at)."""
     try:
         with _payload() as payload:     # a file, not a pipe: no write to resume after a timeout
             pickle.dump((schema_json, max_string, max_regex_chars, vocabulary), payload)
@@ -318,7 +365,8 @@ def build_index(schema_json: str, vocabulary, deadline: float, stop: threading.E
                 if stop is not None and stop.is_set():
                     raise TimeoutError from None
                 if time.monotonic() >= deadline:
-                    _starved(proc.pid, deadline - started)
+                    if not quick:
+                        _starved(proc.pid, deadline - started)
                     raise TimeoutError from None
     finally:
         if proc.poll() is None:

@@ -4,7 +4,7 @@ submit Jobs to it.
 
 A failed join or step is reported to its requests (a 500) and the engine goes on: one bad request, or one request's
 out-of-memory, costs that request only. A device error (DEVICE_ERRORS: a poisoned CUDA context, an XLA device
-failure) or FATAL_AFTER failures in a row mean every later step fails too: the engine is dead (`dead` says why),
+failure) or FATAL_AFTER failed steps in a row (joins, one request's own, never count) mean every later step fails too: the engine is dead (`dead` says why),
 every request in hand and in the queue gets a 503 naming it, new ones are refused, and the loop ends, so that the
 server can exit (serving/api.py) and its orchestrator restart it (as vLLM's engine-dead exit).
 """
@@ -27,7 +27,7 @@ from serving.protocol import APIError, unavailable
 
 log = logging.getLogger(__name__)
 
-FATAL_AFTER = 3         # failed joins and steps, no decode step done between, after which the engine is dead
+FATAL_AFTER = 3         # failed decode steps, no step done between, after which the engine is dead
 # A request's own failure, however it is worded (an allocation past the device's memory): never fatal alone.
 PER_REQUEST_ERRORS = re.compile(r"out of memory|RESOURCE_EXHAUSTED|OutOfMemory", re.I)
 # A device that fails every call from now on: a sticky CUDA error (an illegal address, an Xid, an ECC error, a
@@ -204,7 +204,7 @@ class Scheduler:
                 try:
                     self._emit(batch.join(job), pending)     # a prefill done proves no decode step works
                 except Exception as e:    # a runtime bug must not kill the engine thread: report it to this request
-                    self._fail([job], e, pending)
+                    self._fail([job], e, pending, in_step=False)
                 self.pending, self.beat = pending, time.monotonic()
                 if self.dead:
                     break
@@ -272,10 +272,12 @@ class Scheduler:
                 self._kv_usage()
             job.send(ev)
 
-    def _fail(self, jobs: list[Job], e: Exception, pending: int = 0) -> None:
+    def _fail(self, jobs: list[Job], e: Exception, pending: int = 0, in_step: bool = True) -> None:
+        """A failed join (one request's prefill, which its own input may have failed: never counted, or clients
+        could stop the server with FATAL_AFTER bad requests) or step (counted towards FATAL_AFTER)."""
         log.exception("generation failed")
-        self.failures += 1
-        why = fatal(e, self.failures)
+        self.failures += in_step
+        why = fatal(e, self.failures if in_step else 0)
         if why:
             return self._die(why, jobs)
         self._kv_usage()

@@ -55,7 +55,7 @@ def test_max_jobs_is_divided_by_nvcc_threads_only_once_by_vllms_setup(profile):
 
 
 def test_rust_frontend_is_built_and_required_where_the_profile_says_so():
-    s = stages("g5g", "vllm")
+    s = stages("g5g", "vllm", ["profile.build.rust_frontend=true"])
     toolchain = runs(s["toolchain"])
     assert re.search(r"apt-get install[^&]*\bmake\b", toolchain) and re.search(r"apt-get install[^&]*\bperl\b",
                                                                                toolchain)
@@ -69,6 +69,22 @@ def test_rust_frontend_off_is_a_named_setting_not_a_silent_skip():
     assert "Rust frontend off (profile build.rust_frontend: false)" in runs(s["vllm-build"])
     on = stages("g4dn", "vllm", ["profile.build.rust_frontend=true"])
     assert "export VLLM_REQUIRE_RUST_FRONTEND=1" in runs(on["vllm-build"])
+
+
+def test_no_profile_builds_a_rust_frontend_that_vllm_would_not_run(vllm_sdist):
+    """Issue 51, item 5: vLLM runs its Rust frontend only with VLLM_USE_RUST_FRONTEND=1, off by default in the pinned
+    sdist and set by no image: no profile builds it (nor requires it) untested. A vLLM whose default turns it on
+    fails here, and the choice is made again."""
+    with tarfile.open(vllm_sdist.path) as t:
+        envs = t.extractfile(f"vllm-{vllm_sdist.version}/vllm/envs.py").read().decode()
+    assert "VLLM_USE_RUST_FRONTEND: bool = False" in envs
+    assert 'os.environ.get("VLLM_USE_RUST_FRONTEND", "0")' in envs
+    for profile in ("g5g", "g4dn"):
+        assert manifest.load(REPO / "manifests", profile=profile).profiles[profile].build.rust_frontend is False
+        s = stages(profile, "vllm")
+        assert "VLLM_REQUIRE_RUST_FRONTEND" not in runs(s["vllm-build"]) and "rustup" not in runs(s["toolchain"])
+        assert "Rust frontend off (profile build.rust_frontend: false)" in runs(s["vllm-build"])
+        assert not any("VLLM_USE_RUST_FRONTEND" in text for text in rendered_files(profile).values())
 
 
 @pytest.mark.parametrize("profile", ["g5g", "g4dn"])
@@ -104,7 +120,7 @@ def test_torch_from_source_skips_flash_attention_and_runs_on_the_wheels_pypis_to
     text = runs(build)
     assert "USE_FLASH_ATTENTION=0" in arg(build, "TORCH_BUILD_FLAGS").strip('"').split() and "$TORCH_BUILD_FLAGS" in text
     assert re.search(r"apt-get install[^&]*\bg\+\+", text)
-    compile_step = next(c for c in build if c.cmd == "RUN" and "MAX_JOBS" in c.value[0])
+    compile_step = next(c for c in build if c.cmd == "RUN" and "pip wheel" in c.value[0])
     mount = re.search(r"--mount=type=cache,target=(\S+)", " ".join(compile_step.flags))
     assert f"CCACHE_DIR={mount.group(1)}" in text
     pins = manifest.load(REPO / "manifests", profile="g5g").runtimes["torch-base"].pins
@@ -433,8 +449,9 @@ def test_the_rust_pin_is_labelled_only_where_the_frontend_is_built():
     def upstream(profile, overrides=None):
         plan = make_plan(manifest.load(REPO / "manifests", profile=profile, overrides=overrides), profile=profile)
         return next(i for i in plan.images if i.runtime == "vllm").upstream
-    assert "rust" not in upstream("g4dn") and upstream("g5g")["rust"] == "1.95"
+    assert "rust" not in upstream("g4dn") and "rust" not in upstream("g5g")
     assert upstream("g4dn", ["profile.build.rust_frontend=true"])["rust"] == "1.95"
+    assert upstream("g5g", ["profile.build.rust_frontend=true"])["rust"] == "1.95"
     # torch-base's CUDA wheel pins label the source-built torch only; a CPU torch claims no cuDNN
     def base(profile):
         plan = make_plan(manifest.load(REPO / "manifests", profile=profile), profile=profile, runtime="torch-base")
@@ -865,3 +882,62 @@ def test_the_header_stage_gates_the_compile_with_torchs_defines_archs_and_includ
     copy = next(c for c in build if c.cmd == "COPY")
     assert copy.flags == ("--from=torch-headers",) and build.index(copy) < next(
         i for i, c in enumerate(build) if c.cmd == "RUN" and "git clone" in c.value[0])
+
+
+# --- issue 51, item 4: JAX's sm_75 proven on its CUDA plugin's libraries ------------------------------------------------
+
+def jax_sass_check(nvidia_venv, archs: str, site: Path) -> subprocess.CompletedProcess:
+    sp = next(nvidia_venv.glob("lib/python*/site-packages"))
+    env = {**os.environ, "CUOBJDUMP": str(sp / "nvidia/cu13/bin/cuobjdump")}
+    return subprocess.run(["bash", str(REPO / "dockerfiles/check-jax-sass.sh"), archs, str(site)], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+@pytest.mark.slow   # one nvcc compile
+def test_the_jax_plugin_check_fails_a_plugin_library_without_sm75(nvidia_venv, nvcc, tmp_path):
+    """A site-packages laid out as jax[cuda13]'s (the PJRT plugin, jax_cuda13_plugin's kernels and host-only
+    libraries), of real libraries: NCCL's (sm_75 among others, and PTX) passes; one library compiled for sm_80 only
+    (the mutation: a plugin without sm_75) fails, named; no plugin, or no device code in it, fails too."""
+    sp = next(nvidia_venv.glob("lib/python*/site-packages"))
+    site = tmp_path / "site-packages"
+    (site / "jax_plugins/xla_cuda13").mkdir(parents=True)
+    (site / "jax_cuda13_plugin").mkdir()
+    shutil.copy(sp / "nvidia/nccl/lib/libnccl.so.2", site / "jax_plugins/xla_cuda13/xla_cuda_plugin.so")
+    shutil.copy(sp / "nvidia/nccl/lib/libnccl.so.2", site / "jax_cuda13_plugin/_prng.so")
+    (tmp_path / "h.c").write_text("int f(void) { return 1; }\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(site / "jax_cuda13_plugin/_hybrid.so"), str(tmp_path / "h.c")],
+                   check=True, timeout=60)
+    r = jax_sass_check(nvidia_venv, "7.5", site)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "_hybrid.so: no device code" in r.stdout and "3 JAX CUDA plugin libraries" in r.stdout
+    assert re.search(r"xla_cuda_plugin\.so sass: .*\bsm_75\b", r.stdout)
+    # the mutation: one kernel library of the plugin built without sm_75
+    (tmp_path / "k.cu").write_text(KERNEL)
+    subprocess.run([nvcc, "-shared", "-Xcompiler", "-fPIC", "-gencode=arch=compute_80,code=sm_80", "-o",
+                    str(site / "jax_cuda13_plugin/_prng.so"), str(tmp_path / "k.cu")], check=True, timeout=600,
+                   capture_output=True)
+    r = jax_sass_check(nvidia_venv, "7.5", site)
+    assert r.returncode == 1 and f"{site}/jax_cuda13_plugin/_prng.so: no sm_75 SASS (it has: sm_80)" in r.stderr, \
+        r.stdout + r.stderr
+    # nothing to read is not a pass
+    r = jax_sass_check(nvidia_venv, "7.5", tmp_path / "empty")
+    assert r.returncode == 1 and "no JAX CUDA plugin library under" in r.stderr
+    for so in ("jax_plugins/xla_cuda13/xla_cuda_plugin.so", "jax_cuda13_plugin/_prng.so"):
+        (site / so).unlink()
+    r = jax_sass_check(nvidia_venv, "7.5", site)
+    assert r.returncode == 1 and "none of the 1 plugin libraries" in r.stderr and "holds device code" in r.stderr
+
+
+@pytest.mark.parametrize("profile,rehearse", [("g5g", False), ("g5g", True), ("g4dn", False)])
+def test_the_jax_image_and_the_rehearsal_check_the_plugins_sass(profile, rehearse):
+    """The check runs in the jax image's build (the rehearsal builds it as always), after jax[cuda13] is installed,
+    against the profile's archs, with both scripts in its build context."""
+    m = manifest.load(REPO / "manifests", profile=profile)
+    plan = make_plan(m, profile=profile, repo_root=REPO, rehearse=rehearse)
+    jax = next(i for i in plan.images if i.runtime == "jax")
+    text = render.render(plan)[jax.dockerfile].replace("\\\n", "")
+    assert jax.build_args["JAX_CUDA_ARCHS"] == " ".join(m.profiles[profile].cuda.archs) == "7.5"
+    assert {"dockerfiles/check-sass.sh", "dockerfiles/check-jax-sass.sh"} <= set(jax.copy)
+    check = text.index('bash /tmp/check/check-jax-sass.sh "${JAX_CUDA_ARCHS}"')
+    assert text.index('pip install "jax[${JAX_EXTRA}]==${JAX_VERSION}"') < check
+    assert "CUOBJDUMP=/tmp/cuobjdump/nvidia/cu13/bin/cuobjdump bash /tmp/check/check-jax-sass.sh" in text

@@ -14,7 +14,7 @@ import requests
 from devtools.server import serving_env
 from devtools.tiny_gemma4 import QUESTION
 from serving.scheduler import FATAL_AFTER, fatal
-from tests.fixtures.failing_runtime import BROKEN_SEED, OOM_SEED, POISON_SEED
+from tests.fixtures.failing_runtime import BROKEN_SEED, OOM_SEED, POISON_SEED, REFUSED_SEED
 from tests.fixtures.serving import tiny_server
 
 EXIT_S = 60         # a bound on the wait for the exit, not a speed requirement
@@ -99,6 +99,18 @@ def test_steps_that_keep_failing_kill_the_engine_after_fatal_after_in_a_row(tiny
         assert got == [500] * (FATAL_AFTER - 1) + [503]
         assert requests.get(f"{srv.url}/health", timeout=10).status_code == 503
         assert srv.proc.wait(EXIT_S) == 1
+
+
+@pytest.mark.slow
+def test_requests_the_runtime_refuses_never_kill_the_engine(tiny_gemma4, tmp_path):
+    """A prefill that fails is that request's alone, however many come in a row: otherwise FATAL_AFTER bad
+    requests from one client would stop the server for everyone."""
+    with _server(tiny_gemma4, tmp_path, "pytorch") as srv:
+        got = [chat(srv.url, seed=REFUSED_SEED).status_code for _ in range(FATAL_AFTER + 1)]
+        assert got == [500] * (FATAL_AFTER + 1)
+        assert chat(srv.url).status_code == 200
+        assert requests.get(f"{srv.url}/health", timeout=10).status_code == 200
+        assert srv.proc.poll() is None
 
 
 @pytest.mark.parametrize("error,failures,dead", [

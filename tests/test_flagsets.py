@@ -140,3 +140,183 @@ def test_g5g_host_flags_against_fbgemms_arm64_flag_sets(tmp_path, profile_flags,
     if not ok:
         assert "[2/2] CXX (1 entries) k1.cc: FAILED" in r.stdout
         assert "conflicts with '-march=armv8-a+sve2'" in r.stdout.replace("‘", "'").replace("’", "'")
+
+
+# --- the torch build's mode: ninja builds each set's object in a tree configured with our flags ----------------------
+
+NINJA_PROJECT = """cmake_minimum_required(VERSION 3.25)
+project(p CXX)
+add_custom_command(OUTPUT gen.h COMMAND ${CMAKE_COMMAND} -E copy ${CMAKE_CURRENT_SOURCE_DIR}/gen.in gen.h)
+add_library(a STATIC a.cc gen.h)
+target_include_directories(a PRIVATE ${CMAKE_CURRENT_BINARY_DIR})
+add_library(b STATIC b.cc)
+target_compile_options(b PRIVATE -Werror -DB_SET)
+"""
+
+
+def configured(tmp_path: Path, cxxflags: str) -> Path:
+    """A CMake project whose first set includes a header written at build time (as torch's ATen/ops/*.h), configured
+    like the torch build's flag-set step: Ninja, compile commands exported, CXXFLAGS in the environment."""
+    src, build = tmp_path / "src", tmp_path / "build"
+    src.mkdir()
+    (src / "CMakeLists.txt").write_text(NINJA_PROJECT)
+    (src / "gen.in").write_text("inline int gen() { return 1; }\n")
+    (src / "a.cc").write_text('#include "gen.h"\n#ifndef OURS\n#error "configured without our flags"\n#endif\n'
+                              "int a() { return gen(); }\n")
+    (src / "b.cc").write_text('#ifdef REFUSED\n#error "b refuses REFUSED"\n#endif\nint b() { return 2; }\n')
+    r = subprocess.run(["cmake", "-G", "Ninja", "-S", str(src), "-B", str(build), "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON"],
+                       env={**__import__("os").environ, "CXXFLAGS": cxxflags}, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return build
+
+
+@pytest.mark.skipif(not (shutil.which("cmake") and shutil.which("ninja") and shutil.which("g++")),
+                    reason="cmake, ninja and g++ not installed")
+def test_ninja_mode_builds_each_sets_object_after_its_codegen(tmp_path):
+    """--ninja BUILD_DIR: each set's object is built by ninja (the generated header first), with the flags of the
+    configure; compiling the entry directly, as the FBGEMM logs did, fails on the header ninja had not yet written."""
+    build = configured(tmp_path, "-DOURS")
+    direct = tool(build / "compile_commands.json", "--cxxflags=-DOURS")
+    assert direct.returncode == 1 and "gen.h" in direct.stdout, direct.stdout
+    r = tool(build / "compile_commands.json", "--ninja", build, "--cxxflags=-DOURS")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "2 flag sets (C 0, CXX 2, CUDA 0)" in r.stdout and r.stdout.count(": ok (") == 2
+    assert "expected in the configured flags (ninja builds each set): C (nothing); CXX -DOURS" in r.stdout
+    assert (build / "gen.h").is_file() and (build / "CMakeFiles/b.dir/b.cc.o").is_file()
+    assert "note" not in r.stdout                        # both sets carry -DOURS
+    plan = tool(build / "compile_commands.json", "--ninja", build, "--plan")
+    assert f"| ninja -C {build} CMakeFiles/a.dir/a.cc.o" in plan.stdout
+    # flags that a set lacks are named, not added
+    r = tool(build / "compile_commands.json", "--ninja", build, "--cxxflags=-DOURS -DELSE")
+    assert r.returncode == 0 and r.stdout.count("note: configured without -DELSE") == 2, r.stdout
+
+
+@pytest.mark.skipif(not (shutil.which("cmake") and shutil.which("ninja") and shutil.which("g++")),
+                    reason="cmake, ninja and g++ not installed")
+def test_ninja_mode_stops_at_the_set_that_refuses_our_flags(tmp_path):
+    build = configured(tmp_path, "-DOURS -DREFUSED")
+    r = tool(build / "compile_commands.json", "--ninja", build, "--cxxflags=-DOURS -DREFUSED")
+    assert r.returncode == 1, r.stdout
+    assert "[1/2] CXX (1 entries)" in r.stdout and "a.cc: ok" in r.stdout
+    assert "[2/2] CXX (1 entries)" in r.stdout and "b.cc: FAILED" in r.stdout
+    assert "b refuses REFUSED" in r.stdout and "FAILED at flag set 2 of 2" in r.stderr
+
+
+def test_ninja_mode_needs_each_entrys_object(tmp_path):
+    (tmp_path / "cc.json").write_text(json.dumps([entry(tmp_path, "a.c", "gcc", "-c", "a.c")]))
+    r = tool(tmp_path / "cc.json", "--ninja", tmp_path)
+    assert r.returncode == 1 and r.stderr.strip() == (
+        "check-flagsets: a.c: its command names no object (-o), so ninja cannot build it"), r.stderr
+
+
+# --- CI's rehearsal: every flag set of FBGEMM's real configure, with the profiles' flags -----------------------------
+
+FIXTURES = REPO / "tests/fixtures/flagsets"   # devtools/flagset_fixture.py: one entry per set, flags and file names
+
+
+def fixture(tmp_path: Path, name: str, cc: str, cxx: str) -> Path:
+    """The committed sets of a real FBGEMM configure (no source), an empty translation unit at each file name."""
+    text = (FIXTURES / f"{name}.json").read_text()
+    for k, v in {"{src}": str(tmp_path / "src"), "{build}": str(tmp_path / "build"), "{cc}": cc, "{cxx}": cxx}.items():
+        text = text.replace(k, v)
+    sets = json.loads(text)
+    (tmp_path / "build").mkdir()
+    for i, e in enumerate(sets):
+        Path(e["file"]).parent.mkdir(parents=True, exist_ok=True)
+        Path(e["file"]).write_text(f"int flagset_unit_{i}(void);\nint flagset_unit_{i}(void) {{ return {i}; }}\n")
+    (tmp_path / "cc.json").write_text(text)
+    return tmp_path / "cc.json"
+
+
+@pytest.mark.optional     # an input CI's machine may lack: the cross compiler (apt-get install g++-aarch64-linux-gnu)
+@pytest.mark.skipif(not CROSS, reason="Debian's aarch64 cross compiler not installed (g++-aarch64-linux-gnu)")
+@pytest.mark.parametrize("profile_flags,ok", [("-mcpu=neoverse-n1", False), (None, True)])
+def test_every_fbgemm_arm64_set_with_the_g5g_flags(tmp_path, profile_flags, ok):
+    """FBGEMM's 8 arm64 sets (153 entries) as its configure wrote them: the g5g manifest's flags compile all of them;
+    the old -mcpu stops at the SVE kernels' set (3), as benchmarks/results/g5g_flagsets_fbgemm_arm64_old_flags.log."""
+    flags = profile_flags or manifest.load(REPO / "manifests", profile="g5g").profiles["g5g"].cpu_flags
+    cc = fixture(tmp_path, "fbgemm_arm64", CROSS.replace("g++", "gcc"), CROSS)
+    r = tool(cc, f"--cflags={flags}", f"--cxxflags={flags}")
+    assert "8 flag sets (C 4, CXX 4, CUDA 0) over 8 entries" in r.stdout, r.stdout + r.stderr
+    assert sum(e["entries"] for e in json.loads(cc.read_text())) == 153     # the configure's entries, one per set here
+    assert (r.returncode == 0) is ok, r.stdout + r.stderr
+    if ok:
+        assert r.stdout.count(": ok (") == 8
+    else:
+        assert "[3/8] CXX (1 entries)" in r.stdout and "FbgemmFP16UKernelsSve128.cc: FAILED" in r.stdout
+        assert "conflicts with '-march=armv8-a+sve2'" in r.stdout.replace("‘", "'").replace("’", "'")
+
+
+@pytest.mark.optional     # x86 flags (-mavx512f …) need an x86_64 host compiler
+@pytest.mark.skipif(__import__("platform").machine() != "x86_64" or not shutil.which("g++"),
+                    reason="the amd64 sets need an x86_64 host gcc/g++")
+def test_every_fbgemm_amd64_set_with_the_g4dn_flags(tmp_path):
+    flags = manifest.load(REPO / "manifests", profile="g4dn").profiles["g4dn"].cpu_flags
+    cc = fixture(tmp_path, "fbgemm_amd64", shutil.which("gcc"), shutil.which("g++"))
+    r = tool(cc, f"--cflags={flags}", f"--cxxflags={flags}")
+    assert r.returncode == 0 and r.stdout.count(": ok (") == 10, r.stdout + r.stderr
+    assert "10 flag sets (C 4, CXX 6, CUDA 0) over 10 entries" in r.stdout
+    assert sum(e["entries"] for e in json.loads(cc.read_text())) == 175
+    bad = tool(cc, "--cxxflags=-march=no-such-arch")   # the sets do reach the compiler with what we add
+    assert bad.returncode == 1 and "[1/10] CXX (1 entries)" in bad.stdout and "FAILED" in bad.stdout
+
+
+# --- the torch build: the flag-set step before the compile, as data (profile build.flagset_check) -------------------
+
+def torch_base(profile: str, overrides: list[str] | None = None, rehearse: bool = False):
+    from g5g import render
+    from g5g.plan import make_plan
+    m = manifest.load(REPO / "manifests", profile=profile, overrides=overrides, rehearse=rehearse)
+    plan = make_plan(m, profile=profile, rehearse=rehearse)
+    files = render.render(plan)
+    tb = next(i for i in plan.all_images if i.runtime == "torch-base")
+    return tb, files[tb.dockerfile], files
+
+
+def stage_runs(text: str, stage: str) -> list[str]:
+    import dockerfile
+    out, current = [], None
+    for c in dockerfile.parse_string(text):
+        if c.cmd == "FROM":
+            current = c.value[-1]
+        elif c.cmd == "RUN" and current == stage:
+            out.append(c.value[0])
+    return out
+
+
+def test_the_torch_build_checks_every_flag_set_before_its_compile():
+    """g5g compiles torch: in torch-build, after the clone and torch's requirements and before `pip wheel`, a step
+    configures torch in the compile step's own environment (CFLAGS/CXXFLAGS from the profile's cpu_flags, the nvcc
+    flags, TORCH_BUILD_FLAGS) with compile commands exported, and builds every flag set with check-flagsets.py."""
+    tb, text, _ = torch_base("g5g")
+    runs = stage_runs(text, "torch-build")
+    clone = next(i for i, r in enumerate(runs) if "git clone" in r and "/src/pytorch" in r)
+    check = next(i for i, r in enumerate(runs) if "check-flagsets.py" in r)
+    wheel = next(i for i, r in enumerate(runs) if "pip wheel" in r)
+    assert clone < check < wheel
+    step, compile_step = runs[check], runs[wheel]
+    env = compile_step[compile_step.index('if [ "$MAX_JOBS" = auto ]'):compile_step.index('echo "building torch')]
+    assert env in step, "the configure runs in the compile step's environment"
+    assert 'CFLAGS="${CPU_FLAGS}" CXXFLAGS="${CPU_FLAGS}" TORCH_NVCC_FLAGS="--threads=${NVCC_THREADS}"' in env
+    assert tb.build_args["CPU_FLAGS"] == manifest.load(REPO / "manifests", profile="g5g").profiles["g5g"].cpu_flags
+    assert "cmake -G Ninja -S /src/pytorch -B /tmp/flagsets -DCMAKE_EXPORT_COMPILE_COMMANDS=ON" in step
+    assert "$CMAKE_ARGS" in step                       # TORCH_BUILD_FLAGS as -D, as the compile's CMAKE_ARGS
+    assert ('check-flagsets.py /tmp/flagsets/compile_commands.json --ninja /tmp/flagsets --cflags "$CFLAGS" '
+            '--cxxflags "$CXXFLAGS" --cudaflags "$TORCH_NVCC_FLAGS"') in " ".join(step.split())
+    assert ("RUN --mount=type=bind,source=check-flagsets.py,target=/tmp/check/check-flagsets.py \\\n"
+            "    if [ \"$MAX_JOBS\" = auto ]") in text
+    assert "dockerfiles/check-flagsets.py" in tb.copy
+    assert "ARG CPU_FLAGS=\"-mtune=neoverse-n1\"" in text.split("AS torch-build")[1].split("AS torch-wheel")[0]
+
+
+@pytest.mark.parametrize("profile,overrides,rehearse", [
+    ("g5g", ["profile.build.flagset_check=false"], False),   # turned off in the profile
+    ("g5g", None, True),                                     # the rehearsal: PyPI's torch stands in, no compile
+    ("g4dn", None, False),                                   # PyPI's torch
+    ("cpu", None, False),                                    # a local CPU wheel
+])
+def test_no_flagset_step_without_a_torch_compile_or_when_off(profile, overrides, rehearse):
+    tb, _, files = torch_base(profile, overrides, rehearse)
+    assert not any("check-flagsets" in t for t in files.values())
+    assert "dockerfiles/check-flagsets.py" not in tb.copy

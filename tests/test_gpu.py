@@ -133,9 +133,9 @@ def test_sm75_paths_answer_as_this_gpus_own(servers, name):
 
 
 # serving/api.py's warm-up line, with the PyTorch engine's compile summary (serving/torch_runtime/compile_cache.py)
-WARM_UP = re.compile(r"warm-up: [\d.]+s; compiled decode: (?P<graphs>\d+) graph\(s\).*FX graph cache (?P<fx_hit>\d+) "
-                     r"hit (?P<fx_miss>\d+) miss (?P<fx_bypass>\d+) bypass, AOT cache (?P<aot_hit>\d+) hit "
-                     r"(?P<aot_miss>\d+) miss (?P<aot_bypass>\d+) bypass")
+WARM_UP = re.compile(r"boot: warm-up [\d.]+s \(.*?\); compiled decode: (?P<graphs>\d+) graph\(s\).*"
+                     r"FX graph cache (?P<fx_hit>\d+) hit (?P<fx_miss>\d+) miss (?P<fx_bypass>\d+) bypass, "
+                     r"AOT cache (?P<aot_hit>\d+) hit (?P<aot_miss>\d+) miss (?P<aot_bypass>\d+) bypass")
 
 
 def test_a_second_pytorch_boot_over_the_same_cache_compiles_nothing(request, tmp_path):

@@ -217,19 +217,27 @@ def test_missing_tensor_names_the_key(e2b_ckpt, tmp_path):
 
 
 BOOT = """
-import json, sys
-from serving.jax_runtime import load
+import json, logging, sys
+logging.basicConfig(level=logging.INFO)
+from serving.jax_runtime import compile_counts, load
 from serving.engine import SamplingParams
 e = load(sys.argv[1])
-e.start(0, [3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(temperature=0.0))
-print(json.dumps({"boot": e.boot, "logits": e.logits(0)[:8].tolist()}))
+booted = compile_counts()
+e.step({0: e.start(0, [3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(temperature=0.0))})
+e.step({0: 5, 1: e.start(1, [2, 7], SamplingParams(temperature=0.7, seed=1))})   # 2 rows: the batch-2 decode
+after = {k: v - booted[k] for k, v in compile_counts().items()}
+print(json.dumps({"boot": e.boot, "after_boot": after, "logits": e.logits(0)[:8].tolist()}))
 """
 
 
 @pytest.mark.slow
 def test_second_boot_loads_every_executable_from_the_persistent_cache(e2b_ckpt, tmp_path):
+    """A cold boot compiles the ladder and keeps it; a warm one loads every executable from the executable store
+    (serving/jax_runtime/executables.py), tracing and compiling nothing; a store entry that cannot be read is traced
+    and loaded from JAX's persistent cache instead. Each boot logs its phases."""
     _, ckpt = e2b_ckpt
-    env = {"G5G_JAX_CACHE_DIR": str(tmp_path / "jaxcache"), "G5G_JAX_BUCKETS": "16,32", "G5G_JAX_SLOTS": "2",
+    cache = tmp_path / "jaxcache"
+    env = {"G5G_JAX_CACHE_DIR": str(cache), "G5G_JAX_BUCKETS": "16,32", "G5G_JAX_SLOTS": "2",
            "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}
 
     def boot(hash_seed):
@@ -237,14 +245,29 @@ def test_second_boot_loads_every_executable_from_the_persistent_cache(e2b_ckpt, 
         out = subprocess.run([sys.executable, "-c", BOOT, str(ckpt)], cwd=ROOT, capture_output=True, text=True,
                              env={**env, "PYTHONHASHSEED": str(hash_seed)}, timeout=600)
         assert out.returncode == 0, out.stderr[-2000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        for phase in ("jax boot: load ", "jax boot: compile ", "jax boot: weights "):
+            assert phase in out.stderr, out.stderr[-2000:]
+        return {**json.loads(out.stdout.strip().splitlines()[-1]), "log": out.stderr}
 
     cold, warm = boot(1), boot(2)
     assert cold["boot"]["executables"] == 4  # 2 prefill + 2 decode (batch 2: the slot count)
-    assert cold["boot"]["boot_cache_hits"] == 0
-    assert warm["boot"]["boot_cache_hits"] == warm["boot"]["executables"] == 4
-    assert any((tmp_path / "jaxcache").iterdir())
+    assert cold["boot"]["boot_cache_hits"] == cold["boot"]["store_hits"] == 0
+    assert cold["boot"]["boot_xla_compiles"] == cold["boot"]["store_saved"] == 4
+    assert warm["boot"]["store_hits"] == warm["boot"]["executables"] == 4
+    assert warm["boot"]["boot_compiles"] == warm["boot"]["boot_traces"] == warm["boot"]["boot_cache_hits"] == 0
+    assert "compile" in warm["log"] and "4 from the executable store" in warm["log"]
+    for run in (cold, warm):
+        assert run["after_boot"] == {"compiles": 0, "traces": 0, "cache_hits": 0}, run["after_boot"]
     np.testing.assert_array_equal(cold["logits"], warm["logits"])
+
+    stored = sorted((cache / "g5g-executables").glob("prefill-16-*"))
+    assert len(stored) == 1
+    stored[0].write_bytes(stored[0].read_bytes()[:100])       # truncated: unreadable, so traced and cache-loaded
+    third = boot(3)
+    assert third["boot"]["store_hits"] == 3 and third["boot"]["boot_cache_hits"] == 1
+    assert third["boot"]["boot_xla_compiles"] == 0 and third["after_boot"]["compiles"] == 0
+    assert "not loadable" in third["log"] and "cannot be added to it" in third["log"]
+    np.testing.assert_array_equal(cold["logits"], third["logits"])
 
 
 def test_unusable_cache_dir_only_costs_the_cache(e2b_ckpt, tmp_path, caplog):

@@ -5,6 +5,8 @@ must produce the same text (greedy and seeded sampling: the sampler is shared, s
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import requests
 
@@ -63,9 +65,9 @@ def test_models_card_reports_the_jax_ladder_top(servers):
 
 
 def test_max_model_len_caps_the_jax_ladder_and_the_gpu_xla_defaults_apply(tiny_gemma4, tmp_path):
-    """One boot, three checks: --max-model-len tops the ladder, requests fill that context (100: no power of two)
+    """One boot, four checks: --max-model-len tops the ladder, requests fill that context (100: no power of two)
     to its last token, and `python -m serving` with no XLA_FLAGS runs with the measured winner's flags (on a CPU they
-    change nothing; on a GPU they make the step CUDA graphs)."""
+    change nothing; on a GPU they make the step CUDA graphs), and the log names each boot phase."""
     from serving.jax_runtime.xla import with_default_xla_flags
 
     env = serving_env(tmp_path / "jaxcache", G5G_JAX_SLOTS="4")
@@ -82,3 +84,7 @@ def test_max_model_len_caps_the_jax_ladder_and_the_gpu_xla_defaults_apply(tiny_g
             assert r.json()["choices"][0]["finish_reason"] == "length" and r.json()["usage"]["total_tokens"] == 100
     assert "XLA_FLAGS " + with_default_xla_flags("") in srv.output
     assert "CONDITIONAL,WHILE" in with_default_xla_flags("")
+    # each boot phase in the log with its seconds: load, the ladder (a fresh cache: all compiled), warm-up
+    for phase in (r"jax boot: load [\d.]+s", r"jax boot: compile [\d.]+s for 6 executables: 0 from the executable "
+                  r"store .* 6 compiled by XLA and 0 loaded", r"jax boot: weights ", r"boot: warm-up [\d.]+s"):
+        assert re.search(phase, srv.output), phase

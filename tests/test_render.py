@@ -201,7 +201,8 @@ def test_existing_torch_base_image_variant(tmp_path):
     plan = make_plan(m, runtime="torch-base")
     img = plan.images[0]
     text = render.render(plan)[img.dockerfile]
-    assert img.build_args == {"TORCH_BASE_IMAGE": "registry.example/dlami-pytorch:2.14.0", "TORCH_VERSION": "2.14.0"}
+    assert img.build_args == {"TORCH_BASE_IMAGE": "registry.example/dlami-pytorch:2.14.0", "TORCH_VERSION": "2.14.0",
+                              "CUDA_CONSTRAINTS": " ".join(f"{k}=={v}" for k, v in m.profiles["g5g"].cuda.constraints.items())}
     assert img.upstream["base_image"] == "registry.example/dlami-pytorch:2.14.0"
     cmds = dockerfile.parse_string(text)
     assert {c.value[0].split("=", 1)[0] for c in cmds if c.cmd == "ARG"} == set(img.build_args)

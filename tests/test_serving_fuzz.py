@@ -262,7 +262,9 @@ CASES = _cases()
 
 
 def test_the_fuzz_cases_are_many_and_distinct():
-    assert len(CASES) >= 400
+    """The corpus never shrinks: what it held when each round of hardening ended, at least."""
+    assert len(CASES) >= 419 and len(pressure.WIRE) >= 6
+    assert len({case.name for case in pressure.WIRE}) == len(pressure.WIRE)
     assert len({(m, p, b, tuple(sorted(h.items()))) for m, p, b, h in CASES}) == len(CASES)
 
 
@@ -481,6 +483,32 @@ def test_a_request_half_closed_after_its_body_gets_its_answer(runtime_servers, r
             choice = json.loads(rest)["choices"][0]
             text = choice["message"]["content"]
             assert choice["finish_reason"] == "length" and text and ANSWER.startswith(text), choice
+
+@pytest.mark.parametrize("runtime", ["pytorch", "jax"])
+def test_round5_repros_on_the_wire(runtime_servers, runtime):
+    """Issue 53's repros, each on a connection of its own (devtools/pressure.py's WIRE, which never shrinks), and a
+    schema compile killed from outside, while /health is polled. Before: the smuggled request answered ([400, 200]),
+    the HTTP/2 preface a 404 and a 400, two of three pipelined chats lost at the half-close, a kept-alive request's
+    trickled headers held past --header-timeout, the chunk framing errors logged with tracebacks, the killed
+    compile a 400 cached for the same valid schema. Now: the statuses wanted, every connection closed by the server,
+    the killed compile a 503 and the schema compiled when sent again, /health 200 throughout."""
+    url = runtime_servers[runtime]
+    watch = HealthWatch(url)
+    try:
+        got = {case.name: pressure.on_the_wire(url, case) for case in pressure.WIRE}
+        killed = pressure.killed_compile(url, pressure.slow_schema(53))
+    finally:
+        watch.stop.set()
+        watch.join(30)
+    for case in pressure.WIRE:
+        statuses, closed, _ = got[case.name]
+        wanted = statuses == list(case.statuses) if case.statuses else len(statuses) <= 1 and \
+            all(s < 500 for s in statuses)
+        assert wanted and closed, (case.name, got[case.name])
+    assert killed[0] == 503 and killed[2] == 200, killed
+    assert killed[1].startswith("schema compile failed on the server: the compile's process was killed"), killed
+    assert watch.samples and all(code == 200 for _, code in watch.samples), {c for _, c in watch.samples}
+
 
 def _check(method: str, path: str, status: int, text: str, ctype: str) -> str | None:
     """Why this answer is wrong, or None."""

@@ -394,12 +394,12 @@ def _held_workers(grammars: Grammars, n: int):
     compile, release, started = grammars._compile, threading.Event(), threading.Semaphore(0)
     held = [n]
 
-    def held_then_compiled(key, deadline, stop):
-        if held[0] > 0:
+    def held_then_compiled(key, deadline, stop, quick=False):
+        if held[0] > 0 and not quick:
             held[0] -= 1
             started.release()
             release.wait(60)                    # a compile that goes on, holding its worker
-        return compile(key, deadline, stop)
+        return compile(key, deadline, stop, quick=quick)
 
     grammars._compile = held_then_compiled
     return release, started
@@ -411,7 +411,7 @@ def test_a_schema_is_never_refused_for_time_it_spent_queueing(info):
     and the refusal was cached: the same schema sent later to an idle server got the same 400 at once). The limit
     leaves each compile seconds of room on a loaded machine."""
     import threading
-    grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=4, workers=1)
+    grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=4, workers=1, quick_s=0)   # workers only
     grammars.json_schema({"type": "boolean"})           # the vocabulary, built once
     release, started = _held_workers(grammars, 1)
 
@@ -438,7 +438,7 @@ def test_busy_compiling_is_refused_at_once_and_never_cached(info):
     """One worker, one waiting place, both taken: a third schema (json_object too: it is inside the same limit)
     is GrammarBusy at once, and compiles when sent again once the worker is free."""
     import threading
-    grammars = Grammars(info, len(info.prompt_tokenizer), workers=1, queued=1)
+    grammars = Grammars(info, len(info.prompt_tokenizer), workers=1, queued=1, quick_s=0)
     release, started = _held_workers(grammars, 1)
     for schema in ({"type": "integer"}, {"type": "boolean"}):
         threading.Thread(target=grammars.json_schema, args=(schema,), daemon=True).start()
@@ -789,3 +789,61 @@ def test_a_full_tmpdir_does_not_stop_compiles_and_no_room_at_all_is_the_servers_
         grammars.json_schema(SCHEMA)
     monkeypatch.undo()
     assert grammars.json_schema(SCHEMA) is not None         # compiled: nothing of the failure was cached
+
+
+# ------------------------------------------------------------------- a small schema beside slow ones (issue 53)
+def test_a_small_schema_compiles_while_slow_ones_hold_every_worker(info, monkeypatch):
+    """Two slow schemas (one client's, say) hold both workers; a small one sent then compiles in the quick slot
+    while they still run. Before: the workers were first come, first served, and the small schema waited for a slow
+    one to end (12-29 s). The pool is the same code under both runtimes' servers (serving/api.py builds it)."""
+    import threading
+    # quick_s well above a small compile's time on a loaded machine: what is checked is where it runs, not how fast
+    grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=120, max_string=40, quick_s=60)
+    grammars.json_schema({"type": "boolean"})            # the vocabulary, built once
+    procs = _spawned(monkeypatch)
+    gone = [threading.Event(), threading.Event()]
+    slow = [threading.Thread(target=_outcome, args=(lambda i=i: grammars.json_schema(
+        {"type": "string", "maxLength": 30 - i}, gone[i]),), daemon=True) for i in range(2)]
+    for t in slow:
+        t.start()
+    deadline = time.monotonic() + 60
+    while len(procs) < 2:                               # both workers hold a slow compile's process
+        assert time.monotonic() < deadline, "the slow compiles did not start"
+        time.sleep(0.01)
+    small = {}
+    asking = threading.Thread(target=lambda: small.update(got=_outcome(lambda: grammars.json_schema(SCHEMA))),
+                              daemon=True)
+    asking.start()
+    try:
+        deadline = time.monotonic() + 120               # past it, the slow ones end anyway (their time limit)
+        while not small and all(t.is_alive() for t in slow) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert small and all(t.is_alive() for t in slow), "the small schema waited for a slow one"
+        assert small["got"].words == mask_words(len(info.prompt_tokenizer)) and len(procs) == 3
+    finally:
+        for g in gone:
+            g.set()
+        for t in (*slow, asking):
+            t.join(30)
+
+
+def test_a_compile_past_its_quick_try_waits_for_a_worker_and_compiles(info, monkeypatch):
+    """The one worker is held; a schema gets the quick slot, runs past its time there (its process is killed: no
+    verdict, and nothing of it is cached) and waits for the worker, where it compiles with its whole time limit."""
+    import threading
+    grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=120, workers=1, quick_s=0.001)
+    grammars.json_schema({"type": "boolean"})            # the vocabulary, built once
+    release, started = _held_workers(grammars, 1)
+    threading.Thread(target=grammars.json_schema, args=({"type": "integer"},), daemon=True).start()
+    assert started.acquire(timeout=60)
+    procs = _spawned(monkeypatch)
+    got = []
+    asking = threading.Thread(target=lambda: got.append(_outcome(lambda: grammars.json_schema(SCHEMA))),
+                              daemon=True)
+    asking.start()
+    _first(procs).wait(60)                              # its quick try, ended
+    assert procs[0].returncode == -9 and not got and len(procs) == 1 and asking.is_alive()
+    release.set()
+    asking.join(120)
+    assert len(got) == 1 and got[0].words == mask_words(len(info.prompt_tokenizer)), got
+    assert len(procs) == 3 and grammars.json_schema(SCHEMA) is got[0]     # with the held one's, once let go

@@ -275,7 +275,7 @@ def test_every_from_of_every_image_job_resolves(tmp_path):
     (shim / "python").write_text('#!/bin/sh\nprintf \'%s\\n\' "$@" > "$ARGV_FILE"\n')
     (shim / "python").chmod(0o755)
     jobs = image_jobs()
-    assert {r or j for j, r, _, _ in jobs} == {"torch-base", "vllm", "pytorch", "jax"}  # every image, by some job
+    assert {r or j for j, r, _, _ in jobs} == {"torch-base", "vllm", "pytorch", "jax", "build-pr"}  # every image
     for job, runtime, env, script in jobs:
         argv_file = tmp_path / f"{job}-{runtime}.argv"
         r = subprocess.run(["bash", "-eo", "pipefail", "-c", script], cwd=ROOT, capture_output=True, text=True,
@@ -308,10 +308,58 @@ def test_builder_jobs_never_run_a_pull_request_from_a_fork():
         if all(hosted.match(str(label)) for label in labels):
             continue
         cond = " ".join(str(job.get("if", "")).split())
-        assert cond == "github.event_name != 'pull_request'" or cond.endswith("&& " + fork), \
+        assert cond in ("github.event_name != 'pull_request'", SAME_REPO_PR) or cond.endswith("&& " + fork), \
             f"job {name} runs on {job['runs-on']} without a guard against fork PRs"
         checked.append(name)
-    assert set(checked) >= {"torch-base", "build", "smoke"}
+    assert set(checked) >= {"torch-base", "build", "build-pr", "smoke"}
+
+
+SAME_REPO_PR = "github.event_name == 'pull_request' && github.event.pull_request.head.repo.full_name == github.repository"
+
+
+def test_pull_requests_from_this_repository_read_the_cache_with_a_read_only_login(tmp_path):
+    """Issue 51, item 6: a pull request from this repository's branches logs in to GHCR with a token that can only
+    read packages, and its build reads every target's registry cache and pushes nothing; a fork's pull request runs
+    no job that logs in; every job whose token can write packages logs in only when it pushes, which no pull request
+    does."""
+    jobs = _load(IMAGES)["jobs"]
+    pr = jobs["build-pr"]
+    assert " ".join(pr["if"].split()) == SAME_REPO_PR
+    assert pr["permissions"] == {"contents": "read", "packages": "read"}
+    assert pr["env"]["PUSH"] == "false" and pr["env"]["RUNTIME"].split() == ["vllm", "pytorch"]
+    login = next(s for s in pr["steps"] if "login-action" in s.get("uses", ""))
+    assert "if" not in login and login["with"] == {"registry": "ghcr.io", "username": "${{ github.actor }}",
+                                                   "password": "${{ secrets.GITHUB_TOKEN }}"}
+    build = next(s for s in pr["steps"] if s.get("name", "").startswith("Build"))
+    assert pr["steps"].index(login) < pr["steps"].index(build)
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "python").write_text('#!/bin/sh\nprintf \'%s\\n\' "$@" >> "$ARGV_FILE"; echo >> "$ARGV_FILE"\n')
+    (shim / "python").chmod(0o755)
+    argv_file = tmp_path / "argv"
+    env = {k: _expand(v, None) for k, v in {**_load(IMAGES).get("env", {}), **pr["env"]}.items()}
+    r = subprocess.run(["bash", "-eo", "pipefail", "-c", build["run"]], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60, env={**env, "PATH": f"{shim}:/usr/bin:/bin", "ARGV_FILE": str(argv_file)})
+    assert r.returncode == 0, r.stderr
+    calls = [c.split("\n") for c in argv_file.read_text().strip("\n").split("\n\n")]
+    assert [c[c.index("--runtime") + 1] for c in calls] == ["vllm", "pytorch"]
+    for argv in calls:
+        assert "--push" not in argv and argv[argv.index("--cache") + 1] == "ghcr.io/acme/g5g-images-cache"
+    # The plan of a build without --push reads every target's cache and writes none (g5g/plan.py cache_sets).
+    from g5g.cli import build_parser
+    from g5g.commands.build import plan_from_args
+    sets = plan_from_args(build_parser().parse_args(["build", *calls[0][1:]]), with_secrets=False).cache_sets()
+    assert any(a.endswith(".cache-from=type=registry,ref=ghcr.io/acme/g5g-images-cache:torch-base") for a in sets)
+    assert not any(".cache-to=" in a for a in sets)
+    for name, job in jobs.items():
+        logins = [s for s in job["steps"] if "login-action" in s.get("uses", "")]
+        if not logins or name == "smoke":          # smoke: pushes only, on the self-hosted G5g (never a PR)
+            continue
+        if job["permissions"].get("packages") == "write":
+            assert all(s.get("if") == "env.PUSH == 'true'" for s in logins), name
+            assert "github.event_name != 'pull_request' &&" in job["env"]["PUSH"], name
+        else:
+            assert " ".join(str(job.get("if", "")).split()) == SAME_REPO_PR, f"{name} logs in for forks' PRs"
 
 
 def test_python_comes_from_a_venv_on_runners_not_githubs():
@@ -369,7 +417,7 @@ def test_the_runner_rules():
         limit = 360 if all(HOSTED.match(str(label)) for label in labels) else 5 * 24 * 60
         assert 0 < job["timeout-minutes"] <= limit, (name, job["timeout-minutes"], limit)
     bakes_torch = [n for n, rt, _, _ in image_jobs() if rt != "jax" and n != "jax"]
-    assert set(bakes_torch) == {"torch-base", "build"}
+    assert set(bakes_torch) == {"torch-base", "build", "build-pr"}
     for name in bakes_torch:
         job = jobs[name]
         assert not any(HOSTED.match(str(label)) for label in
@@ -378,12 +426,12 @@ def test_the_runner_rules():
         assert guard["if"] == "runner.environment == 'github-hosted'", name
         r = subprocess.run(["bash", "-eo", "pipefail", "-c", guard["run"]], capture_output=True, text=True, timeout=30)
         assert r.returncode == 1 and r.stdout.count("\n") == 1 and "6 hours" in r.stdout, (name, r.stdout)
-    # pull requests: torch-base's job is skipped and one build job builds both images (torch-base once)
-    assert jobs["torch-base"]["if"] == "github.event_name != 'pull_request'"
-    assert matrix_runtimes(jobs["build"], "pull_request") == ["vllm pytorch"]
+    # pull requests: torch-base's and build's jobs are skipped and one job (build-pr) builds both images, torch-base
+    # once; pushes build each image in its own job after torch-base's
+    assert jobs["torch-base"]["if"] == jobs["build"]["if"] == "github.event_name != 'pull_request'"
+    assert jobs["build-pr"]["env"]["RUNTIME"] == "vllm pytorch" and "matrix" not in str(jobs["build-pr"])
     assert sorted(matrix_runtimes(jobs["build"], "push")) == ["pytorch", "vllm"]
-    cond = " ".join(jobs["build"]["if"].split())
-    assert "(github.event_name == 'pull_request' && needs.torch-base.result == 'skipped')" in cond
-    assert "needs.torch-base.result == 'success'" in cond
-    script = next(s["run"] for s in jobs["build"]["steps"] if s.get("name", "").startswith("Build"))
-    assert "for runtime in $RUNTIME; do" in script and '--cache "$REGISTRY/g5g-images-cache"' in script
+    assert "torch-base" in jobs["build"]["needs"] and jobs["build-pr"]["needs"] == "plan"
+    for name in ("build", "build-pr"):
+        script = next(s["run"] for s in jobs[name]["steps"] if s.get("name", "").startswith("Build"))
+        assert "for runtime in $RUNTIME; do" in script and '--cache "$REGISTRY/g5g-images-cache"' in script

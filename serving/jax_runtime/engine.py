@@ -3,7 +3,7 @@
 Continuous batching over a fixed number of slots: one KV cache with a row per slot, allocated once at the context
 limit, updated in place (donated). Two ladders fix every shape: lengths (prompt buckets, and the prefix of the
 full-attention cache a decode step reads) and batches (how many leading rows a decode step runs). At boot every
-executable is compiled ahead of time (through JAX's persistent cache, so a second boot loads them): prefill for
+executable is compiled ahead of time (kept in executables.py's store, so a second boot loads them untraced): prefill for
 each length bucket, decode for each (batch, length) pair; each one samples its tokens on the device, among those
 its rows' allowed-token masks allow (serving/engine.py). After boot
 only those executables run; calling one with another shape raises instead of compiling.
@@ -21,8 +21,8 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -30,12 +30,13 @@ from typing import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import xla_bridge  # backends_are_initialized: jax_platforms is read once, when a backend starts
 
-from serving import memory_plan
+from serving import device as gpu_device, memory_plan
 from serving.engine import TOP_LOGPROBS, DeviceRow, SamplingParams, TokenLogprobs
 from serving.structured import mask_words
 
-from . import checkpoint, config, model, sampling, xla
+from . import checkpoint, config, executables, model, sampling, xla
 from .xla import apply_default_xla_flags, compile_counts, configure_persistent_cache
 
 DEFAULT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
@@ -187,17 +188,24 @@ class JaxEngine:
         # a lone stream gets the batch its packed weights are read once at
         self.batches = settings.batch_ladder((PACKED_REDUCE_ROWS,) if reduce else ())
         t0 = time.perf_counter()
-        self.params = jax.device_put(params)
+        self.params = jax.device_put(params)      # asynchronous: the copies overlap the ladder's tracing
         self._cache = model.empty_cache(cfg, self.slots, self.max_context, self.dtype)
         self._state = sampling.empty_state(self.slots, cfg.vocab_size)   # what the penalties read, per slot
         t_put = time.perf_counter() - t0
         before = compile_counts()
+        self.boot: dict = {}
         self._prefill, self._decode = self._compile_ladder()
         after = compile_counts()
-        self.boot = {"device_put_s": round(t_put, 3), "compile_s": round(time.perf_counter() - t0 - t_put, 3),
-                     "executables": len(self._prefill) + len(self._decode), "slots": self.slots,
-                     "batches": list(self.batches), "packed_dot": self.packed_dot,
-                     **{f"boot_{k}": after[k] - before[k] for k in after}}
+        t_ladder = time.perf_counter() - t0 - t_put
+        jax.block_until_ready((self.params, self._cache))
+        counts = {f"boot_{k}": after[k] - before[k] for k in after}
+        self.boot.update({
+            "device_put_s": round(t_put, 3), "weights_ready_s": round(time.perf_counter() - t0, 3),
+            "compile_s": round(t_ladder, 3), "executables": len(self._prefill) + len(self._decode),
+            "slots": self.slots, "batches": list(self.batches), "packed_dot": self.packed_dot, **counts,
+            # compiles counts every executable XLA handed over, those JAX's persistent cache loaded included
+            "boot_xla_compiles": counts["boot_compiles"] - counts["boot_cache_hits"],
+            "weight_bytes": sum(a.nbytes for a in jax.tree.leaves(self.params))})
         # per slot: next position, sampling row (temperature, top_k, top_p, threefry key); free slots are greedy
         self._pos = np.zeros(self.slots, np.int32)
         self._temp = np.zeros(self.slots, np.float32)
@@ -262,20 +270,20 @@ class JaxEngine:
             chosen, lp = choose(logits, history, temp, top_k, top_p, keys, positions + 1, rows, mask)
             return chosen, logits, cache, state, lp
 
-        lowered = {}
+        prompt = jax.ShapeDtypeStruct((), jnp.bool_)
+        jobs = {}     # name -> (function, argument specs)
         for c in self.buckets:
-            lowered["prefill", c] = jax.jit(prefill_fn, donate_argnums=(1, 2)).lower(
-                params_spec, cache_spec, state_spec, i32, vec(c), i32, *sampling_spec(1),
-                jax.ShapeDtypeStruct((), jnp.bool_))
+            jobs["prefill", c] = (prefill_fn, (params_spec, cache_spec, state_spec, i32, vec(c), i32,
+                                               *sampling_spec(1), prompt))
             for b in self.batches:
-                lowered["decode", b, c] = jax.jit(functools.partial(decode_fn, c), donate_argnums=(1, 2)).lower(
-                    params_spec, cache_spec, state_spec, vec(b), vec(b), vec(b), *sampling_spec(b))
-        # Tracing holds the GIL; XLA's compile (or persistent-cache load) does not: compile the ladder side by side,
-        # after one executable per shape of the LM head's dot has compiled alone (compile_waves).
-        first, rest = compile_waves(list(lowered))
-        compiled = {k: lowered[k].compile() for k in first}
-        with ThreadPoolExecutor(max(1, min(len(rest), os.cpu_count() or 1))) as pool:
-            compiled |= dict(zip(rest, pool.map(lambda k: lowered[k].compile(), rest)))
+                jobs["decode", b, c] = (functools.partial(decode_fn, c),
+                                        (params_spec, cache_spec, state_spec, vec(b), vec(b), vec(b),
+                                         *sampling_spec(b)))
+        # A warm boot: every executable from the store, side by side, nothing traced (executables.py); the rest
+        # compiled after one executable per shape of the LM head's dot has compiled alone (compile_waves).
+        store = executables.Store.beside_persistent_cache(cfg, self.dtype.name)
+        compiled, stats = executables.obtain(jobs, store, compile_waves, os.cpu_count() or 1)
+        self.boot.update(stats)
         return ({k[1]: v for k, v in compiled.items() if k[0] == "prefill"},
                 {k[1:]: v for k, v in compiled.items() if k[0] == "decode"})
 
@@ -394,6 +402,40 @@ class JaxEngine:
         return [TokenLogprobs(chosen[i], tuple(zip(ids[i][:k], top[i][:k])), rank[i]) for i in range(n - 1)]
 
 
+def select_device(env: Mapping[str, str] = os.environ, xla_defaults: bool | None = None) -> str:
+    """JAX's backend as G5G_DEVICE asks (serving/device.py): gpu pins JAX to its CUDA plugin, whose failure to start
+    (an old driver, no GPU) JAX then raises instead of logging it and falling back to the CPU; that failure becomes
+    NoGpuError. cpu pins it to the CPU; auto leaves JAX_PLATFORMS to JAX. This starts XLA, which reads XLA_FLAGS
+    then only: the defaults go in first (xla_defaults; None: as G5G_JAX_XLA_DEFAULTS says)."""
+    want = gpu_device.expected(env)
+    if Settings.from_env(env).xla_defaults if xla_defaults is None else xla_defaults:
+        apply_default_xla_flags()
+    if want != "auto" and not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cuda" if want == "gpu" else "cpu")
+    try:
+        backend = jax.default_backend()
+    except Exception as e:   # "Unable to initialize backend 'cuda': …"; no GPU visible: an assert in JAX's backends()
+        if want != "gpu":
+            raise
+        why = str(e).strip() or f"no 'cuda' backend started ({type(e).__name__}: no GPU visible, or no CUDA plugin)"
+        raise gpu_device.no_gpu(f"jax: {why}", _plugin_cuda(), env) from e
+    if want == "gpu" and backend != "gpu":
+        raise gpu_device.no_gpu(f"jax's backend is {backend}", _plugin_cuda(), env)
+    if want == "auto" and backend != "gpu":
+        log.warning("JAX backend %s: serving on the CPU (%s=auto; gpu makes a missing GPU an error)", backend,
+                    gpu_device.ENV)
+    return backend
+
+
+def _plugin_cuda() -> str | None:
+    """The CUDA major of the installed JAX CUDA plugin (jax-cuda13-plugin: "13"), None without one."""
+    from importlib import metadata
+    for d in metadata.distributions():
+        if m := re.match(r"^jax[-_]cuda(\d+)[-_]plugin$", d.metadata.get("Name") or ""):
+            return m.group(1)
+    return None
+
+
 def _gpu_capability() -> tuple[int, int] | None:
     """The GPU's compute capability, e.g. (7, 5) for a T4, None off a GPU."""
     if jax.default_backend() != "gpu":
@@ -424,6 +466,8 @@ def load(model_dir: str | Path, settings: Settings | None = None, max_context: i
     xla_flags = apply_default_xla_flags() if settings.xla_defaults else os.environ.get("XLA_FLAGS", "")
     xla.listen()
     configure_persistent_cache(settings.cache_dir)
+    select_device(xla_defaults=False)  # starts XLA, after its flags: G5G_DEVICE=gpu and no usable GPU stops here
+    t_backend = time.perf_counter() - t0
     cfg = config.load(Path(model_dir))
     dtype = settings.resolve_dtype(_gpu_capability())     # a dtype the GPU cannot run: refused before anything
     gpu = _gpu_memory()
@@ -432,14 +476,21 @@ def load(model_dir: str | Path, settings: Settings | None = None, max_context: i
         raise ValueError(no)      # before any weight is read: weights + KV + boot's autotuning do not fit JAX's pool
     params = checkpoint.load_params(Path(model_dir), cfg, dtype)
     t_load = time.perf_counter() - t0
+    log.info("jax boot: load %.1fs (backend %s started in %.1fs, weights read in %.1fs)", t_load,
+             jax.default_backend(), t_backend, t_load - t_backend)
     engine = JaxEngine(cfg, params, settings)
-    engine.boot.update({"load_s": round(t_load, 3), "boot_s": round(time.perf_counter() - t0, 3),
-                        "buckets": list(engine.buckets), "dtype": str(engine.dtype),
-                        "backend": jax.default_backend(), "cache_dir": settings.cache_dir,
+    engine.boot.update({"backend_s": round(t_backend, 3), "load_s": round(t_load, 3),
+                        "boot_s": round(time.perf_counter() - t0, 3), "buckets": list(engine.buckets),
+                        "dtype": str(engine.dtype), "backend": jax.default_backend(), "cache_dir": settings.cache_dir,
                         "xla_flags": xla_flags})
     b = engine.boot
-    log.info("jax runtime ready in %.1fs on %s/%s: %d executables for %d slots, batches %s, buckets %s "
-             "(%d from the persistent cache), compile %.1fs, load %.1fs; packed weights: %s; XLA_FLAGS %s", b["boot_s"],
-             b["backend"], b["dtype"], b["executables"], b["slots"], b["batches"], b["buckets"], b["boot_cache_hits"],
-             b["compile_s"], b["load_s"], b["packed_dot"], b["xla_flags"] or "(none)")
+    log.info("jax boot: compile %.1fs for %d executables: %d from the executable store in %.1fs; %d traced and "
+             "lowered in %.1fs, then %d compiled by XLA and %d loaded from the persistent cache in %.1fs", b["compile_s"],
+             b["executables"], b["store_hits"], b["store_load_s"], b["executables"] - b["store_hits"], b["lower_s"],
+             b["boot_xla_compiles"], b["boot_cache_hits"], b["xla_s"])
+    log.info("jax boot: weights %.2f GB on the device %.1fs after their upload began (%.1fs of it before the ladder)",
+             b["weight_bytes"] / 1e9, b["weights_ready_s"], b["device_put_s"])
+    log.info("jax runtime ready in %.1fs on %s/%s: %d executables for %d slots, batches %s, buckets %s; "
+             "packed weights: %s; XLA_FLAGS %s", b["boot_s"], b["backend"], b["dtype"], b["executables"], b["slots"],
+             b["batches"], b["buckets"], b["packed_dot"], b["xla_flags"] or "(none)")
     return engine

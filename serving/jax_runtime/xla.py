@@ -31,10 +31,19 @@ def _on_duration(event: str, duration: float, **_kw) -> None:
             _counts[key] += 1
 
 
+_thread = threading.local()     # cache hits of the calling thread (listeners run in the thread that compiles)
+
+
 def _on_event(event: str, **_kw) -> None:
     if event == "/jax/compilation_cache/cache_hits":
         with _counts_lock:
             _counts["cache_hits"] += 1
+        _thread.hits = thread_cache_hits() + 1
+
+
+def thread_cache_hits() -> int:
+    """Persistent-cache hits so far in this thread: whether one compile() call loaded rather than compiled."""
+    return getattr(_thread, "hits", 0)
 
 
 def compile_counts() -> dict:

@@ -10,6 +10,7 @@ text model and returns a ready engine. Modules:
   sampling       the batched sampler, on the device
   packed_matmul  the packed int8/int4 Triton GEMV/GEMM and the int8 LM head
 Settings come from the environment:
+  G5G_DEVICE          gpu (the CUDA images) | cpu | auto (default): serving/device.py
   G5G_TORCH_SLOTS     sequences decoded together (default 8 on a GPU, 1 on a CPU)
   G5G_TORCH_PIPELINE  1 (default on a GPU): dispatch decode step t+1 before reading step t's tokens; 0: wait
   G5G_TORCH_COMPILE   1 (default): decode steps compiled by inductor with CUDA graphs; 0: eager; always: on a
@@ -18,6 +19,6 @@ Settings come from the environment:
   G5G_LM_HEAD         fp16 (default) | int8
   G5G_PACKED_ARCH, G5G_PACKED_SMS  the packed kernels' target as if on another GPU (75 and 40: a T4G)
 """
-from .engine import TorchEngine, load
+from .engine import TorchEngine, load, select_device
 
-__all__ = ["TorchEngine", "load"]
+__all__ = ["TorchEngine", "load", "select_device"]

@@ -114,9 +114,9 @@ PAD = 1
 
 class SlotKV:
     """Every layer that computes KV keeps one row per sequence: full layers [slots, kv_heads, max_context + PAD,
-    head_dim], sliding layers a ring of their window [slots, kv_heads, window, head_dim] (position p at p % window). Rows are
-    at different positions, which transformers' caches cannot hold, so the model reaches this one through the Cache
-    `update` call and takes {layer type: mask} as attention_mask. A decode step attends over the first
+    head_dim], sliding layers a ring of their window [slots, kv_heads, window, head_dim] (position p at p % window).
+    Rows are at different positions, which transformers' caches cannot hold, so the model reaches this one through the
+    Cache `update` call and takes {layer type: mask} as attention_mask. A decode step attends over the first
     span(positions) keys of full layers, the length of their mask (marked dynamic: one compiled graph serves every
     span), and over the whole ring of sliding ones: keys are stored rotated, so a ring's order does not matter, and
     entry j is written exactly when j <= p, the same mask as a full layer's prefix. A decode step may take the first

@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from serving import memory_plan, quantized
+from serving import device as gpu_device, memory_plan, quantized
 from serving.engine import DeviceRow, SamplingParams, TokenLogprobs
 
 from . import attention, compile_cache, packed_matmul
@@ -365,6 +365,25 @@ def _quantised_text(model_dir: Path, dtype) -> tuple[dict[str, torch.Tensor], di
     return sd, packed
 
 
+def select_device(env=os.environ) -> str:
+    """"cuda" or "cpu" as G5G_DEVICE asks (serving/device.py); gpu without a usable one raises NoGpuError, with what
+    torch's own CUDA initialisation said (an old driver, none, a CPU build of torch)."""
+    want = gpu_device.expected(env)
+    if want == "cpu":
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    try:
+        torch.cuda.init()
+        why = "torch sees no CUDA device"
+    except Exception as e:   # torch's reason: "Found no NVIDIA driver…", "The NVIDIA driver … is too old…"
+        why = f"torch: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+    if want == "gpu":
+        raise gpu_device.no_gpu(why, torch.version.cuda, env)
+    log.warning("no usable GPU (%s): serving on the CPU (%s=auto; gpu makes this an error)", why, gpu_device.ENV)
+    return "cpu"
+
+
 def load(model_dir: str | Path, device: str | None = None, max_context: int | None = None,
          slots: int | None = None) -> TorchEngine:
     from transformers import AutoConfig, Gemma4ForCausalLM
@@ -372,7 +391,7 @@ def load(model_dir: str | Path, device: str | None = None, max_context: int | No
 
     t0 = time.monotonic()
     model_dir = Path(model_dir)
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = torch.device(device or select_device())
     dtype = torch.float16 if dev.type == "cuda" else torch.float32
     config = AutoConfig.from_pretrained(model_dir)
     text_config = getattr(config, "text_config", config)   # a text-only Gemma 4 checkpoint works too

@@ -11,7 +11,7 @@ ENV HOME=/root
 SHELL ["/bin/bash", "-e", "-o", "pipefail", "-c"]
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
-    pip install "fastapi==0.165.0" "uvicorn==0.54.0" "prometheus-client==0.26.0" "transformers==5.20.2" "safetensors==0.8.0" "numpy>=2.1,<3" "jinja2==3.1.6" "outlines-core==0.2.14"
+    pip install "fastapi==0.165.0" "uvicorn==0.54.0" "h11==0.16.0" "prometheus-client==0.26.0" "transformers==5.20.2" "safetensors==0.8.0" "numpy>=2.1,<3" "jinja2==3.1.6" "outlines-core==0.2.14"
 COPY serving/ /opt/g5g/serving/
 ENV PYTHONPATH=/opt/g5g PYTHONUNBUFFERED=1
 # The serving requirements ran under torch-base's PIP_CONSTRAINT; torch must be the one torch-base checked.
@@ -24,6 +24,7 @@ RUN id -u g5g >/dev/null 2>&1 \
 ENV HOME=/home/g5g HF_HOME=/home/g5g/.cache/huggingface
 WORKDIR /home/g5g
 USER 1000:1000
+ENV G5G_DEVICE="cpu"
 # inductor's cache of the compiled decode step: mount a volume here (-v g5g-torch-cache:/home/g5g/.cache/g5g-torch)
 # and a restart loads the step instead of compiling it again.
 ENV G5G_TORCH_CACHE_DIR=/home/g5g/.cache/g5g-torch

@@ -24,9 +24,21 @@ ENV PATH=/opt/venv/bin:$PATH VIRTUAL_ENV=/opt/venv
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
     pip install "jax[${JAX_EXTRA}]==${JAX_VERSION}" ${JAX_CUDA_WHEELS}
+ARG CUOBJDUMP_VERSION=13.4.92
+ARG JAX_CUDA_ARCHS="7.5"
+# JAX's CUDA archs (7.5) proven, not labelled: every library of its CUDA plugin with device code
+# carries their SASS (check-jax-sass.sh over check-sass.sh, as for torch's and vLLM's libraries; cuobjdump in /tmp only).
+RUN --mount=type=bind,source=check-sass.sh,target=/tmp/check/check-sass.sh \
+    --mount=type=bind,source=check-jax-sass.sh,target=/tmp/check/check-jax-sass.sh \
+    --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
+    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
+    pip install --target /tmp/cuobjdump "nvidia-cuda-cuobjdump==${CUOBJDUMP_VERSION}" \
+ && CUOBJDUMP=/tmp/cuobjdump/nvidia/cu13/bin/cuobjdump bash /tmp/check/check-jax-sass.sh "${JAX_CUDA_ARCHS}" \
+      "$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")" \
+ && rm -rf /tmp/cuobjdump
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
-    pip install "fastapi==0.165.0" "uvicorn==0.54.0" "prometheus-client==0.26.0" "transformers==5.20.2" "safetensors==0.8.0" "numpy>=2.1,<3" "jinja2==3.1.6" "outlines-core==0.2.14"
+    pip install "fastapi==0.165.0" "uvicorn==0.54.0" "h11==0.16.0" "prometheus-client==0.26.0" "transformers==5.20.2" "safetensors==0.8.0" "numpy>=2.1,<3" "jinja2==3.1.6" "outlines-core==0.2.14"
 COPY serving/ /opt/g5g/serving/
 ENV PYTHONPATH=/opt/g5g PYTHONUNBUFFERED=1
 ENV XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -37,6 +49,7 @@ RUN id -u g5g >/dev/null 2>&1 \
 ENV HOME=/home/g5g HF_HOME=/home/g5g/.cache/huggingface
 WORKDIR /home/g5g
 USER 1000:1000
+ENV G5G_DEVICE="gpu" NVIDIA_REQUIRE_CUDA="cuda>=13.0"
 # XLA's persistent compilation cache: mount a volume here (-v g5g-jax-cache:/home/g5g/.cache/g5g-jax) and a
 # second boot loads the compiled bucket ladder instead of compiling it again.
 ENV G5G_JAX_CACHE_DIR=/home/g5g/.cache/g5g-jax

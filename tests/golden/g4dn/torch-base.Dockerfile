@@ -52,8 +52,13 @@ RUN --mount=type=bind,source=check-torch.py,target=/tmp/check/check-torch.py \
     python3 /tmp/check/check-torch.py installed $TORCH_FLAGS
 # torch is fixed from here on: every later pip install (vllm, pytorch and their users) runs under a constraint that
 # pins it, and images built FROM this one compare torch with /opt/g5g/torch.txt after installing.
+ARG CUDA_CONSTRAINTS="nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-cccl==13.0.85 nvidia-cuda-runtime==13.0.96 nvidia-cuda-nvrtc==13.0.88"
+# So are the toolkit's parts a package may ask for unpinned (humming-kernels[cu13]: nvcc, cccl…), at the toolkit's
+# own versions (the profile's cuda.constraints): CUDA_CONSTRAINTS, exact pins split into words on purpose.
+# hadolint ignore=SC2086
 RUN mkdir -p /opt/g5g \
  && python3 -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" > /opt/g5g/constraints.txt \
+ && printf '%s\n' ${CUDA_CONSTRAINTS} >> /opt/g5g/constraints.txt \
  && python3 -c "import hashlib, importlib.metadata as m; d = m.distribution('torch'); print('torch', d.version, hashlib.sha256((d.read_text('RECORD') or '').encode()).hexdigest())" > /opt/g5g/torch.txt \
  && cat /opt/g5g/constraints.txt /opt/g5g/torch.txt
 ENV PIP_CONSTRAINT=/opt/g5g/constraints.txt
@@ -70,4 +75,5 @@ RUN id -u g5g >/dev/null 2>&1 \
 ENV HOME=/home/g5g HF_HOME=/home/g5g/.cache/huggingface
 WORKDIR /home/g5g
 USER 1000:1000
+ENV NVIDIA_REQUIRE_CUDA="cuda>=13.0"
 CMD ["python3"]

@@ -135,6 +135,35 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,re
     if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
     pip install -r requirements.txt $TORCH_BUILD_TOOLS \
  && cmake --version && echo "ninja $(ninja --version)"
+# The flag-set rehearsal, before the hours-long compile (profile build.flagset_check): torch's CMake configure alone,
+# in the compile's environment (CFLAGS/CXXFLAGS from CPU_FLAGS, TORCH_NVCC_FLAGS, the flags of TORCH_BUILD_FLAGS, which
+# torch forwards from the environment) with compile commands exported, into a directory of its own, then one
+# translation unit of every distinct flag set (C, C++, CUDA) built by ninja there, the codegen it includes first. The
+# first compiler error fails the stage with the command and the compiler's lines (e.g. a -mcpu that a third-party
+# target's own -march refuses under its -Werror).
+# hadolint ignore=SC2086,SC2163
+RUN --mount=type=bind,source=check-flagsets.py,target=/tmp/check/check-flagsets.py \
+    if [ "$MAX_JOBS" = auto ]; then \
+      MAX_JOBS=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 4194304 )); \
+      MAX_JOBS=$(( MAX_JOBS < 1 ? 1 : MAX_JOBS > $(nproc) ? $(nproc) : MAX_JOBS )); \
+    fi; \
+    requires=$(echo "$TORCH_CUDA_WHEELS" | tr ' ' '|'); \
+    cmake_args=$(printf -- '-D%s ' $TORCH_BUILD_FLAGS); \
+    export MAX_JOBS CMAKE_BUILD_PARALLEL_LEVEL="$MAX_JOBS" TORCH_CUDA_ARCH_LIST $TORCH_BUILD_FLAGS \
+      CMAKE_ARGS="$cmake_args" SKBUILD_BUILD_DIR=/src/pytorch/build \
+      CUDNN_INCLUDE_DIR="$CUDA_HOME/include" CUDNN_LIBRARY="$CUDA_HOME/lib64" \
+      NCCL_INCLUDE_DIR="$CUDA_HOME/include" NCCL_LIB_DIR="$CUDA_HOME/lib64" \
+      CCACHE_DIR=/root/.cache/ccache PYTORCH_BUILD_VERSION="${TORCH_VERSION}" PYTORCH_BUILD_NUMBER=1 \
+      PYTORCH_EXTRA_INSTALL_REQUIREMENTS="$requires" \
+      CFLAGS="${CPU_FLAGS}" CXXFLAGS="${CPU_FLAGS}" TORCH_NVCC_FLAGS="--threads=${NVCC_THREADS}"; \
+    export CCACHE_DISABLE=1; \
+    mkdir -p /report \
+ && cmake -G Ninja -S /src/pytorch -B /tmp/flagsets -DCMAKE_EXPORT_COMPILE_COMMANDS=ON -DCMAKE_BUILD_TYPE=Release \
+      -DPython_EXECUTABLE="$(command -v python3)" $CMAKE_ARGS > /report/torch-flagsets-configure.log 2>&1 \
+      || { tail -n 60 /report/torch-flagsets-configure.log >&2; exit 1; } \
+ && python3 /tmp/check/check-flagsets.py /tmp/flagsets/compile_commands.json --ninja /tmp/flagsets \
+      --cflags "$CFLAGS" --cxxflags "$CXXFLAGS" --cudaflags "$TORCH_NVCC_FLAGS" 2>&1 | tee /report/torch-flagsets.log \
+ && rm -rf /tmp/flagsets
 # The compile, alone in this step. MAX_JOBS=auto: one compile job per 4 GiB of the build host's memory, at most one
 # per core. USE_FLASH_ATTENTION=0: its kernels are sm_80+ (hours of build for nothing on 7.5); memory-efficient
 # attention stays. Then the configure's cache is read back (every flag of TORCH_BUILD_FLAGS as the manifest asks), and
@@ -216,8 +245,13 @@ RUN --mount=type=bind,source=check-torch.py,target=/tmp/check/check-torch.py \
     python3 /tmp/check/check-torch.py installed $TORCH_BUILD_FLAGS
 # torch is fixed from here on: every later pip install (vllm, pytorch and their users) runs under a constraint that
 # pins it, and images built FROM this one compare torch with /opt/g5g/torch.txt after installing.
+ARG CUDA_CONSTRAINTS="nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-cccl==13.0.85 nvidia-cuda-runtime==13.0.96 nvidia-cuda-nvrtc==13.0.88"
+# So are the toolkit's parts a package may ask for unpinned (humming-kernels[cu13]: nvcc, cccl…), at the toolkit's
+# own versions (the profile's cuda.constraints): CUDA_CONSTRAINTS, exact pins split into words on purpose.
+# hadolint ignore=SC2086
 RUN mkdir -p /opt/g5g \
  && python3 -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" > /opt/g5g/constraints.txt \
+ && printf '%s\n' ${CUDA_CONSTRAINTS} >> /opt/g5g/constraints.txt \
  && python3 -c "import hashlib, importlib.metadata as m; d = m.distribution('torch'); print('torch', d.version, hashlib.sha256((d.read_text('RECORD') or '').encode()).hexdigest())" > /opt/g5g/torch.txt \
  && cat /opt/g5g/constraints.txt /opt/g5g/torch.txt
 ENV PIP_CONSTRAINT=/opt/g5g/constraints.txt
@@ -234,4 +268,5 @@ RUN id -u g5g >/dev/null 2>&1 \
 ENV HOME=/home/g5g HF_HOME=/home/g5g/.cache/huggingface
 WORKDIR /home/g5g
 USER 1000:1000
+ENV NVIDIA_REQUIRE_CUDA="cuda>=13.0"
 CMD ["python3"]

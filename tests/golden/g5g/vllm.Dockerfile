@@ -117,14 +117,6 @@ ENV CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
 COPY --from=cuda-check /cuda-check.txt /opt/cuda-check.txt
 RUN gcc_major=$(gcc -dumpversion | cut -d. -f1) \
  && if [ "$gcc_major" -lt 13 ]; then echo "GCC >= 13 is required to build vLLM (found $(gcc -dumpversion))" >&2; exit 1; fi
-# vLLM's Rust frontend (vllm-rs): openssl-src needs perl and make (installed above); crates from the registry.
-ARG RUST_VERSION=1.95
-ENV RUSTUP_HOME=/opt/rustup CARGO_HOME=/opt/cargo PATH=/opt/cargo/bin:$PATH
-RUN --mount=type=secret,id=ca-cert,required=false \
-    if [ -s /run/secrets/ca-cert ]; then export PIP_CERT=/run/secrets/ca-cert REQUESTS_CA_BUNDLE=/run/secrets/ca-cert SSL_CERT_FILE=/run/secrets/ca-cert CURL_CA_BUNDLE=/run/secrets/ca-cert GIT_SSL_CAINFO=/run/secrets/ca-cert APT_CONFIG=/tmp/g5g-apt-ca.conf; echo 'Acquire::https::CaInfo "/run/secrets/ca-cert";' >"$APT_CONFIG"; fi; \
-    curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs \
-      | sh -s -- -y --profile minimal --default-toolchain "${RUST_VERSION}" \
- && rustc --version
 # The ranges of vLLM's requirements/build/cuda.txt, enough to read the sdist's metadata; that file is installed below.
 # hadolint ignore=DL3013
 RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=ca-cert,required=false \
@@ -195,7 +187,7 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=cache,target=/root/.
     fi; \
     export MAX_JOBS NVCC_THREADS TORCH_CUDA_ARCH_LIST VLLM_TARGET_DEVICE=cuda CCACHE_DIR=/root/.cache/ccache \
       FETCHCONTENT_BASE_DIR=/root/.cache/vllm-deps; \
-    export VLLM_REQUIRE_RUST_FRONTEND=1; \
+    echo "Rust frontend off (profile build.rust_frontend: false): this wheel has no vllm-rs"; \
     mkdir -p /report; \
     echo "building vLLM ${VLLM_VERSION} for ${TORCH_CUDA_ARCH_LIST} with MAX_JOBS=${MAX_JOBS} NVCC_THREADS=${NVCC_THREADS}"; \
     start=$(date +%s); \
@@ -275,6 +267,7 @@ RUN id -u g5g >/dev/null 2>&1 \
 ENV HOME=/home/g5g HF_HOME=/home/g5g/.cache/huggingface
 WORKDIR /home/g5g
 USER 1000:1000
+ENV NVIDIA_REQUIRE_CUDA="cuda>=13.0"
 EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=600s --retries=3 \
   CMD ["python3", "-c", "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4).status == 200 else 1)"]
