@@ -175,8 +175,9 @@ async def _startup(ctx: Context, load_engine: Callable[[], Engine],
         for slot in getattr(sched.engine, "warm_slots", (0,)):
             await sched.call(lambda s=slot: sched.engine.step({s: sched.engine.start(s, warm, greedy)}))
         now = time.monotonic()
-        log.info("boot: warm-up %.1fs (tokenizer %.1fs beside the engine's %.1fs)", now - t_warm, took["tokenizer"],
-                 took["engine"])
+        summary = getattr(sched.engine, "boot_summary", None)     # its compiles (torch_runtime/compile_cache.py)
+        log.info("boot: warm-up %.1fs (tokenizer %.1fs beside the engine's %.1fs)%s", now - t_warm, took["tokenizer"],
+                 took["engine"], f"; {summary()}" if summary else "")
         log.info("model %s ready in %.1fs (context %d)", ctx.name, now - t0, sched.engine.max_context)
         # What boot made (torch, transformers, the tokenizers: millions of objects) lives as long as the server:
         # out of the collector's sight, a full collection a request's allocations set off (one that holds every

@@ -7,13 +7,14 @@ server's log stays in the test's tmp directory, and a server that fails to boot 
 """
 from __future__ import annotations
 
+import re
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import pytest
 import requests
 
-from devtools.server import launch, serving_argv, serving_env, together
+from devtools.server import launch, serving, serving_argv, serving_env, together
 from devtools.tiny_gemma4 import ANSWER, QUESTION
 from g5g import wire
 
@@ -130,6 +131,35 @@ def test_sm75_paths_answer_as_this_gpus_own(servers, name):
     """sm_75's kernels (forced) give this GPU's own greedy answers, on every checkpoint."""
     assert _answers(servers[name], concurrent=True) == _answers(servers[name.removesuffix("-sm75")], concurrent=True)
 
+
+# serving/api.py's warm-up line, with the PyTorch engine's compile summary (serving/torch_runtime/compile_cache.py)
+WARM_UP = re.compile(r"boot: warm-up [\d.]+s \(.*?\); compiled decode: (?P<graphs>\d+) graph\(s\).*"
+                     r"FX graph cache (?P<fx_hit>\d+) hit (?P<fx_miss>\d+) miss (?P<fx_bypass>\d+) bypass, "
+                     r"AOT cache (?P<aot_hit>\d+) hit (?P<aot_miss>\d+) miss (?P<aot_bypass>\d+) bypass")
+
+
+def test_a_second_pytorch_boot_over_the_same_cache_compiles_nothing(request, tmp_path):
+    """Two boots, one after the other, over one G5G_TORCH_CACHE_DIR (and string hashing seeded differently, as two
+    processes are): the first compiles the decode step's graphs into it, the second traces the same graphs and takes
+    every one from the cache (no FX graph or AOT miss, no bypass), then answers as the first did."""
+    if why := _cuda():
+        pytest.skip(why)
+    tiny_gemma4 = request.getfixturevalue("tiny_gemma4")
+    boots = []
+    for seed in ("1", "2"):
+        env = serving_env(G5G_TORCH_CACHE_DIR=str(tmp_path / "cache"), PYTHONHASHSEED=seed)
+        env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        with serving("pytorch", tiny_gemma4, "--served-model-name", "tiny", env=env, timeout=BOOT_S) as srv:
+            answer = _chat(srv.url, max_tokens=MAX_TOKENS).text
+        found = WARM_UP.search(srv.output)
+        assert found, srv.output[-3000:]
+        assert f"compile cache: {tmp_path / 'cache'}" in srv.output
+        boots.append(({k: int(v) for k, v in found.groupdict().items()}, answer))
+    (cold, cold_answer), (warm, warm_answer) = boots
+    assert cold["graphs"] >= 1 and cold["fx_miss"] == cold["graphs"] and cold["aot_miss"] == cold["graphs"], cold
+    assert warm["graphs"] == cold["graphs"] and warm["fx_hit"] == warm["aot_hit"] == warm["graphs"], warm
+    assert (warm["fx_miss"], warm["fx_bypass"], warm["aot_miss"], warm["aot_bypass"]) == (0, 0, 0, 0), warm
+    assert warm_answer == cold_answer
 
 
 def test_the_input_ring_waits_for_each_copy_before_writing_its_buffer_again():

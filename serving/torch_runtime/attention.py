@@ -105,11 +105,18 @@ def span(positions: list[int], max_context: int) -> int:
     return min(max_context, max(64, 1 << max(positions).bit_length()))
 
 
+# Positions a full layer's buffer keeps past max_context. A decode step writes the buffer, then reads its first span()
+# positions: traced, the write is a fresh contiguous copy of the buffer, and a slice of it is contiguous exactly when
+# the span is the whole buffer, which AOTAutograd guards on: the first context past max_context / 2 recompiled the
+# step mid-serving (issue 49). One position more than any span makes no span contiguous (never read nor written).
+PAD = 1
+
+
 class SlotKV:
-    """Every layer that computes KV keeps one row per sequence: full layers [slots, kv_heads, max_context, head_dim],
-    sliding layers a ring of their window [slots, kv_heads, window, head_dim] (position p at p % window). Rows are
-    at different positions, which transformers' caches cannot hold, so the model reaches this one through the Cache
-    `update` call and takes {layer type: mask} as attention_mask. A decode step attends over the first
+    """Every layer that computes KV keeps one row per sequence: full layers [slots, kv_heads, max_context + PAD,
+    head_dim], sliding layers a ring of their window [slots, kv_heads, window, head_dim] (position p at p % window).
+    Rows are at different positions, which transformers' caches cannot hold, so the model reaches this one through the
+    Cache `update` call and takes {layer type: mask} as attention_mask. A decode step attends over the first
     span(positions) keys of full layers, the length of their mask (marked dynamic: one compiled graph serves every
     span), and over the whole ring of sliding ones: keys are stored rotated, so a ring's order does not matter, and
     entry j is written exactly when j <= p, the same mask as a full layer's prefix. A decode step may take the first
@@ -122,8 +129,8 @@ class SlotKV:
             a = layer.self_attn
             if not a.is_kv_shared_layer:
                 self.ring[i] = a.is_sliding
-                shape = (slots, a.k_proj.out_features // a.head_dim, self.window if a.is_sliding else max_context,
-                         a.head_dim)
+                shape = (slots, a.k_proj.out_features // a.head_dim,
+                         self.window if a.is_sliding else max_context + PAD, a.head_dim)
                 self.k[i] = torch.zeros(shape, dtype=dtype, device=device)
                 self.v[i] = torch.zeros(shape, dtype=dtype, device=device)
         if device.type == "cuda":                # CUDA graphs replay over these very buffers
@@ -133,7 +140,8 @@ class SlotKV:
         self._slot, self._pos = 0, None
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+        """The bytes of every position a sequence may use (memory_plan's count; the PAD positions aside)."""
+        return sum(t[:, :, :self.max_context].numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
 
     def prefill(self, slot: int, n: int) -> dict:
         """A prompt of n tokens into `slot` from position 0: it attends over its own keys (causal, window)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -18,8 +19,9 @@ import torch
 from serving import device as gpu_device, memory_plan, quantized
 from serving.engine import DeviceRow, SamplingParams, TokenLogprobs
 
-from . import attention, packed_matmul
+from . import attention, compile_cache, packed_matmul
 from .attention import SlotKV, ladder, rows, span
+from .compile_cache import DEFAULT_CACHE_DIR, inductor_env  # noqa: F401 (the runtime's settings, read here)
 from .pipeline import INPUTS, Run, Stager, pipeline_from_env
 from .sampling import Sampler
 
@@ -86,10 +88,14 @@ class TorchEngine:
         # Decode steps (one token per row, static shapes) go through transformers' own compiled call, as its
         # generate(cache_implementation="static") does on CUDA: inductor with CUDA graphs ("reduce-overhead").
         # Prompts of any length run eagerly. G5G_TORCH_COMPILE=0 keeps decode eager too.
-        compile_ok = (device.type == "cuda" and os.environ.get("G5G_TORCH_COMPILE", "1") != "0"
-                      and hasattr(model, "get_compiled_call"))
+        compile_ok = compile_from_env(os.environ, device.type) and hasattr(model, "get_compiled_call")
+        if compile_ok:
+            use_cache_dir()
+            compile_cache.ordered_layer_types(model)
         self._decode = model.get_compiled_call(None) if compile_ok else model.__call__
         self._decode_checked = not compile_ok
+        # what each compile of the decode step cost and took from the cache (logged; boot_summary() sums them)
+        self.compiles = compile_cache.Compiles(log) if compile_ok else None
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.slots:
@@ -101,6 +107,12 @@ class TorchEngine:
         return out.logits[:, -1].float().clone()
 
     def _decode_call(self, kw: dict) -> torch.Tensor:
+        if self.compiles is not None:       # a compile (a first shape, a recompile) is logged with its cache figures
+            what = f"decode {kw['input_ids'].shape[0]} row(s)"
+            return self.compiles.around(lambda: self._checked_call(kw), what)
+        return self._checked_call(kw)
+
+    def _checked_call(self, kw: dict) -> torch.Tensor:
         if self._decode_checked:
             return self._forward(self._decode, kw)
         try:                                   # first compiled step: fall back to eager if compiling fails
@@ -108,9 +120,16 @@ class TorchEngine:
         except Exception as e:
             log.warning("compiled decode failed (%s: %s); decoding eagerly", type(e).__name__, e)
             self._decode = self.model.__call__
+            self.compiles = None
             out = self._forward(self._decode, kw)
         self._decode_checked = True
         return out
+
+    def boot_summary(self) -> str:
+        """What compiling the decode step has cost so far (a boot's warm-up: serving/api.py logs it)."""
+        if self.compiles is None:
+            return "decode not compiled"
+        return "compiled decode: " + compile_cache.describe(self.compiles.total())
 
     def _took(self, slot: int, token: int) -> int:
         p = self._params[slot]
@@ -297,17 +316,27 @@ def lm_head_from_env(env=os.environ) -> str:
     return head
 
 
-DEFAULT_CACHE_DIR = "~/.cache/g5g-torch"
+COMPILE_MODES = ("0", "1", "always")
 
 
-def inductor_env(env=os.environ) -> dict[str, str]:
-    """G5G_TORCH_CACHE_DIR: where inductor keeps the compiled decode step (FX graphs, AOT graphs, Triton kernels), so
-    a restarted server loads them instead of compiling (default ~/.cache/g5g-torch; empty: torch's temporary
-    directory, lost with the container). The variables to set; TORCHINDUCTOR_CACHE_DIR itself, when set, wins."""
-    if "TORCHINDUCTOR_CACHE_DIR" in env:
-        return {}
-    path = env.get("G5G_TORCH_CACHE_DIR", DEFAULT_CACHE_DIR)
-    return {"TORCHINDUCTOR_CACHE_DIR": str(Path(path).expanduser())} if path else {}
+def compile_from_env(env=os.environ, device_type: str = "cpu") -> bool:
+    """G5G_TORCH_COMPILE: 1 (default) compiles decode on CUDA only, 0 never, `always` on any device (a CPU compiles
+    through inductor's C++ backend: tests of the compile cache)."""
+    mode = env.get("G5G_TORCH_COMPILE") or "1"
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"G5G_TORCH_COMPILE: {mode!r} is not one of {', '.join(COMPILE_MODES)}")
+    return mode == "always" or (mode == "1" and device_type == "cuda")
+
+
+def use_cache_dir() -> None:
+    """Point inductor at G5G_TORCH_CACHE_DIR (compile_cache.inductor_env), before anything is compiled."""
+    for key, path in inductor_env().items():
+        try:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            os.environ[key] = path
+        except OSError as e:
+            log.warning("G5G_TORCH_CACHE_DIR %s unusable (%s): compiling without a persistent cache", path, e)
+    log.info("compile cache: %s", os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's default"))
 
 
 def _quantised_text(model_dir: Path, dtype) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
@@ -360,6 +389,7 @@ def load(model_dir: str | Path, device: str | None = None, max_context: int | No
     from transformers import AutoConfig, Gemma4ForCausalLM
     from transformers.utils import logging as hf_logging
 
+    t0 = time.monotonic()
     model_dir = Path(model_dir)
     dev = torch.device(device or select_device())
     dtype = torch.float16 if dev.type == "cuda" else torch.float32
@@ -398,17 +428,10 @@ def load(model_dir: str | Path, device: str | None = None, max_context: int | No
         if dev.type == "cuda" and (why := packed_matmul.kernel_missing()):
             raise ValueError(f"G5G_LM_HEAD=int8: {why}")
         model.lm_head = packed_matmul.PackedLinear.from_weight(model.lm_head.weight, dtype).to(dev)
-    if dev.type == "cuda":
-        for key, path in inductor_env().items():
-            try:
-                Path(path).mkdir(parents=True, exist_ok=True)
-                os.environ[key] = path
-            except OSError as e:
-                log.warning("G5G_TORCH_CACHE_DIR %s unusable (%s): compiling without a persistent cache", path, e)
     if slots > 1:        # SlotKV's attention: each K/V read once, on the SDPA backends sm_75 has
         model.set_attn_implementation(attention.register())
         if dev.type == "cuda":
             attention.turing_backends()
-    log.info("loaded %s on %s as %s (%d layers, context %d, %d slot%s, %s LM head)", model_dir, dev, dtype,
-             text_config.num_hidden_layers, context, slots, "s" * (slots > 1), head)
+    log.info("load: %.1fs: %s on %s as %s (%d layers, context %d, %d slot%s, %s LM head)", time.monotonic() - t0,
+             model_dir, dev, dtype, text_config.num_hidden_layers, context, slots, "s" * (slots > 1), head)
     return TorchEngine(model, text_config, dev, context, slots)

@@ -1,0 +1,143 @@
+"""The PyTorch runtime's compiled decode step and its persistent cache (serving/torch_runtime/compile_cache.py, issue
+49): a second process over the same G5G_TORCH_CACHE_DIR compiles nothing new, whatever its string hashing, and a
+span that covers the whole cache does not recompile. On the CPU (G5G_TORCH_COMPILE=always: inductor's C++ backend),
+at -O0 (TORCHINDUCTOR_DEBUG_COMPILE) so that the two cold compiles stay short; the GPU suite boots a server twice
+(tests/test_gpu.py)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from serving.torch_runtime import compile_cache  # noqa: E402
+from serving.torch_runtime.engine import compile_from_env  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+# One process: load on the CPU (8 slots, context 128), decode a lone sequence in slots 0 and 1 (rows 1, then the
+# graph every row count above 1 shares), then a 70-token prompt in slot 1 (span 128, all of max_context: the span
+# that recompiled mid-serving, attention.PAD); print the compiles.
+CHILD = """
+import json, os, sys
+from serving.engine import SamplingParams
+from serving.torch_runtime import load
+eng = load(sys.argv[1], device="cpu", max_context=128, slots=8)
+greedy = SamplingParams(temperature=0.0)
+tokens = {}
+for slot, prompt in ((0, [2, 105, 9]), (1, [2, 105, 9]), (1, [2] + [9] * 69)):
+    tokens[slot] = eng.step({slot: eng.start(slot, prompt, greedy)})[slot]
+print(json.dumps({"total": eng.compiles.total(), "dir": os.environ["TORCHINDUCTOR_CACHE_DIR"],
+                  "set_order": list(set(eng.text_config.layer_types)), "tokens": tokens}))
+"""
+
+
+@pytest.fixture(scope="module")
+def two_layers(tiny_gemma4, tmp_path_factory) -> Path:
+    """A text-only Gemma 4 of the fixture's shapes cut to one sliding and one full layer, random weights: both
+    layer types (the hash-ordered loop has two entries) at a third of the fixture's compile time."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    raw = json.loads((tiny_gemma4 / "config.json").read_text())["text_config"]
+    config = Gemma4TextConfig(**{**raw, "num_hidden_layers": 2, "num_kv_shared_layers": 0,
+                                 "layer_types": list(LAYER_TYPES)})
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("two-layers")
+    Gemma4ForCausalLM(config).save_pretrained(out)
+    return out
+
+
+def _boot(model: Path, cache: Path, hash_seed: str) -> dict:
+    env = {**os.environ, "G5G_TORCH_COMPILE": "always", "G5G_TORCH_CACHE_DIR": str(cache), "PYTHONHASHSEED": hash_seed,
+           "TORCHINDUCTOR_DEBUG_COMPILE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    out = subprocess.run([sys.executable, "-c", CHILD, str(model)], env=env, cwd=REPO, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_a_second_process_over_the_same_cache_compiles_nothing_new(two_layers, tmp_path):
+    """Hash seeds 1 and 2 iterate Gemma 4's layer types in opposite orders: the graphs must not follow them."""
+    cold = _boot(two_layers, tmp_path / "cache", "1")
+    warm = _boot(two_layers, tmp_path / "cache", "2")
+    assert cold["set_order"] != warm["set_order"]                      # the two processes do hash differently
+    assert cold["dir"] == warm["dir"] == str(tmp_path / "cache")
+    # the cold process compiled two graphs (rows 1, rows > 1); the whole-cache span did not make a third
+    assert cold["total"]["graphs"] == 2
+    assert (cold["total"]["fx_miss"], cold["total"]["aot_miss"]) == (2, 2)
+    # the warm one traced the same two and took every compiled graph from the cache
+    w = warm["total"]
+    assert w["graphs"] == 2 and (w["fx_hit"], w["aot_hit"]) == (2, 2)
+    assert (w["fx_miss"], w["fx_bypass"], w["aot_miss"], w["aot_bypass"]) == (0, 0, 0, 0)
+    assert warm["tokens"] == cold["tokens"]
+
+
+def test_torch_writes_its_default_cache_dir_on_import_and_ours_still_wins(monkeypatch, tmp_path):
+    """`import torch._dynamo` (transformers does it) sets TORCHINDUCTOR_CACHE_DIR to torch's default: that value is
+    not a choice, so G5G_TORCH_CACHE_DIR applies; any other TORCHINDUCTOR_CACHE_DIR does win."""
+    import torch._dynamo  # noqa: F401
+
+    code = "import os, torch._dynamo; print(os.environ.get('TORCHINDUCTOR_CACHE_DIR'))"
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    written = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                             timeout=120).stdout.strip()
+    assert written == compile_cache._torch_default()
+    ours = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    assert compile_cache.inductor_env({"TORCHINDUCTOR_CACHE_DIR": written, "G5G_TORCH_CACHE_DIR": "/c"}) == \
+        {"TORCHINDUCTOR_CACHE_DIR": "/c"}
+    assert compile_cache.inductor_env({"TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "G5G_TORCH_CACHE_DIR": "/c"}) == {}
+    assert compile_cache.inductor_env({"G5G_TORCH_CACHE_DIR": str(tmp_path)}) == ours
+
+
+def test_layer_types_are_iterated_in_one_order():
+    class Inner:
+        unique_layer_types = set(LAYER_TYPES)
+
+    class Model:
+        model = Inner()
+
+    m = Model()
+    compile_cache.ordered_layer_types(m)
+    assert m.model.unique_layer_types == tuple(sorted(LAYER_TYPES))
+
+
+def test_the_loaded_model_iterates_an_ordered_tuple_where_transformers_has_a_set(tiny_gemma4, monkeypatch):
+    """The attribute the fix replaces is still transformers' (a rename upstream would silently undo it)."""
+    from transformers import AutoConfig, Gemma4ForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny_gemma4).text_config
+    model = Gemma4ForCausalLM(config)
+    assert isinstance(model.model.unique_layer_types, set) and set(model.model.unique_layer_types) == set(LAYER_TYPES)
+    compile_cache.ordered_layer_types(model)
+    assert model.model.unique_layer_types == ("full_attention", "sliding_attention")
+
+
+@pytest.mark.parametrize("value, cuda, cpu", [(None, True, False), ("1", True, False), ("0", False, False),
+                                               ("always", True, True)])
+def test_compile_defaults_to_cuda_only_and_always_adds_the_cpu(value, cuda, cpu):
+    env = {} if value is None else {"G5G_TORCH_COMPILE": value}
+    assert (compile_from_env(env, "cuda"), compile_from_env(env, "cpu")) == (cuda, cpu)
+    with pytest.raises(ValueError, match="G5G_TORCH_COMPILE"):
+        compile_from_env({"G5G_TORCH_COMPILE": "cpu"}, "cpu")
+
+
+def test_compiles_records_what_a_compile_moved(caplog):
+    """Compiles logs and records a call that compiled a graph, and nothing for one that did not."""
+    import logging
+
+    log = logging.getLogger("test.compiles")
+    seen = compile_cache.Compiles(log)
+    fn = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    with caplog.at_level(logging.INFO, "test.compiles"):
+        seen.around(lambda: fn(torch.ones(3)), "first")
+        seen.around(lambda: fn(torch.ones(3)), "again")
+    assert len(seen.records) == 1 and seen.total()["graphs"] == 1
+    assert [r.message.split(":")[:2] for r in caplog.records] == [["compile", " first"]]
