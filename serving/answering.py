@@ -1,6 +1,7 @@
 """Answering a request from its jobs' events (serving/scheduler.py): the whole answer (collect, then
 json_response, built off the event loop) or an SSE stream (stream), each stopping the generations once the
-client hangs up; a stream's headers wait for its first event, so a refusal from the queue is its status."""
+client hangs up; a stream's headers wait for its first event, so a refusal from the queue is its status. The
+engine core's errors (serving/scheduler.py: SchedulerError) become HTTP here (api_error)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +13,20 @@ from fastapi.responses import Response, StreamingResponse
 
 from serving.generation import Delta, Finish, Logprob, PromptLogprob
 from serving.protocol import APIError, unavailable
-from serving.scheduler import Job
+from serving.scheduler import EngineFailed, GenerationFailed, Job, QueueFull, QueueTimeout, SchedulerError
+
+# Each of the core's errors as the API answers it: status, OpenAI error type, code.
+_STATUS = {QueueFull: (429, "rate_limit_error", "rate_limit_exceeded"),
+           QueueTimeout: (429, "rate_limit_error", "rate_limit_exceeded"),
+           GenerationFailed: (500, "server_error", None),
+           EngineFailed: (503, "service_unavailable", None)}
+
+
+def api_error(e: SchedulerError) -> APIError:
+    """The HTTP answer to a job the core did not run: the core's message, with the status and body type vLLM's
+    server gives it."""
+    status, type_, code = _STATUS[type(e)]
+    return APIError(status, str(e), type_, code=code)
 
 
 async def json_response(build: Callable[[], dict]) -> Response:
@@ -52,8 +66,8 @@ async def first_event(request: Request, jobs: list[Job]) -> tuple[int, Any]:
     watcher = asyncio.create_task(_stop_when_gone(request, jobs))
     try:
         head = await jobs[0].events.get()
-        if isinstance(head[1], APIError):
-            raise head[1]
+        if isinstance(head[1], SchedulerError):
+            raise api_error(head[1])
         if isinstance(head[1], Finish) and head[1].reason == "abort" and jobs[head[0]].shutdown:
             raise unavailable("server is shutting down: request aborted")      # before its headers: a 503
         return head
@@ -75,8 +89,8 @@ async def collect(request: Request, jobs: list[Job]) -> list[tuple[str, list[Log
     try:
         while len(fins) < len(jobs):
             i, ev = await jobs[0].events.get()
-            if isinstance(ev, APIError):
-                raise ev
+            if isinstance(ev, SchedulerError):
+                raise api_error(ev)
             if isinstance(ev, Delta):
                 parts[i].append(ev.text)
                 if ev.logprob:
@@ -116,8 +130,8 @@ async def stream(request: Request, jobs: list[Job], first: list[str], on_text: C
                     fins[i] = ev
                     for line in on_finish(i, ev):
                         yield line
-                else:                      # an APIError from the engine thread, after headers went out
-                    yield sse({"error": ev.body()["error"]})
+                else:                      # a SchedulerError from the engine thread, after headers went out
+                    yield sse({"error": api_error(ev).body()["error"]})
                     break
             else:
                 for line in end([fins[i] for i in range(len(jobs))]):

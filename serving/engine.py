@@ -26,8 +26,8 @@ LM head over every prompt position).
 
 Allowed tokens (structured output, serving/structured.py): `start` takes a mask and `step` a {slot: mask} for the
 slots whose request follows a grammar. A mask is a packed bitmask row, int32 [ceil(vocab_size / 32)], bit i % 32 of
-word i // 32 set when token i may come next; the runtime gives every other token the logit
-serving.structured.MASKED before the adjustments above and the draw. A slot without a mask is unconstrained. The
+word i // 32 set when token i may come next (mask_words below: the words in a row); the runtime gives every other
+token the logit MASKED before the adjustments above and the draw. A slot without a mask is unconstrained. The
 generation loop writes a fresh mask for every token (the grammar advances on the host), so both calls take it on
 every call.
 """
@@ -38,6 +38,13 @@ from dataclasses import dataclass
 from typing import Mapping, Protocol, Sequence
 
 import numpy as np
+
+MASKED = -1e30      # the logit a disallowed token gets: finite, so a row that allows nothing never makes NaNs
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words in one row of the bitmask."""
+    return (vocab_size + 31) // 32
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from serving.engine import Engine, SamplingParams, TokenLogprobs
-from serving.structured import Matcher, mask_words
+from serving.engine import Engine, SamplingParams, TokenLogprobs, mask_words
+from serving.structured import Matcher
 from serving.tokenizer_info import TokenizerInfo
 
 class Detokenizer:

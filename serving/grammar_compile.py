@@ -42,8 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from serving.engine import mask_words
 from serving.structured import (ANY_OBJECT, MAX_REGEX_CHARS, MAX_SCHEMA_DEPTH, MAX_STRING_BOUND, Grammar,
-                                InvalidGrammar, _bounded_integers, _depth, mask_words, token_bytes)
+                                InvalidGrammar, check_schema, token_bytes)
 
 COMPILE_TIMEOUT_S = float(os.environ.get("G5G_GRAMMAR_TIMEOUT_S", "30"))     # from the start of a compile
 COMPILES = 2                # compiles at once (--grammar-compiles); twice as many more may wait for a worker
@@ -128,8 +129,7 @@ class Grammars:
         """The compile of `schema`, cached or started, counted as waited for (`leave` when done with it).
         InvalidGrammar for a schema past the bounds (checked here, cheaply, before anything is queued), GrammarBusy
         when a new compile cannot be admitted."""
-        _depth(schema, MAX_SCHEMA_DEPTH)                    # before anything recurses into it
-        _bounded_integers(schema, {}, self.max_string)      # what it refuses, refused before queueing a compile
+        check_schema(schema, MAX_SCHEMA_DEPTH, self.max_string)     # what it refuses, refused before queueing a compile
         key = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
         with self._lock:
             entry = self._cache.pop(key, None)

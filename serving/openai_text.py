@@ -16,11 +16,11 @@ from typing import Any, Callable
 
 from fastapi import APIRouter, Request
 
-from serving.answering import collect, json_response, sse, stream
+from serving.answering import api_error, collect, json_response, sse, stream
 from serving.generation import Delta, Finish, Logprob, PromptLogprob, SamplingParams, StopAutomaton
 from serving.protocol import (APIError, ChatRequest, CompletionRequest, ResponseFormat, messages, read,
                               template_options)
-from serving.scheduler import Job, QueueFull
+from serving.scheduler import Job, SchedulerError
 from serving.grammar_compile import POLL_S, CompileFailed, GrammarBusy
 from serving.structured import ANY_OBJECT, InvalidGrammar
 from serving.tokenizer_info import PromptTooLong
@@ -204,9 +204,8 @@ async def submit(request: Request, prompts: list[tuple[list[int], SamplingParams
             for p, (ids, params) in enumerate(prompts) for j in range(n)]
     try:
         ctx.scheduler.submit(*jobs)
-    except QueueFull:
-        raise APIError(429, f"server busy: {ctx.scheduler.max_waiting} requests already waiting; retry later",
-                       "rate_limit_error", code="rate_limit_exceeded") from None
+    except SchedulerError as e:            # the queue is full (429), or the engine died since check_serving (503)
+        raise api_error(e) from None
     return jobs
 
 

@@ -1,12 +1,14 @@
 """The engine thread and its queue (Scheduler), a request's work as that thread sees it (Job), and the refusal of
 one more than the queue holds (QueueFull). serving/api.py runs the Scheduler; the endpoints (serving/openai_text.py)
-submit Jobs to it.
+submit Jobs to it. A job's failure is one of the core's own errors (SchedulerError), sent as the job's event or
+raised by submit; the API layer (serving/answering.py) gives each its HTTP status and OpenAI error body.
 
-A failed join or step is reported to its requests (a 500) and the engine goes on: one bad request, or one request's
-out-of-memory, costs that request only. A device error (DEVICE_ERRORS: a poisoned CUDA context, an XLA device
-failure) or FATAL_AFTER failed steps in a row (joins, one request's own, never count) mean every later step fails too: the engine is dead (`dead` says why),
-every request in hand and in the queue gets a 503 naming it, new ones are refused, and the loop ends, so that the
-server can exit (serving/api.py) and its orchestrator restart it (as vLLM's engine-dead exit).
+A failed join or step is reported to its requests (GenerationFailed: a 500) and the engine goes on: one bad
+request, or one request's out-of-memory, costs that request only. A device error (DEVICE_ERRORS: a poisoned CUDA
+context, an XLA device failure) or FATAL_AFTER failed steps in a row (joins, one request's own, never count) mean
+every later step fails too: the engine is dead (`dead` says why), every request in hand and in the queue gets an
+EngineFailed (a 503) naming it, new ones are refused, and the loop ends, so that the server can exit (serving/api.py)
+and its orchestrator restart it (as vLLM's engine-dead exit).
 """
 from __future__ import annotations
 
@@ -23,7 +25,6 @@ from typing import Any, Callable
 from serving.engine import Engine
 from serving.generation import Batch, Finish, SamplingParams, TokenizerInfo
 from serving.metrics import Metrics
-from serving.protocol import APIError, unavailable
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +73,24 @@ class Job:
             self.cancelled.set()
 
 
-class QueueFull(Exception):
-    pass
+class SchedulerError(Exception):
+    """Why the engine core did not run a job; its message is the client's (the API layer adds the status)."""
+
+
+class QueueFull(SchedulerError):
+    """submit: every slot and waiting place is taken."""
+
+
+class QueueTimeout(SchedulerError):
+    """The job waited past --max-queue-wait with none of its request's choices started."""
+
+
+class GenerationFailed(SchedulerError):
+    """The job's join or a step it was in failed; the engine goes on."""
+
+
+class EngineFailed(SchedulerError):
+    """The engine is dead (Scheduler.dead says why): no job runs again."""
 
 
 class Scheduler:
@@ -141,9 +158,9 @@ class Scheduler:
         """Admit all of `jobs` (a request's n choices) or none."""
         with self.wake:
             if self.dead:
-                raise unavailable(f"engine failed: {self.dead}")
+                raise EngineFailed(f"engine failed: {self.dead}")
             if self._running() + self._live() + len(jobs) > self.capacity:
-                raise QueueFull
+                raise QueueFull(f"server busy: {self.max_waiting} requests already waiting; retry later")
             self.queued.extend(jobs)
             self.metrics.set_queue(self._live())
             self.wake.notify()
@@ -242,9 +259,9 @@ class Scheduler:
         return taken
 
     def _expire(self) -> None:
-        """Engine thread: a 429 for each job of a request that waited past max_queue_wait with none of its choices
-        started. The whole FIFO is looked at (at most slots + max_waiting jobs): a job that may not expire (a
-        sibling started) keeps the ones behind it from expiring."""
+        """Engine thread: a QueueTimeout (a 429) for each job of a request that waited past max_queue_wait with none
+        of its choices started. The whole FIFO is looked at (at most slots + max_waiting jobs): a job that may not
+        expire (a sibling started) keeps the ones behind it from expiring."""
         if not self.max_queue_wait:
             return
         too_old = time.monotonic() - self.max_queue_wait
@@ -256,8 +273,8 @@ class Scheduler:
         for job in expired:
             job.cancelled.set()
             self.metrics.finished(job.arrival, Finish("abort", len(job.prompt_ids), 0, []), running=self._running())
-            job.send(APIError(429, f"server busy: no slot came free within {self.max_queue_wait:g} s "
-                                   f"(--max-queue-wait); retry later", "rate_limit_error", code="rate_limit_exceeded"))
+            job.send(QueueTimeout(f"server busy: no slot came free within {self.max_queue_wait:g} s "
+                                  f"(--max-queue-wait); retry later"))
         if expired:
             self.metrics.set_queue(self._live())
 
@@ -284,17 +301,17 @@ class Scheduler:
         for job in jobs:
             self.metrics.finished(job.arrival, Finish("abort", len(job.prompt_ids), 0, []),
                                   running=len(self.batch.live) + pending)
-            job.send(APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error"))
+            job.send(GenerationFailed(f"generation failed: {type(e).__name__}: {e}"))
 
     def _die(self, why: str, failed: list[Job]) -> None:
-        """The engine is dead: every job in hand (`failed`, the batch's, those joining) and in the queue gets a 503
-        naming why, new ones are refused (submit), and the engine loop stops."""
+        """The engine is dead: every job in hand (`failed`, the batch's, those joining) and in the queue gets an
+        EngineFailed (a 503) naming why, new ones are refused (submit), and the engine loop stops."""
         log.critical("engine dead: %s", why)
         with self.wake:
             self.dead = why
             queued, self.queued = list(self.queued), deque()
             self.stopping.set()
-        error = unavailable(f"engine failed: {why}; the server is exiting")
+        error = EngineFailed(f"engine failed: {why}; the server is exiting")
         jobs = {id(j): j for j in [*failed, *self.batch.drop_all(), *self.joining, *queued]}
         for job in jobs.values():
             job.cancelled.set()

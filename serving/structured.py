@@ -10,7 +10,8 @@ server's GIL (serving/grammar_compile.py: its workers, admission and cache). The
 (serving/generation.py) gives each such request a `Matcher`: before every sampling step it writes the tokens the
 grammar allows next as a bitmask (bit i % 32 of int32 word i // 32 is token i, the layout outlines-core and the
 runtimes share) and after every generated token it advances. The runtime sets every other token's logit to MASKED
-before it samples (serving/engine.py). Why outlines-core: docs/serving.md.
+before it samples (serving/engine.py: the mask's layout, mask_words and MASKED are the runtime contract).
+Why outlines-core: docs/serving.md.
 """
 from __future__ import annotations
 
@@ -22,8 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-MASKED = -1e30      # the logit a disallowed token gets: finite, so a row that allows nothing never makes NaNs
 
 # The size of the regex a compile starts from (environment, read at import).
 MAX_REGEX_CHARS = int(os.environ.get("G5G_GRAMMAR_MAX_REGEX", "100000"))
@@ -43,11 +42,6 @@ MAX_INTEGER_BOUND = 2**63
 _SCALAR = {"type": ["string", "number", "boolean", "null"]}
 ANY_OBJECT = {"type": "object", "additionalProperties": {"anyOf": [
     _SCALAR, {"type": "array", "items": _SCALAR}, {"type": "object", "additionalProperties": _SCALAR}]}}
-
-
-def mask_words(vocab_size: int) -> int:
-    """int32 words in one row of the bitmask."""
-    return (vocab_size + 31) // 32
 
 
 class InvalidGrammar(ValueError):
@@ -160,6 +154,14 @@ def _depth(schema: Any, limit: int) -> None:
         if not level:
             return
     raise InvalidGrammar(f"nested more than {limit} levels deep")
+
+
+def check_schema(schema: Any, max_depth: int = MAX_SCHEMA_DEPTH, max_string: int = MAX_STRING_BOUND) -> None:
+    """InvalidGrammar for a schema past the bounds a compile can afford (its depth first, before anything recurses
+    into it; then string length bounds, optional properties, integer bounds): cheap, so the server checks it before
+    it queues a compile (serving/grammar_compile.py)."""
+    _depth(schema, max_depth)
+    _bounded_integers(schema, {}, max_string)
 
 
 def _bounded_integers(schema: Any, ranges: dict[str, str], max_string: int = MAX_STRING_BOUND) -> Any:

@@ -10,12 +10,16 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from serving.structured import tokenizer_family
-from serving.tool_calls import MARKUP, RESPONSE_START
 
-# Gemma 4's control tokens that shape the output (see the checkpoint's tokenizer.json).
 PROMPT_THREADS = 4                              # requests tokenising or rendering at once
+# Gemma 4's markup, all of it here (see the checkpoint's tokenizer.json; serving/tool_calls.py reads the calls).
 TURN_END = "<turn|>"                            # end of a dialogue turn: always a stop token
 THOUGHT_START, THOUGHT_END = "<|channel>", "<channel|>"   # the thinking channel: never shown to the client
+# A tool call, `<|tool_call>call:NAME{key:value,…}<tool_call|>`, its strings quoted with QUOTE.
+CALL_START, CALL_END, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
+MARKUP = (CALL_START, CALL_END, QUOTE)      # special tokens the detokeniser must show for tool_choice "auto"
+# Where a tool's answer begins: written by whoever runs the tool, never by the model (an "auto" reply stops there).
+RESPONSE_START = "<|tool_response>"
 
 
 class PromptTooLong(ValueError):

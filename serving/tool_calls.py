@@ -20,10 +20,7 @@ import re
 import uuid
 from typing import Any
 
-CALL_START, CALL_END, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
-MARKUP = (CALL_START, CALL_END, QUOTE)      # special tokens the detokeniser must show for "auto"
-# Where a tool's answer begins: written by whoever runs the tool, never by the model (an "auto" reply stops there).
-RESPONSE_START = "<|tool_response>"
+from serving.tokenizer_info import CALL_END, CALL_START, QUOTE     # Gemma's markup lives with its tokenizer
 
 
 def call_id() -> str:

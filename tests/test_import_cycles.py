@@ -104,3 +104,73 @@ def test_the_api_layer_reaches_a_runtime_only_through_the_engine_seam():
         own = {r for r in RUNTIMES if inside(name, r)}
         assert reached <= own, f"{name} imports {sorted(reached - own)}"
     assert "serving.engine" in imports("serving.torch_runtime.engine", known["serving.torch_runtime.engine"], known)
+
+
+# serving/'s layers, each module named: the API layer -> the engine core -> request shaping -> the runtime contract
+# and pure helpers <- the runtimes. Data, so a move of modules edits only this.
+SERVING_LAYERS = {
+    "entry": ["serving", "serving.__main__"],       # `python -m serving` picks the runtime and starts the app
+    "api": ["serving.api", "serving.middleware", "serving.protocol", "serving.openai_text", "serving.answering",
+            "serving.tokenization"],
+    "core": ["serving.scheduler", "serving.generation", "serving.metrics"],
+    "shaping": ["serving.tokenizer_info", "serving.tool_calls", "serving.structured", "serving.grammar_compile"],
+    "contract": ["serving.engine", "serving.memory_plan", "serving.quantized", "serving.device"],
+    "runtime": ["serving.jax_runtime", "serving.torch_runtime"],    # each package with all its modules
+}
+# The layers each layer's modules may import (its own included). A runtime reaches only the contract (and,
+# by the test above, never the other runtime).
+MAY_IMPORT = {
+    "entry": set(SERVING_LAYERS),
+    "api": {"api", "core", "shaping", "contract"},
+    "core": {"core", "shaping", "contract"},
+    "shaping": {"shaping", "contract"},
+    "contract": {"contract"},
+    "runtime": {"runtime", "contract"},
+}
+
+
+def layer_of(name: str) -> str | None:
+    """The layer of a serving module (a package's modules are its), or None."""
+    return next((layer for layer, names in SERVING_LAYERS.items()
+                 for n in names if name == n or (n != "serving" and name.startswith(n + "."))), None)
+
+
+def crossings(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of a serving module that goes up (or across to the runtimes), and every module in no layer."""
+    out = []
+    for name in sorted(n for n in graph if n == "serving" or n.startswith("serving.")):
+        layer = layer_of(name)
+        if layer is None:
+            out.append(f"{name} is in no layer (SERVING_LAYERS)")
+            continue
+        out += [f"{name} ({layer}) imports {i} ({layer_of(i)})" for i in sorted(graph[name])
+                if i.startswith("serving.") and layer_of(i) not in MAY_IMPORT[layer]]
+    return out
+
+
+def test_the_layer_check_finds_an_upward_import():
+    graph = {"serving.scheduler": {"serving.protocol"}, "serving.structured": {"serving.engine"},
+             "serving.jax_runtime.engine": {"serving.structured"}, "serving.newcomer": set()}
+    assert crossings(graph) == ["serving.jax_runtime.engine (runtime) imports serving.structured (shaping)",
+                                "serving.newcomer is in no layer (SERVING_LAYERS)",
+                                "serving.scheduler (core) imports serving.protocol (api)"]
+
+
+def test_serving_imports_only_down_its_layers():
+    """api -> core -> shaping -> contract <- runtimes: the engine core raises its own errors (the API layer maps
+    them to HTTP), the mask is the runtime contract's, and a runtime needs nothing of the layers above."""
+    known = modules()
+    graph = {n: imports(n, p, known) for n, p in known.items() if n == "serving" or n.startswith("serving.")}
+    assert "serving.scheduler" in graph["serving.api"]          # the finder reads real imports
+    assert crossings(graph) == []
+
+
+def test_no_serving_module_imports_another_ones_private_names():
+    """A name with a leading underscore is its module's own: another module uses its public functions."""
+    found = []
+    for name, path in modules().items():
+        if name == "serving" or name.startswith("serving."):
+            found += [f"{name}: from {node.module} import {a.name}" for node in ast.walk(ast.parse(path.read_text()))
+                      if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("serving")
+                      for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    assert found == []

@@ -343,11 +343,15 @@ def _expiring(jobs_ago: list[float], max_queue_wait: float = 1.0):
 
 
 def _answers(loop, jobs) -> list:
-    """What each job was sent (an error's status), once the loop ran the callbacks the engine thread queued."""
+    """What each job was sent (an error's status, as the API layer answers it), once the loop ran the callbacks the
+    engine thread queued."""
+    from serving.answering import api_error
+    from serving.scheduler import SchedulerError
+
     loop.run_until_complete(asyncio.sleep(0))
     out = [j.events.get_nowait()[1] if not j.events.empty() else None for j in jobs]
     loop.close()
-    return [getattr(ev, "status", ev) for ev in out]
+    return [api_error(ev).status if isinstance(ev, SchedulerError) else ev for ev in out]
 
 
 def test_a_cancelled_head_of_the_queue_does_not_hold_back_the_expiry_behind_it():

@@ -11,8 +11,8 @@ import pytest
 
 from serving.generation import Delta, Detokenizer, Finish, SamplingParams, TokenizerInfo, generate
 from serving.grammar_compile import Grammars, GrammarBusy
-from serving.structured import (MASKED, InvalidGrammar, _bounded_integers, _depth, integer_regex,
-                                mask_words, token_bytes)
+from serving.engine import MASKED, mask_words
+from serving.structured import InvalidGrammar, _bounded_integers, _depth, integer_regex, token_bytes
 from serving.tool_calls import GemmaCalls, NamedCall, RequiredCalls, merge, parse_call, required_schema
 from tests.fixtures.batching import Job, run_in_batch
 from devtools.tiny_gemma4 import QUESTION

@@ -113,7 +113,7 @@ def test_joins_and_every_sampling_parameter_match_the_engine_that_waits(engines,
 def test_a_token_other_than_the_one_chosen_and_a_mask_throw_the_step_ahead_away(engines, prompts, reference):
     """Fed another token than it chose (penalised: the step ahead's counts are taken back out), then a mask, then
     a new sequence in the slot: each time the engine computes what the waiting one does."""
-    from serving.structured import mask_words
+    from serving.engine import mask_words
     ask = prompts[0]
     p = SamplingParams(temperature=0.0, frequency_penalty=1.5, presence_penalty=0.5, max_tokens=100)
     piped, plain = engines[SLOTS, True], engines[SLOTS, False]

@@ -33,8 +33,7 @@ import numpy as np
 from jax._src import xla_bridge  # backends_are_initialized: jax_platforms is read once, when a backend starts
 
 from serving import device as gpu_device, memory_plan
-from serving.engine import TOP_LOGPROBS, DeviceRow, SamplingParams, TokenLogprobs
-from serving.structured import mask_words
+from serving.engine import TOP_LOGPROBS, DeviceRow, SamplingParams, TokenLogprobs, mask_words
 
 from . import checkpoint, config, executables, model, sampling, xla
 from .xla import apply_default_xla_flags, compile_counts, configure_persistent_cache

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.structured import MASKED
+from serving.engine import MASKED
 
 FLOOR = -80.0     # tempered, max-shifted logits are clamped here: exp(-80) ≈ 2e-35, never drawn in practice
 ITERS = 30        # bisection steps: the cut lands within 80 / 2**30 ≈ 7e-8 of the exact threshold

@@ -15,8 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from serving.engine import DeviceRow, SamplingParams
-from serving.structured import MASKED
+from serving.engine import MASKED, DeviceRow, SamplingParams
 
 FLOOR = -80.0   # as serving/jax_runtime/sampling.py: tempered, max-shifted logits are clamped here
 _U32 = 0xFFFFFFFF
