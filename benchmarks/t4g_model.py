@@ -644,6 +644,25 @@ def run_child(args: list[str], env: dict, result: Path, timeout: int, ncu: list[
     return {**json.loads(result.read_text()), "child_s": round(time.perf_counter() - t0, 1)}
 
 
+# ncu cannot profile the kernel nodes of a CUDA graph that may hold conditional nodes ("not supported for profiling"):
+# XLA's command buffers of these kinds, on by default (serving/jax_runtime/xla.py), hid every kernel of JAX's fp16
+# step from it (H100, 2026-12-06). The profiled JAX child runs without them: the same kernels, fewer in graphs.
+UNPROFILABLE_COMMAND_BUFFERS = ("CONDITIONAL", "WHILE")
+
+
+def profiled_env(runtime: str, env: dict) -> dict:
+    """The environment of a cell's profiled children: JAX's command buffers without UNPROFILABLE_COMMAND_BUFFERS
+    (the XLA flags a user set stay first and win), every other runtime's as measured."""
+    if runtime != "jax":
+        return env
+    from serving.jax_runtime.xla import DEFAULT_XLA_FLAGS, with_default_xla_flags
+
+    flag = "--xla_gpu_enable_command_buffer"
+    kinds = [k for k in DEFAULT_XLA_FLAGS[flag].split(",") if k not in UNPROFILABLE_COMMAND_BUFFERS]
+    return {**env, "XLA_FLAGS": with_default_xla_flags(env.get("XLA_FLAGS", ""),
+                                                       {**DEFAULT_XLA_FLAGS, flag: ",".join(kinds)})}
+
+
 def measure_cell(runtime: str, ckpt: Path, env: dict, a, ncu: str | None, metrics: tuple[str, ...],
                  name: str) -> dict:
     """A cell's raw record: the measure child's timings and traced steps, joined with the ncu child's rows."""
@@ -661,7 +680,11 @@ def measure_cell(runtime: str, ckpt: Path, env: dict, a, ncu: str | None, metric
     names = heavy_names(traced, a.ncu_budget)
     log = a.work / f"{name}.ncu.csv"
     log.unlink(missing_ok=True)
-    got = run_child(common + ["--profile"], env, a.work / f"{name}-ncu.json", CELL_TIMEOUT_S,
+    penv = profiled_env(runtime, env)
+    if penv is not env:        # its executables differ: compiled into the cache first, never under ncu
+        warm = run_child(common + ["--profile"], penv, a.work / f"{name}-ncu-warm.json", COMPILE_TIMEOUT_S)
+        raw["ncu_warm_child_s"] = warm["child_s"]
+    got = run_child(common + ["--profile"], penv, a.work / f"{name}-ncu.json", CELL_TIMEOUT_S,
                     [ncu, "--profile-from-start", "off", "--clock-control", "none", "--cache-control", "all",
                      "--kernel-name", ncu_filter(names), "--launch-count", str(a.ncu_budget + len(LIVE)),
                      "--metrics", ",".join(metrics), "--csv", "--page", "raw", "--print-units", "base",

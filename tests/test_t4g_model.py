@@ -374,3 +374,36 @@ def test_each_fp16_cells_wall_sits_beside_the_served_tpot_of_the_same_gpu():
     assert "wire_tpot_ms_1" not in made["jax"]["w8a16"]
     other = tm.table({"jax-fp16": {**raws["jax-fp16"], "here": {**HERE, "device": "NVIDIA H200"}}}, wire)
     assert not other["runtimes"]["jax"]["fp16"]["wall_within_15pct_of_wire"]    # another GPU: no comparison
+
+
+def test_jax_is_profiled_without_the_command_buffers_ncu_cannot_see_into(monkeypatch, tmp_path):
+    """ncu profiled none of JAX fp16's kernels inside XLA's conditional command buffers (H100, 2026-12-06): the
+    profiled children run without CONDITIONAL and WHILE, the user's XLA flags kept, after a warm child compiled
+    that variant without ncu; other runtimes are profiled as measured."""
+    env = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false", "G5G_JAX_SLOTS": "8"}
+    flags = dict(f.split("=", 1) for f in tm.profiled_env("jax", env)["XLA_FLAGS"].split())
+    assert flags["--xla_gpu_enable_triton_gemm"] == "false"
+    kinds = flags["--xla_gpu_enable_command_buffer"].split(",")
+    assert "FUSION" in kinds and not {"CONDITIONAL", "WHILE"} & set(kinds)
+    assert tm.profiled_env("pytorch", env) is env and tm.profiled_env("transformers", env) is env
+
+    children = []
+
+    def fake_child(args, child_env, result, timeout, ncu=None):
+        children.append(("ncu" if ncu else "plain", "--profile" in args, child_env["XLA_FLAGS"]))
+        if ncu:
+            return {"error": "stop here", "child_s": 1}
+        return {"child_s": 1, "steps": {str(live): [{"name": "k"}] for live in tm.LIVE}}
+
+    monkeypatch.setattr(tm, "run_child", fake_child)
+    monkeypatch.setattr(tm, "heavy_names", lambda traced, budget: ["k"])
+    a = types.SimpleNamespace(steps=2, work=tmp_path, ncu_budget=10)
+    for runtime in ("jax", "pytorch"):
+        children.clear()
+        tm.measure_cell(runtime, tmp_path, env, a, "ncu", tm.METRICS, runtime)
+        plain = [c for c in children if c[0] == "plain"]
+        if runtime == "jax":
+            assert [c[:2] for c in children] == [("plain", False), ("plain", False), ("plain", True), ("ncu", True)]
+            assert plain[-1][2] == children[-1][2] != plain[0][2]      # compiled what ncu then ran
+        else:
+            assert [c[:2] for c in children] == [("plain", False), ("plain", False), ("ncu", True)]
