@@ -10,8 +10,11 @@
   deadline. Most schemas compile well within it, so a small one waits at most QUICK_S for each new compile ahead
   of it, never for a slow compile to end (a slow one, whoever sent it, pays one quick try). No per-client share:
   behind a proxy every client is the same peer.
-- **Admission**: at most `workers + queued` distinct compiles are in flight (running, or waiting for a worker);
-  one more is GrammarBusy, the client's 429, never cached: the same schema compiles when sent again.
+- **Admission**: at most `workers + queued` distinct compiles are in flight (running, or waiting for a worker).
+  Past that (one client's slow schemas filled it, and every other client's schema was refused), up to `queued`
+  more are admitted for the quick slot alone, ahead of those in flight: one that does not compile within its
+  quick try, like one more past those, is GrammarBusy, the client's 429, never cached: the same schema compiles
+  when sent again.
 - **Waiting holds no thread**: the API awaits a compile's future (serving/openai_text.py); `json_schema` waits in
   the caller's thread, for tests and tools.
 - **Memory**: compiled grammars are cached per schema, within `cache_bytes` (`--grammar-cache-bytes`, each index
@@ -98,6 +101,7 @@ class _Compile:
     stop: threading.Event = field(default_factory=threading.Event)
     started: float | None = None
     nbytes: int = 0
+    quick_only: bool = False        # admitted past the workers' places: the quick slot or nothing
 
 
 class Grammars:
@@ -121,6 +125,8 @@ class Grammars:
         self._slots = threading.Condition(threading.Lock())
         self._free = {"worker": workers, "quick": int(quick_s > 0)}
         self.in_flight = 0          # compiles running or waiting for a worker
+        self.quick_only = 0         # compiles admitted past those, for the quick slot alone
+        self._quick_waiting = 0     # of those, waiting for it (they take it before any other)
         self.cached_bytes = 0       # the finished grammars in the cache
         self.live_bytes = 0         # every compiled grammar still held (cached, or a request's)
 
@@ -135,13 +141,16 @@ class Grammars:
             entry = self._cache.pop(key, None)
             if entry is None:
                 self._evict(lambda: self.live_bytes > self.cache_bytes)
-                if self.in_flight >= self.workers + self.queued:
-                    raise GrammarBusy(f"{self.in_flight} schemas are compiling or waiting to (at most "
-                                      f"{self.workers + self.queued})")
+                full = self.in_flight >= self.workers + self.queued
+                if full and (not self.quick_s or self.quick_only >= self.queued):
+                    limit = f"at most {self.workers + self.queued}" + (
+                        f", and {self.queued} more for the quick slot" if self.quick_s else "")
+                    raise GrammarBusy(f"{self.in_flight + self.quick_only} schemas are compiling or waiting to "
+                                      f"({limit})")
                 if self.live_bytes > self.cache_bytes:
                     raise GrammarBusy(f"compiled schemas in use hold {self.live_bytes >> 20} MiB (at most "
                                       f"{self.cache_bytes >> 20} MiB, --grammar-cache-bytes)")
-                entry = self._start(key)
+                entry = self._start(key, quick_only=full)
             self._cache[key] = entry                    # the most recently used last
             entry.waiting += 1
         return key, entry
@@ -192,7 +201,10 @@ class Grammars:
     def _finished(self, key: str, entry: _Compile) -> None:
         """A compile ended: account for its index, or forget an outcome that says nothing of the schema."""
         with self._lock:
-            self.in_flight -= 1
+            if entry.quick_only:
+                self.quick_only -= 1
+            else:
+                self.in_flight -= 1
             error = entry.future.exception()
             if error is not None and (not isinstance(error, InvalidGrammar) or isinstance(error, _Stopped)):
                 self._forget(key, entry)
@@ -216,22 +228,28 @@ class Grammars:
 
 
     # -------------------------------------------------------------------------------------- the compile
-    def _start(self, key: str) -> _Compile:
+    def _start(self, key: str, quick_only: bool = False) -> _Compile:
         """Compile in a daemon thread of its own (a compile still running at exit must not hold the server), which
-        waits for a worker first; at most workers + queued such threads (enter's admission)."""
-        entry = _Compile()
+        waits for a worker first (`quick_only`: for the quick slot, and only there); at most workers + 2 * queued
+        such threads (enter's admission)."""
+        entry = _Compile(quick_only=quick_only)
         entry.future.set_running_or_notify_cancel()     # no waiter can cancel it (asyncio.wrap_future would try)
-        self.in_flight += 1
+        if quick_only:
+            self.quick_only += 1
+        else:
+            self.in_flight += 1
 
         def run():
             try:
-                slot, grammar = self._slot(entry, ("worker", "quick")), None
+                slot, grammar = self._slot(entry, ("quick",) if quick_only else ("worker", "quick")), None
                 if slot == "quick":
                     try:
                         grammar = self._compile(key, time.monotonic() + min(self.quick_s, self.timeout_s),
                                                 entry.stop, quick=True)
                     except _Slow:
-                        pass
+                        if quick_only:
+                            raise GrammarBusy(f"every compile worker and waiting place is taken, and it did not "
+                                              f"compile within the quick slot's {self.quick_s:g} s") from None
                     finally:
                         self._give_back(slot)
                     if grammar is None:
@@ -257,14 +275,18 @@ class Grammars:
         """Wait for the first free slot of `kinds` (a worker first), and take it; _Stopped once every requester
         left."""
         with self._slots:
-            while True:
-                if entry.stop.is_set():
-                    raise _Stopped
-                for kind in kinds:
-                    if self._free[kind]:
-                        self._free[kind] -= 1
-                        return kind
-                self._slots.wait(POLL_S)
+            self._quick_waiting += entry.quick_only
+            try:
+                while True:
+                    if entry.stop.is_set():
+                        raise _Stopped
+                    for kind in kinds:
+                        if self._free[kind] and (kind != "quick" or entry.quick_only or not self._quick_waiting):
+                            self._free[kind] -= 1
+                            return kind
+                    self._slots.wait(POLL_S)
+            finally:
+                self._quick_waiting -= entry.quick_only
 
     def _give_back(self, slot: str) -> None:
         with self._slots:

@@ -827,6 +827,53 @@ def test_a_small_schema_compiles_while_slow_ones_hold_every_worker(info, monkeyp
             t.join(30)
 
 
+def test_a_small_schema_compiles_when_slow_ones_fill_every_place(info, monkeypatch):
+    """One worker and one waiting place, both taken by slow schemas (one client's flood; the second's quick try
+    ends, and it waits for the worker): a small schema is admitted for the quick slot alone, ahead of them, and
+    compiles while they are still in flight. Before: a 429 'server busy compiling schemas' at once (the pressure
+    run's "small schemas beside 16 slow ones", 2026-12-06). One more past the quick slot's places is still busy."""
+    import threading
+
+    from serving import grammar_compile
+
+    grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=120, workers=1, queued=1, quick_s=60)
+    grammars.json_schema({"type": "boolean"})            # the vocabulary, built once
+    while grammars.in_flight:                            # its thread's accounting, just after its answer
+        time.sleep(0.01)
+    compile, release = grammars._compile, threading.Event()
+
+    def slow_ones_held(key, deadline, stop, quick=False):
+        if '"flood-' in key:                             # the flood: its worker held; its quick try cut short
+            if quick:
+                time.sleep(0.2)
+                raise grammar_compile._Slow
+            release.wait(60)
+        return compile(key, deadline, stop, quick=quick)
+
+    grammars._compile = slow_ones_held
+    flood = [threading.Thread(target=_outcome, args=(lambda s=s: grammars.json_schema({"enum": [s]}),), daemon=True)
+             for s in ("flood-1", "flood-2")]
+    for t in flood:
+        t.start()
+    deadline = time.monotonic() + 60
+    while grammars.in_flight < 2 or grammars._free["quick"] == 0:     # both in flight, the quick slot free again
+        assert time.monotonic() < deadline, "the flood did not fill the places"
+        time.sleep(0.01)
+    try:
+        got = grammars.json_schema(SCHEMA)
+        assert got.words == mask_words(len(info.prompt_tokenizer)) and all(t.is_alive() for t in flood)
+        assert grammars.in_flight == 2 and grammars.quick_only == 0
+        grammars.quick_only = grammars.queued                  # the quick slot's places taken too
+        with pytest.raises(GrammarBusy, match=r"3 schemas are compiling or waiting to \(at most 2, and 1 more for "
+                           r"the quick slot\)"):
+            grammars.json_schema({"type": "string", "maxLength": 3})
+        grammars.quick_only = 0
+    finally:
+        release.set()
+        for t in flood:
+            t.join(60)
+
+
 def test_a_compile_past_its_quick_try_waits_for_a_worker_and_compiles(info, monkeypatch):
     """The one worker is held; a schema gets the quick slot, runs past its time there (its process is killed: no
     verdict, and nothing of it is cached) and waits for the worker, where it compiles with its whole time limit."""
