@@ -160,13 +160,10 @@ async def _startup(ctx: Context, load_engine: Callable[[], Engine],
                 return out
             return run
 
-        # The tokenizer loads beside the engine (seconds for Gemma's 262k vocabulary); the first failure stops the boot.
-        tok = asyncio.ensure_future(asyncio.to_thread(timed("tokenizer", lambda: TokenizerInfo.load(ctx.model_dir))))
-        eng = asyncio.ensure_future(sched.call(timed("engine", load_engine)))
-        done, _ = await asyncio.wait({tok, eng}, return_when=asyncio.FIRST_EXCEPTION)
-        for f in done:
-            f.result()
-        sched.info, sched.engine = await tok, await eng
+        # The tokenizer, then the engine: not side by side, since both import transformers, whose names resolve
+        # lazily and not thread-safely (side by side, CI saw "cannot import name 'AutoConfig' from 'transformers'").
+        sched.info = await asyncio.to_thread(timed("tokenizer", lambda: TokenizerInfo.load(ctx.model_dir)))
+        sched.engine = await sched.call(timed("engine", load_engine))
         t_warm = time.monotonic()
         warm = sched.info.chat_prompt([{"role": "user", "content": "Hello"}])
         # A prefill and a decode step: both code paths are compiled/warmed before we say ready; one step per slot
@@ -176,7 +173,7 @@ async def _startup(ctx: Context, load_engine: Callable[[], Engine],
             await sched.call(lambda s=slot: sched.engine.step({s: sched.engine.start(s, warm, greedy)}))
         now = time.monotonic()
         summary = getattr(sched.engine, "boot_summary", None)     # its compiles (torch_runtime/compile_cache.py)
-        log.info("boot: warm-up %.1fs (tokenizer %.1fs beside the engine's %.1fs)%s", now - t_warm, took["tokenizer"],
+        log.info("boot: warm-up %.1fs (tokenizer %.1fs, then the engine's %.1fs)%s", now - t_warm, took["tokenizer"],
                  took["engine"], f"; {summary()}" if summary else "")
         log.info("model %s ready in %.1fs (context %d)", ctx.name, now - t0, sched.engine.max_context)
         # What boot made (torch, transformers, the tokenizers: millions of objects) lives as long as the server:
