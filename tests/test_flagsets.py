@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from g5g import manifest
+from tests.fixtures.dockerfiles import stage_runs
 
 REPO = Path(__file__).resolve().parent.parent
 TOOL = REPO / "dockerfiles/check-flagsets.py"
@@ -272,17 +273,6 @@ def torch_base(profile: str, overrides: list[str] | None = None, rehearse: bool 
     files = render.render(plan)
     tb = next(i for i in plan.all_images if i.runtime == "torch-base")
     return tb, files[tb.dockerfile], files
-
-
-def stage_runs(text: str, stage: str) -> list[str]:
-    import dockerfile
-    out, current = [], None
-    for c in dockerfile.parse_string(text):
-        if c.cmd == "FROM":
-            current = c.value[-1]
-        elif c.cmd == "RUN" and current == stage:
-            out.append(c.value[0])
-    return out
 
 
 def test_the_torch_build_checks_every_flag_set_before_its_compile():

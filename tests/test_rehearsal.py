@@ -17,6 +17,7 @@ import pytest
 from g5g import manifest, render
 from g5g.cli import main
 from g5g.plan import make_plan
+from tests.fixtures.dockerfiles import stage_runs
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden" / "g5g-rehearse"
@@ -171,16 +172,6 @@ def test_inspect_claims_no_coverage_for_a_rehearsal_image():
 
 # --- PyTorch's CUDA discovery, rehearsed (torch-discovery) ------------------------------------------------------------
 
-def _stage_runs(text: str, stage: str) -> list[str]:
-    out, current = [], None
-    for c in dockerfile.parse_string(text):
-        if c.cmd == "FROM":
-            current = c.value[-1]
-        elif c.cmd == "RUN" and current == stage:
-            out.append(c.value[0])
-    return out
-
-
 def _stage_froms(text: str) -> dict[str, str]:
     return {c.value[-1]: c.value[0] for c in dockerfile.parse_string(text) if c.cmd == "FROM" and len(c.value) == 3}
 
@@ -193,18 +184,18 @@ def test_the_rehearsal_runs_torchs_cuda_discovery_in_the_compiles_environment(pr
     plan, files = rehearsal(profile)
     tb = next(i for i in plan.all_images if i.runtime == "torch-base")
     text = files[tb.dockerfile]
-    disc = _stage_runs(text, "torch-discovery")
+    disc = stage_runs(text, "torch-discovery")
     real = make_plan(manifest.load(REPO / "manifests", profile="g5g"), profile="g5g")
     real_tb = next(i for i in real.all_images if i.runtime == "torch-base")
     real_text = render.render(real)[real_tb.dockerfile]
     if profile == "g5g":
         for stage in ("torch-env", "torch-headers"):
-            assert _stage_runs(text, stage) == _stage_runs(real_text, stage) != [], stage
+            assert stage_runs(text, stage) == stage_runs(real_text, stage) != [], stage
     froms = _stage_froms(text)
     assert froms["torch-headers"] == "torch-env" and froms["torch-discovery"] == "torch-headers"
     assert _stage_froms(real_text)["torch-build"] == "torch-env"
     assert "COPY --from=torch-headers /report/torch-headers.log" in real_text.split("AS torch-build")[1]
-    compile_step = next(r for r in _stage_runs(real_text, "torch-build") if "pip wheel" in r)
+    compile_step = next(r for r in stage_runs(real_text, "torch-build") if "pip wheel" in r)
     env = compile_step[compile_step.index('if [ "$MAX_JOBS" = auto ]'):compile_step.index('echo "building torch')]
     assert any(env in r for r in disc), "the discovery runs with the compile step's environment"
     # its own generator: the stage (as torch-build) has no make; CMake and Ninja are pinned build tools of torch-env
@@ -214,7 +205,7 @@ def test_the_rehearsal_runs_torchs_cuda_discovery_in_the_compiles_environment(pr
     for pattern in ("Could NOT find", "Cannot find", "[Tt]urning the option off", "NCCL_VERSION_CODE - not found"):
         assert pattern in cmake
     assert any('pip download --no-deps --only-binary=:all: --dest /tmp/torch-wheel "torch==${TORCH_VERSION}"' in r
-               for r in _stage_runs(text, "torch-headers"))
+               for r in stage_runs(text, "torch-headers"))
     assert "COPY --from=torch-discovery /report/torch-discovery.log /opt/g5g/torch-discovery.log" in text
     assert "COPY --from=torch-headers /report/torch-headers.log /opt/g5g/torch-headers.log" in text
     assert "torch-discovery" not in real_text  # the real build compiles instead
