@@ -162,6 +162,33 @@ def test_a_second_pytorch_boot_over_the_same_cache_compiles_nothing(request, tmp
     assert warm_answer == cold_answer
 
 
+# serving/jax_runtime/engine.py's compile line
+JAX_COMPILE = re.compile(r"jax boot: compile [\d.]+s for (?P<executables>\d+) executables: (?P<store_hits>\d+) from the "
+                         r"executable store in [\d.]+s; (?P<traced>\d+) traced")
+
+
+def test_a_second_jax_boot_takes_every_executable_from_the_store_and_answers_as_the_first(request, tmp_path):
+    """G5G_JAX_EXECUTABLE_STORE=1, two boots over one G5G_JAX_CACHE_DIR: the first traces and compiles the ladder
+    and stores it, the second deserialises every executable (nothing traced) and gives the same greedy answers to
+    concurrent prompts: executables deserialised on XLA:GPU run as the traced ones (executables.py's opt-in)."""
+    if why := _cuda():
+        pytest.skip(why)
+    tiny_gemma4 = request.getfixturevalue("tiny_gemma4")
+    boots = []
+    for _ in range(2):
+        env = serving_env(G5G_JAX_CACHE_DIR=str(tmp_path / "cache"), G5G_JAX_EXECUTABLE_STORE="1",
+                          G5G_JAX_BUCKETS="32,64,256", XLA_PYTHON_CLIENT_MEM_FRACTION="0.04")
+        with serving("jax", tiny_gemma4, "--served-model-name", "tiny", env=env, timeout=BOOT_S) as srv:
+            answers = _answers(srv.url, concurrent=True)
+        found = JAX_COMPILE.search(srv.output)
+        assert found, srv.output[-3000:]
+        boots.append(({k: int(v) for k, v in found.groupdict().items()}, answers))
+    (cold, cold_answers), (warm, warm_answers) = boots
+    assert cold["executables"] >= 2 and cold["store_hits"] == 0, cold
+    assert warm["store_hits"] == warm["executables"] == cold["executables"] and warm["traced"] == 0, warm
+    assert warm_answers == cold_answers
+
+
 def test_the_input_ring_waits_for_each_copy_before_writing_its_buffer_again():
     """serving/torch_runtime/pipeline.py's Stager: three steps' inputs through a ring of two pinned buffers while
     the stream is held back (a kernel that sleeps), so every copy is still queued when the third step's inputs are
