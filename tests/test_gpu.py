@@ -133,12 +133,21 @@ def _seeded(url: str) -> list[str]:
         return list(pool.map(ask, range(len(PROMPTS))))
 
 
-@pytest.mark.parametrize("other", ["pytorch-no-pipeline", "pytorch-one-slot"])
+# Whether `other` runs the default's shapes: then seeded samples must match token for token. One slot runs batch 1
+# where the default runs 8, so float16 rounds the logits apart and a draw near a boundary may flip (one prompt of 8,
+# after ~40 tokens, on an H100, 2026-12-06); that draws depend on (seed, position) alone, whatever shares the batch,
+# is tests/test_torch_sampler.py's, exactly, on the CPU.
+SAME_SHAPES = {"pytorch-no-pipeline": True, "pytorch-one-slot": False}
+
+
+@pytest.mark.parametrize("other", sorted(SAME_SHAPES))
 def test_pytorch_pipeline_off_and_one_slot_answer_as_the_default(servers, other):
-    """Pipeline on = off, eight slots = one: the same greedy and seeded answers to concurrent requests."""
+    """Pipeline on = off, eight slots = one: the same greedy answers to concurrent requests (to a near-tie), and with
+    the pipeline off, the same seeded samples."""
     base, alt = servers["pytorch"], servers[other]
     _assert_same_greedy(_answers(alt, concurrent=True), _answers(base, concurrent=True))
-    assert _seeded(alt) == _seeded(base)
+    if SAME_SHAPES[other]:
+        assert _seeded(alt) == _seeded(base)
 
 
 @pytest.mark.parametrize("name", sorted(n for n in SERVERS if n.endswith("-sm75")))
