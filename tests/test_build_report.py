@@ -112,7 +112,8 @@ def test_stage_times_read_steps_buildkit_pads_to_two_digits():
 
 
 def test_rehearsal_report_keeps_the_steps_an_attempt_stopped_on(tmp_path):
-    """benchmarks/build_evidence/rehearsal_report.py: a failed attempt's steps are in the record with how long they had run."""
+    """benchmarks/build_evidence/rehearsal_report.py: a failed attempt's steps are in the record with how long they
+    had run."""
     from benchmarks.build_evidence import rehearsal_report as rr
     log = tmp_path / "bake.log"
     log.write_text("#13 [vllm torch-base  4/10] RUN pip install torch\n#13 1184.2 Installing collected packages: x\n"

@@ -1,5 +1,5 @@
-"""benchmarks/build_evidence/image_proof.py's pure parts: cuobjdump's output, coverage of a 7.5 GPU, wheel RECORDs against the
-image's, and pip's target arguments from a wheel's tags."""
+"""benchmarks/build_evidence/image_proof.py's pure parts: cuobjdump's output, coverage of a 7.5 GPU, wheel RECORDs
+against the image's, and pip's target arguments from a wheel's tags."""
 from __future__ import annotations
 
 import zipfile
