@@ -15,7 +15,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from benchmarks.harness import children
+from benchmarks.harness import checkpoint, children
 from benchmarks.harness.results import Results
 
 VARIANTS = {   # the runtime's defaults (serving/jax_runtime/engine.py: DEFAULT_XLA_FLAGS) unless a variant says otherwise
@@ -53,8 +53,8 @@ def main() -> int:
     if unknown := set(names) - set(VARIANTS):
         ap.error(f"--only: unknown variant(s) {sorted(unknown)}; known: {list(VARIANTS)}")
     if not (args.ckpt / "config.json").exists():      # built once, here: every variant reads the same weights
-        from benchmarks.serving_speed import make_checkpoint
-        make_checkpoint(args.ckpt, args.layers, args.tiny)
+        checkpoint.build(args.ckpt, checkpoint.text_config("e2b", args.layers, args.tiny))     # serving_speed's
+        checkpoint.add_whole_vocab_tokenizer(args.ckpt)
     args.out.mkdir(parents=True, exist_ok=True)
     results = Results(args.out / "decode_variants.json")
     base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "G5G_JAX_PIPELINE", "G5G_JAX_XLA_DEFAULTS")}

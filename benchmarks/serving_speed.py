@@ -32,18 +32,9 @@ import requests
 
 from benchmarks.harness import checkpoint, serve
 from benchmarks.harness.results import Results
-
-BUCKETS = "128,512,1024"        # JAX length ladder for this run: 512-token prompts + 256 tokens fit in 1024
-SLOTS = 8
-# The servers' flags and settings: benchmarks/t4g_model.py builds its engines with the same (served_settings), so
-# the step it times is the step these servers serve.
-SERVER_FLAGS = ("--max-model-len", "1024")
-
-
-def served_settings(work: Path, torch_slots: int = SLOTS) -> dict[str, str]:
-    """The runtimes' settings (G5G_* variables) these servers run with; their compile caches under `work`."""
-    return {"G5G_JAX_CACHE_DIR": str(work / "jaxcache"), "G5G_JAX_BUCKETS": BUCKETS, "G5G_JAX_SLOTS": str(SLOTS),
-            "G5G_TORCH_SLOTS": str(torch_slots), "G5G_TORCH_CACHE_DIR": str(work / f"torchcache{torch_slots}")}
+# the servers' flags and settings: benchmarks/t4g_model.py builds its engines with the same (served_settings), so the
+# step it times is the step these servers serve
+from benchmarks.harness.serve import BUCKETS, SERVER_FLAGS, SLOTS, served_settings
 
 
 # ------------------------------------------------------------------------------------------- checkpoint

@@ -451,7 +451,7 @@ class EngineRunner:
     def __init__(self, runtime: str, ckpt: Path, settings_dir: Path):
         # the engine the server builds (serving.__main__.load_engine) with serving_speed's flags; the settings come
         # from the environment, which measure_cell gives serving_speed's (served_settings)
-        from benchmarks.serving_speed import SERVER_FLAGS
+        from benchmarks.harness.serve import SERVER_FLAGS
         from serving.__main__ import load_engine, parse
         args = parse(["--runtime", runtime, "--model", str(ckpt), *SERVER_FLAGS])
         self.engine = load_engine(args.runtime, Path(args.model), args.max_model_len)
@@ -776,7 +776,7 @@ def main() -> int:
     a.work.mkdir(parents=True, exist_ok=True)
     import torch
 
-    from benchmarks.serving_speed import served_settings
+    from benchmarks.harness.serve import served_settings
     from serving import memory_plan
     ncu = None if a.no_ncu else shutil.which("ncu")
     metrics = available(ncu, METRICS) if ncu else METRICS

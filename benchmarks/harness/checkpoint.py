@@ -64,8 +64,13 @@ def randomise(model, seed: int = 0) -> None:
 
     dev = next(model.parameters()).device
     gen = torch.Generator(device=dev).manual_seed(seed)
-    draw = lambda shape: torch.randn(shape, generator=gen, device=dev)
-    rand = lambda shape: torch.rand(shape, generator=gen, device=dev) 
+
+    def draw(shape):
+        return torch.randn(shape, generator=gen, device=dev)
+
+    def rand(shape):
+        return torch.rand(shape, generator=gen, device=dev)
+
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             if t.is_floating_point() and "inv_freq" not in name and "embed_scale" not in name:

@@ -16,6 +16,19 @@ from collections.abc import Iterator
 
 from benchmarks.harness import ROOT
 
+# How the GPU benchmarks' servers run (serving_speed boots them; t4g_model builds its engines with the same, so the
+# step it times is the step these servers serve): the JAX length ladder (512-token prompts + 256 tokens fit in
+# 1024), the slots, the flags.
+BUCKETS = "128,512,1024"
+SLOTS = 8
+SERVER_FLAGS = ("--max-model-len", "1024")
+
+
+def served_settings(work: Path, torch_slots: int = SLOTS) -> dict[str, str]:
+    """The runtimes' settings (G5G_* variables) these servers run with; their compile caches under `work`."""
+    return {"G5G_JAX_CACHE_DIR": str(work / "jaxcache"), "G5G_JAX_BUCKETS": BUCKETS, "G5G_JAX_SLOTS": str(SLOTS),
+            "G5G_TORCH_SLOTS": str(torch_slots), "G5G_TORCH_CACHE_DIR": str(work / f"torchcache{torch_slots}")}
+
 
 @contextmanager
 def served(runtime: str, model: Path, *flags: str, env: dict | None = None, timeout: float = 600,
