@@ -193,3 +193,22 @@ def test_a_server_that_does_not_come_up_ends_a_fatal_benchmark_naming_its_runtim
     with pytest.raises(server.ServerFailed):
         with serve.served("jax", Path("/nowhere")):
             pass
+
+
+# ------------------------------------------------------------------------------------------ one way to run
+def test_benchmarks_run_one_way_no_sys_path_edits_no_bare_sibling_imports():
+    """Every benchmark is `python -m benchmarks.NAME`: none edits sys.path (so none runs by its path), and none
+    imports a sibling by its bare name (what only a path run with its folder on sys.path could resolve)."""
+    import ast
+
+    files = sorted((ROOT / "benchmarks").rglob("*.py"))
+    stems = {f.stem for f in files} - {"__init__"}
+    found = []
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", "") == "sys":
+                found.append(f"{f.relative_to(ROOT)}:{node.lineno}: sys.path")
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            found += [f"{f.relative_to(ROOT)}:{node.lineno}: import {n}" for n in names if n.split(".")[0] in stems]
+    assert found == []
