@@ -4,20 +4,20 @@ for the runtime's defaults and each departure from them: the pipelined decode of
 instead of ours (the whole step as CUDA graphs), no command buffers, and cuBLAS instead of Triton GEMM fusions.
 The tool that proves a default: the default must be the fastest, or the winner becomes the default.
 
-    python benchmarks/decode_variants.py OUTDIR --ckpt DIR [--buckets 512] [--layers 35] [--tiny] [--only A,B]
+    python -m benchmarks.decode_variants OUTDIR --ckpt DIR [--buckets 512] [--layers 35] [--tiny] [--only A,B]
 Writes OUTDIR/decode_variants.json, and OUTDIR/best.env: the fastest variant's environment, as `export` lines.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.harness import checkpoint, children
+from benchmarks.harness.results import Results
+
 VARIANTS = {   # the runtime's defaults (serving/jax_runtime/engine.py: DEFAULT_XLA_FLAGS) unless a variant says otherwise
     "default": {},
     "plain": {"G5G_JAX_PIPELINE": "0"},
@@ -25,6 +25,19 @@ VARIANTS = {   # the runtime's defaults (serving/jax_runtime/engine.py: DEFAULT_
     "no-command-buffers": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="},
     "cublas-dots": {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"},     # no Triton GEMM fusions
 }
+
+
+def variant(name: str, args, base: dict) -> dict:
+    """serving_speed's JAX profile under one variant's environment, in its own process: its figures, or the error
+    (one variant failing must not lose the others)."""
+    out = args.out / name
+    argv = children.module_argv("benchmarks.serving_speed", str(out), "--only", "profile", "--ckpt", str(args.ckpt),
+                                "--profile-buckets", args.buckets)
+    run = children.run_child(argv, out / "serving_speed.json", timeout=400, tail=3000,
+                             env=children.child_env(base, **VARIANTS[name]))
+    if run.error:
+        return {"error": run.error}
+    return run.figures.get("jax_profile") or {"error": "serving_speed.json holds no jax_profile"}
 
 
 def main() -> int:
@@ -40,26 +53,14 @@ def main() -> int:
     if unknown := set(names) - set(VARIANTS):
         ap.error(f"--only: unknown variant(s) {sorted(unknown)}; known: {list(VARIANTS)}")
     if not (args.ckpt / "config.json").exists():      # built once, here: every variant reads the same weights
-        sys.path.insert(0, str(ROOT))
-        from benchmarks.serving_speed import make_checkpoint
-        make_checkpoint(args.ckpt, args.layers, args.tiny)
-    results = {}
+        checkpoint.build(args.ckpt, checkpoint.text_config("e2b", args.layers, args.tiny))     # serving_speed's
+        checkpoint.add_whole_vocab_tokenizer(args.ckpt)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = Results(args.out / "decode_variants.json")
     base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "G5G_JAX_PIPELINE", "G5G_JAX_XLA_DEFAULTS")}
     for name in names:
-        env = VARIANTS[name]
-        out = args.out / name
-        try:
-            run = subprocess.run([sys.executable, "benchmarks/serving_speed.py", str(out), "--only", "profile",
-                                  "--ckpt", str(args.ckpt), "--profile-buckets", args.buckets], cwd=ROOT,
-                                 timeout=400, env={**base, **env}, capture_output=True, text=True)
-            results[name] = {"env": env, **json.loads((out / "serving_speed.json").read_text())["jax_profile"]}
-        except subprocess.TimeoutExpired as e:          # one variant failing must not lose the others
-            results[name] = {"env": env, "error": f"no result in {e.timeout:.0f} s"}
-        except (OSError, KeyError, ValueError):
-            results[name] = {"env": env, "error": (run.stdout + run.stderr)[-3000:]}
-        print(name, {k: v for k, v in results[name].items() if k.endswith("_ms") or k == "error"}, flush=True)
-        (args.out / "decode_variants.json").write_text(json.dumps(results, indent=1))
-    timed = {n: r["live1_engine_step_ms"] for n, r in results.items() if "live1_engine_step_ms" in r}
+        results.note(**{name: {"env": VARIANTS[name], **variant(name, args, base)}})
+    timed = {n: r["live1_engine_step_ms"] for n, r in results.data.items() if "live1_engine_step_ms" in r}
     if not timed:
         print("no variant ran: see decode_variants.json", file=sys.stderr)
         return 1

@@ -8,7 +8,7 @@ Each runtime boots in a fresh process (so imports and compilation are counted, n
 - compilations after boot in the JAX process across all decode runs (must be 0).
 One machine, one run each: no variance claimed beyond the spread of --runs. Load average is recorded.
 
-    python benchmarks/jax_vs_pytorch_cpu.py [--model DIR] [--tokens 200] [--runs 3] [--json OUT]
+    python -m benchmarks.jax_vs_pytorch_cpu [--model DIR] [--tokens 200] [--runs 3] [--json OUT]
 """
 from __future__ import annotations
 
@@ -16,62 +16,62 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-CHILD = r"""
-import json, os, statistics, sys, time
-import numpy as np
-runtime, model_dir, tokens, runs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-t0 = time.perf_counter()
-if runtime == "jax":
-    from serving.jax_runtime import load, compile_counts
-else:
-    from serving.torch_runtime import load
-t_import = time.perf_counter() - t0
-engine = load(model_dir)
-boot = time.perf_counter() - t0
-from transformers import AutoTokenizer
-from devtools.tiny_gemma4 import QUESTION
-from serving.engine import SamplingParams
-tok = AutoTokenizer.from_pretrained(model_dir)
-text = tok.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True)
-prompt = tok.encode(text, add_special_tokens=False)
-before = compile_counts() if runtime == "jax" else None
-rates, first = [], []
-for _ in range(runs):
-    t1 = time.perf_counter()
-    token = engine.start(0, prompt, SamplingParams(temperature=0.0))
-    t2 = time.perf_counter()
-    for _ in range(tokens - 1):
-        token = engine.step({0: token})[0]
-    rates.append((tokens - 1) / (time.perf_counter() - t2))
-    first.append(t2 - t1)
-out = {"runtime": runtime, "import_s": round(t_import, 3), "boot_s": round(boot, 3),
-       "prompt_tokens": len(prompt), "decode_tok_s_runs": [round(r, 1) for r in rates],
-       "decode_tok_s_median": round(statistics.median(rates), 1),
-       "prefill_s_median": round(statistics.median(first), 4)}
-if runtime == "jax":
-    after = compile_counts()
-    out["engine_boot"] = engine.boot
-    out["compiles_after_boot"] = after["compiles"] - before["compiles"]
-    out["traces_after_boot"] = after["traces"] - before["traces"]
-print("RESULT " + json.dumps(out))
-"""
+from benchmarks.harness import children
 
 
-def run_child(runtime: str, model: Path, tokens: int, runs: int, env: dict) -> dict:
-    proc = subprocess.run([sys.executable, "-c", CHILD, runtime, str(model), str(tokens), str(runs)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if proc.returncode or not line:
-        raise SystemExit(f"{runtime} run failed:\n{proc.stderr[-3000:]}")
-    return json.loads(line[len("RESULT "):])
+def child(runtime: str, model_dir: str, tokens: int, runs: int) -> dict:
+    """In a fresh process: import and load the runtime (the boot), then greedy decodes of the fixture's question."""
+    t0 = time.perf_counter()
+    if runtime == "jax":
+        from serving.jax_runtime import compile_counts, load
+    else:
+        from serving.torch_runtime import load
+    t_import = time.perf_counter() - t0
+    engine = load(model_dir)
+    boot = time.perf_counter() - t0
+    from transformers import AutoTokenizer
+
+    from devtools.tiny_gemma4 import QUESTION
+    from serving.engine import SamplingParams
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    text = tok.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
+                                   add_generation_prompt=True)
+    prompt = tok.encode(text, add_special_tokens=False)
+    before = compile_counts() if runtime == "jax" else None
+    rates, first = [], []
+    for _ in range(runs):
+        t1 = time.perf_counter()
+        token = engine.start(0, prompt, SamplingParams(temperature=0.0))
+        t2 = time.perf_counter()
+        for _ in range(tokens - 1):
+            token = engine.step({0: token})[0]
+        rates.append((tokens - 1) / (time.perf_counter() - t2))
+        first.append(t2 - t1)
+    out = {"runtime": runtime, "import_s": round(t_import, 3), "boot_s": round(boot, 3),
+           "prompt_tokens": len(prompt), "decode_tok_s_runs": [round(r, 1) for r in rates],
+           "decode_tok_s_median": round(statistics.median(rates), 1),
+           "prefill_s_median": round(statistics.median(first), 4)}
+    if runtime == "jax":
+        after = compile_counts()
+        out["engine_boot"] = engine.boot
+        out["compiles_after_boot"] = after["compiles"] - before["compiles"]
+        out["traces_after_boot"] = after["traces"] - before["traces"]
+    return out
+
+
+def run_child(runtime: str, model: Path, tokens: int, runs: int, env: dict, work: Path) -> dict:
+    result = work / f"{runtime}.json"
+    argv = children.module_argv("benchmarks.jax_vs_pytorch_cpu", "--child", runtime, "--model", str(model),
+                                "--tokens", str(tokens), "--runs", str(runs), "--result", str(result))
+    run = children.run_child(argv, result, timeout=1800, env=env, tail=3000)
+    if run.error:
+        raise SystemExit(f"{runtime} run failed: {run.error}")
+    return run.figures
 
 
 def main() -> int:
@@ -80,23 +80,27 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--json", dest="json_file")
+    ap.add_argument("--child", metavar="RUNTIME", help=argparse.SUPPRESS)
+    ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
+    if args.child:
+        children.write_result(args.result, child(args.child, args.model, args.tokens, args.runs))
+        return 0
     if args.model:
         model = Path(args.model)
     else:
         from devtools.tiny_gemma4 import cached
         model = cached(log=lambda m: print(m, file=sys.stderr))
 
-    with tempfile.TemporaryDirectory(prefix="g5g-jax-cache-") as cache:
+    with tempfile.TemporaryDirectory(prefix="g5g-jax-cache-") as cache, tempfile.TemporaryDirectory() as work:
         # One torch thread, as benchmarks/serving_cpu.py runs the server: on a tiny model more threads only cost.
-        env = dict(os.environ, JAX_PLATFORMS="cpu", G5G_JAX_CACHE_DIR=cache, PYTHONPATH=str(ROOT),
-                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        env = children.child_env(None, JAX_PLATFORMS="cpu", G5G_JAX_CACHE_DIR=cache,
+                                 OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         result = {"model": str(model), "tokens": args.tokens, "runs": args.runs, "omp_threads": env["OMP_NUM_THREADS"],
                   "cpus": os.cpu_count(), "loadavg_before": os.getloadavg()[0],
-                  "jax_cold": run_child("jax", model, args.tokens, args.runs, env),
-                  "jax_warm": run_child("jax", model, args.tokens, args.runs, env),
-                  "pytorch": run_child("pytorch", model, args.tokens, args.runs, env),
+                  "jax_cold": run_child("jax", model, args.tokens, args.runs, env, Path(work)),
+                  "jax_warm": run_child("jax", model, args.tokens, args.runs, env, Path(work)),
+                  "pytorch": run_child("pytorch", model, args.tokens, args.runs, env, Path(work)),
                   "loadavg_after": os.getloadavg()[0]}
     j, p = result["jax_warm"], result["pytorch"]
     result["summary"] = {

@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from devtools import pressure  # noqa: E402
-from devtools.server import ServerFailed, serving, serving_env  # noqa: E402
+from benchmarks.harness import ROOT
+from benchmarks.harness.serve import served
+from devtools import pressure
+from devtools.server import serving_env
 
 BOUND_S = 1.0           # issue 53: another client's chat is never held longer (issue 40: 2 s)
 ALONE = 10              # small chats timed alone
@@ -125,17 +125,14 @@ def main() -> int:
     from devtools.tiny_gemma4 import cached
     model, out = cached(), Path(args.out)
     machine = {"cores": os.cpu_count(), "load_average_at_start": os.getloadavg(),
-               "commit": subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
+               "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
                                         text=True).stdout.strip()}
     results, ok = {}, True
     with tempfile.TemporaryDirectory() as jax_cache:
         for runtime in args.runtimes.split(","):
-            try:
-                with serving(runtime, model, "--served-model-name", "tiny", "--log-level", "warning", timeout=600,
-                             env=serving_env(Path(jax_cache))) as srv:
-                    results[runtime] = measure(srv.url, args.repeats)
-            except ServerFailed as e:
-                raise SystemExit(f"{runtime}: {e}") from None
+            with served(runtime, model, "--served-model-name", "tiny", "--log-level", "warning", timeout=600,
+                        env=serving_env(Path(jax_cache)), fatal=True) as srv:
+                results[runtime] = measure(srv.url, args.repeats)
             print(table(runtime, results[runtime]), flush=True)
             ok &= all(row[-1] for row in rows(results[runtime]))
     out.mkdir(parents=True, exist_ok=True)

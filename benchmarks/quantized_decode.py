@@ -1,7 +1,7 @@
 """16-bit vs weight-only int8 / int4 (compressed-tensors, tools/quantize.py) on a GPU, at Gemma 4 E2B and E4B text
 shapes with random weights (no download), beside transformers.
 
-    python benchmarks/quantized_decode.py OUT_DIR [--phase kernels|models] [--shapes e2b,e4b] [--tiny]
+    python -m benchmarks.quantized_decode OUT_DIR [--phase kernels|models] [--shapes e2b,e4b] [--tiny]
 
 kernels: every distinct packed linear of the shapes, 1 and 8 rows. PyTorch: cuBLAS fp16 (F.linear) against
   serving/torch_runtime/packed_matmul.py's GEMV (its own config for this GPU, a T4G's grid, and the GEMV_SWEEP around it) and
@@ -22,25 +22,22 @@ Each result lands in OUT_DIR/quantized_decode.json as it is measured.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 # JAX takes 75% of the GPU at its first array unless told otherwise: the kernel phase runs in this process, and the
 # models phase builds checkpoints here with torch (the H200 run of 2026-12-01 lost E4B to exactly that).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
 
+from benchmarks.harness import checkpoint, children  # noqa: E402
+from benchmarks.harness.results import Results  # noqa: E402
 from serving import memory_plan  # noqa: E402
 
-RESULT: dict = {}
 SCHEMES = ("fp16", "w8a16", "w4a16")
 TOP_SHAPES = 5
 GEMV_SWEEP = [(8, 256), (16, 128), (16, 512), (32, 256)]     # (BLOCK_N, BLOCK_KB), split: 3 ways
@@ -48,28 +45,10 @@ L2_BYTES = 256 << 20            # weights cycled per timing: well beyond any GPU
 MAX_COPIES = 64                 # ... up to this many (the smallest weights then partly stay in L2: noted per row)
 
 
-def note(out: Path, **kw) -> None:
-    RESULT.update(kw)
-    (out / "quantized_decode.json").write_text(json.dumps(RESULT, indent=1))
-    print(json.dumps(kw)[:3000], flush=True)
-
-
-def text_config(shape: str, tiny: bool) -> dict:
-    """The text_config of a shape (memory_plan.SHAPES), plus what transformers needs to build a model."""
-    t = dict(memory_plan.SHAPES[shape]["text_config"], final_logit_softcapping=30.0, max_position_embeddings=131072,
-             pad_token_id=0, eos_token_id=[1, 106], bos_token_id=2)
-    if tiny:        # a local run of this script on CPU: the code paths, not a measurement
-        t.update(vocab_size=1024, vocab_size_per_layer_input=1024, hidden_size=128, intermediate_size=256,
-                 head_dim=32, global_head_dim=64, sliding_window=16, hidden_size_per_layer_input=32,
-                 num_hidden_layers=6, num_kv_shared_layers=2,
-                 layer_types=["sliding_attention", "full_attention", "sliding_attention"] * 2)
-    return t
-
-
 def linear_shapes(shape: str, tiny: bool) -> dict[tuple[int, int], int]:
     """{(out, in): count} of the packed linears."""
     counts: dict = {}
-    raw = {"text_config": text_config(shape, tiny)}
+    raw = {"text_config": checkpoint.text_config(shape, tiny=tiny)}
     for name, s in memory_plan.text_tensors(raw).items():
         if memory_plan.quantisable(name, s, "w4a16"):
             counts[tuple(s)] = counts.get(tuple(s), 0) + 1
@@ -101,8 +80,9 @@ def copy_bandwidth() -> float:
 
 def kernels_torch(n: int, k: int, rows: int, copy_bw: float) -> dict:
     import torch
-    import quantize
+
     from serving.torch_runtime import packed_matmul
+    from tools import quantize
     from serving.torch_runtime.packed_matmul import PackedLinear, gemv, packed_mm
 
     dev = "cuda"
@@ -224,11 +204,12 @@ def kernels_jax(n: int, k: int, rows: int, copy_bw: float) -> dict:
     import ml_dtypes
     import numpy as np
 
-    import quantize
     import torch
+
     from serving import quantized
     from serving.jax_runtime.engine import PACKED_REDUCE_ROWS
     from serving.jax_runtime.model import Packed, matmul, with_reduce_rows
+    from tools import quantize
 
     rng = np.random.default_rng(0)
     w = (rng.standard_normal((n, k), np.float32) / k ** 0.5)
@@ -287,17 +268,17 @@ def kernels_jax(n: int, k: int, rows: int, copy_bw: float) -> dict:
     return res
 
 
-def run_kernels(out: Path, shapes: list[str], tiny: bool, runtimes: list[str]) -> None:
+def run_kernels(note: Callable[..., None], shapes: list[str], tiny: bool, runtimes: list[str]) -> None:
     if "torch" in runtimes:
         copy_bw = copy_bandwidth()
-        note(out, **{"kernels.copy_bandwidth_GB_s": round(copy_bw / 1e9, 1)})
+        note(**{"kernels.copy_bandwidth_GB_s": round(copy_bw / 1e9, 1)})
     if "jax" in runtimes:
         import jax
         from serving.jax_runtime import engine
         jax_bw = copy_bandwidth_jax((64 if tiny else 1024) << 20)
         cap = engine._gpu_capability()
         flags = os.environ.get("XLA_FLAGS", "")
-        note(out, **{"kernels.jax": {"copy_bandwidth_GB_s": round(jax_bw / 1e9, 1), "backend": jax.default_backend(),
+        note(**{"kernels.jax": {"copy_bandwidth_GB_s": round(jax_bw / 1e9, 1), "backend": jax.default_backend(),
                                      "device": str(jax.devices()[0].device_kind), "xla_flags": flags,
                                      "packed_dot_auto": engine.Settings().resolve_packed_dot(cap, flags)}})
     seen = set()
@@ -310,39 +291,15 @@ def run_kernels(out: Path, shapes: list[str], tiny: bool, runtimes: list[str]) -
             for rows in (1, 8):
                 key = f"{n}x{k}/rows{rows}"
                 if "torch" in runtimes:
-                    note(out, **{f"kernels.torch.{key}": kernels_torch(n, k, rows, copy_bw)})
+                    note(**{f"kernels.torch.{key}": kernels_torch(n, k, rows, copy_bw)})
                 if "jax" in runtimes:
-                    note(out, **{f"kernels.jax.{key}": kernels_jax(n, k, rows, jax_bw)})
+                    note(**{f"kernels.jax.{key}": kernels_jax(n, k, rows, jax_bw)})
 
 
 # ------------------------------------------------------------------------------------------------ models
 def build_checkpoint(ckpt: Path, shape: str, tiny: bool) -> None:
-    import torch
-    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg = Gemma4Config(text_config=text_config(shape, tiny), vision_config=None, audio_config=None)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float16)       # built in 16 bits: E4B in float32 would be 29 GB
-    try:
-        with torch.device(dev):
-            model = Gemma4ForConditionalGeneration(cfg)
-    finally:
-        torch.set_default_dtype(default)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    with torch.no_grad():
-        for name, t in model.named_parameters():
-            if "norm" in name:     # small q/k norms keep a random model's attention soft (jax_gpu_e2b_shape.py)
-                t.copy_((0.25 if ("q_norm" in name or "k_norm" in name) else 1.0)
-                        * (1 + 0.2 * torch.randn(t.shape, generator=gen, device=dev)))
-            elif name.endswith("layer_scalar"):
-                t.copy_(torch.rand(t.shape, generator=gen, device=dev) * 0.5 + 0.5)
-            else:
-                t.copy_(torch.randn(t.shape, generator=gen, device=dev) / t.shape[-1] ** 0.5)
-    model.save_pretrained(ckpt)
-    del model
-    if dev == "cuda":
-        torch.cuda.empty_cache()
+    """A random fp16 checkpoint of `shape` (benchmarks/harness/checkpoint.py)."""
+    checkpoint.build(ckpt, checkpoint.text_config(shape, tiny=tiny))
 
 
 def measure_engine(runtime: str, ckpt: Path, steps: int) -> dict:
@@ -428,44 +385,37 @@ def measure_peer(ckpt: Path, steps: int) -> dict:
     return res
 
 
-def child(kind: str, ckpt: Path, steps: int, timeout: int) -> dict:
+def child(kind: str, ckpt: Path, steps: int, timeout: int, work: Path) -> dict:
     """One measurement in its own process (each runtime owns the GPU's memory while it runs)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    try:
-        r = subprocess.run([sys.executable, __file__, "--child", kind, str(ckpt), "--steps", str(steps)],
-                           env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout} s"}
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-    if r.returncode or not lines:
-        return {"error": (r.stdout + r.stderr)[-1500:]}
-    return json.loads(lines[-1])
+    argv = children.module_argv(__spec__.name, "--child", kind, str(ckpt), "--steps", str(steps),
+                                "--result", str(work / f"{kind}-child.json"))
+    return children.run_child(argv, work / f"{kind}-child.json", timeout=timeout, tail=1500,
+                              env=children.child_env(XLA_PYTHON_CLIENT_PREALLOCATE="false")).record()
 
 
-def run_models(out: Path, shapes: list[str], tiny: bool, steps: int, work: Path, peer: bool) -> None:
-    import quantize
+def run_models(note: Callable[..., None], shapes: list[str], tiny: bool, steps: int, work: Path, peer: bool) -> None:
+    from tools import quantize
 
     for shape in shapes:
         src = work / f"{shape}-fp16"
         t0 = time.perf_counter()
         if not (src / "config.json").exists():
             build_checkpoint(src, shape, tiny)
-        note(out, **{f"models.{shape}.build_s": round(time.perf_counter() - t0, 1)})
+        note(**{f"models.{shape}.build_s": round(time.perf_counter() - t0, 1)})
         dirs = {"fp16": src}
         for scheme in SCHEMES[1:]:
             dirs[scheme] = work / f"{shape}-{scheme}"
             if not (dirs[scheme] / "config.json").exists():
                 t0 = time.perf_counter()
                 quantize.quantize(src, dirs[scheme], scheme, log=lambda *_: None, device=_device())
-                note(out, **{f"models.{shape}.{scheme}.quantize_s": round(time.perf_counter() - t0, 1)})
+                note(**{f"models.{shape}.{scheme}.quantize_s": round(time.perf_counter() - t0, 1)})
         for scheme, d in dirs.items():
             p = memory_plan.plan_checkpoint(d, None, 1024, 8, text_only=True)
-            note(out, **{f"models.{shape}.{scheme}.plan": {"weights_bytes": p.weights,
+            note(**{f"models.{shape}.{scheme}.plan": {"weights_bytes": p.weights,
                                                           "streamed_per_token_bytes": p.streamed_per_token}})
         for kind in ("pytorch", "jax") + (("peer",) if peer else ()):
             for scheme, d in dirs.items():
-                note(out, **{f"models.{shape}.{scheme}.{kind}": child(kind, d, steps, timeout=420)})
+                note(**{f"models.{shape}.{scheme}.{kind}": child(kind, d, steps, 420, work)})
         for d in dirs.values():             # the next shape's checkpoints need the disk
             shutil.rmtree(d)
 
@@ -486,21 +436,24 @@ def main() -> int:
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="tiny widths: a CPU run of the code paths")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "CKPT"))
+    ap.add_argument("--result", type=Path, help="(a child) where its figures go")
     a = ap.parse_args()
     if a.child:
         kind, ckpt = a.child[0], Path(a.child[1])
-        print(json.dumps(measure_peer(ckpt, a.steps) if kind == "peer" else measure_engine(kind, ckpt, a.steps)))
+        children.write_result(a.result, measure_peer(ckpt, a.steps) if kind == "peer"
+                              else measure_engine(kind, ckpt, a.steps))
         return 0
     a.out.mkdir(parents=True, exist_ok=True)
+    note = Results(a.out / "quantized_decode.json", echo=3000).note
     a.work.mkdir(parents=True, exist_ok=True)
     shapes = a.shapes.split(",")
-    note(a.out, started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), shapes=shapes)
+    note(started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), shapes=shapes)
     for phase in a.phase or ("kernels", "models"):
         if phase == "kernels":
-            run_kernels(a.out, shapes, a.tiny, a.kernel_runtimes.split(","))
+            run_kernels(note, shapes, a.tiny, a.kernel_runtimes.split(","))
         else:
-            run_models(a.out, shapes, a.tiny, a.steps, a.work, not a.no_peer)
-    note(a.out, finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+            run_models(note, shapes, a.tiny, a.steps, a.work, not a.no_peer)
+    note(finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     return 0
 
 

@@ -35,12 +35,11 @@ TEXT = dict(vocab_size=262144, hidden_size=32, intermediate_size=48, num_hidden_
 
 
 def checkpoint(out: Path) -> Path:
-    import torch
-    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
-    torch.manual_seed(0)
-    model = Gemma4ForCausalLM(Gemma4TextConfig(**TEXT))
-    model.save_pretrained(out)
-    return out
+    """TEXT's random model (benchmarks/harness/checkpoint.py), float32 on the CPU: the sampler's inputs, not
+    its weights, are what this measures."""
+    from benchmarks.harness import checkpoint as random_checkpoint
+
+    return random_checkpoint.build(out, TEXT, dtype="float32", device="cpu")
 
 
 def main() -> int:

@@ -11,29 +11,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from devtools.server import ServerFailed, serving, serving_env  # noqa: E402
+from benchmarks.harness import serve
+from devtools.server import serving_env
 
 BOOT_TIMEOUT_S = 600
 
 
 def bench_runtime(runtime: str, model: Path, args, out: Path) -> Path:
-    try:
-        with serving(runtime, model, "--log-level", "warning", timeout=BOOT_TIMEOUT_S,
-                     env=serving_env(OMP_NUM_THREADS=str(args.threads))) as srv:
-            result = out / f"{runtime}.json"
-            subprocess.run([sys.executable, "build.py", "bench", "--url", srv.url, "--label", runtime,
-                            "--requests", str(args.requests), "--max-tokens", str(args.max_tokens),
-                            "--concurrency", str(args.concurrency),
-                            "--warmup", "2", "--json", str(result)], cwd=REPO, check=True)
-    except ServerFailed as e:
-        raise SystemExit(f"{runtime}: {e}") from None
-    data = json.loads(result.read_text())
+    result = out / f"{runtime}.json"
+    with serve.served(runtime, model, "--log-level", "warning", timeout=BOOT_TIMEOUT_S,
+                      env=serving_env(OMP_NUM_THREADS=str(args.threads)), fatal=True) as srv:
+        data = serve.bench(srv.url, result, "--label", runtime, "--requests", str(args.requests), "--max-tokens",
+                           str(args.max_tokens), "--concurrency", str(args.concurrency), "--warmup", "2")
     data["boot"] = {"health_s": round(srv.ready_s, 2)}  # a local process: start → /health 200
     result.write_text(json.dumps(data, indent=1) + "\n")
     return result
@@ -57,7 +49,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     files = [bench_runtime(rt, model, args, out) for rt in args.runtimes.split(",")]
-    return subprocess.run([sys.executable, "build.py", "bench", "compare", *map(str, files)], cwd=REPO).returncode
+    return serve.compare(files)
 
 
 if __name__ == "__main__":

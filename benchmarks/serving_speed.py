@@ -1,7 +1,7 @@
 """Serving speed on the wire: our JAX and PyTorch servers, and transformers' static-cache `generate` as the peer.
 
 One run, one machine, one checkpoint: google/gemma-4-E2B-it's exact text shapes with random float16 weights
-(benchmarks/jax_gpu_e2b_shape.py builds it; no download) and a tokenizer whose 262 144 ids all decode to text.
+(benchmarks/harness/checkpoint.py builds it; no download) and a tokenizer whose 262 144 ids all decode to text.
 Each server runs as `python -m serving` and is measured by `build.py bench` (the vllm-bench-serve statistics):
 - boot: seconds from process start to /health 200, cold with an empty compile cache, then warm from it (JAX:
   G5G_JAX_CACHE_DIR; PyTorch: G5G_TORCH_CACHE_DIR, per slot count);
@@ -15,16 +15,14 @@ PyTorch server again with G5G_TORCH_SLOTS=8 (continuous batching, phase pytorch_
 G5G_TORCH_PIPELINE=0 (each step waits for the last one's tokens: pytorch_batched_waiting); and the PyTorch engine
 in-process, engine.step time with and without the step dispatched ahead (profile_torch).
 
-    python benchmarks/serving_speed.py OUTDIR [--runs 5] [--layers 35] [--tiny] [--ckpt DIR] [--only PHASES] [--boots 1|2]
+    python -m benchmarks.serving_speed OUTDIR [--runs 5] [--layers 35] [--tiny] [--ckpt DIR] [--only PHASES] [--boots 1|2]
 Writes OUTDIR/serving_speed.json (every figure, with spread) and prints a summary.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,46 +30,19 @@ from pathlib import Path
 
 import requests
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-BUCKETS = "128,512,1024"        # JAX length ladder for this run: 512-token prompts + 256 tokens fit in 1024
-SLOTS = 8
-# The servers' flags and settings: benchmarks/t4g_model.py builds its engines with the same (served_settings), so
-# the step it times is the step these servers serve.
-SERVER_FLAGS = ("--max-model-len", "1024")
-RESULT: dict = {}
-
-
-def served_settings(work: Path, torch_slots: int = SLOTS) -> dict[str, str]:
-    """The runtimes' settings (G5G_* variables) these servers run with; their compile caches under `work`."""
-    return {"G5G_JAX_CACHE_DIR": str(work / "jaxcache"), "G5G_JAX_BUCKETS": BUCKETS, "G5G_JAX_SLOTS": str(SLOTS),
-            "G5G_TORCH_SLOTS": str(torch_slots), "G5G_TORCH_CACHE_DIR": str(work / f"torchcache{torch_slots}")}
-
-
-def note(out: Path, **kw) -> None:
-    RESULT.update(kw)
-    (out / "serving_speed.json").write_text(json.dumps(RESULT, indent=1))
-    print(json.dumps(kw)[:2000], flush=True)
+from benchmarks.harness import checkpoint, serve
+from benchmarks.harness.results import Results
+# the servers' flags and settings: benchmarks/t4g_model.py builds its engines with the same (served_settings), so the
+# step it times is the step these servers serve
+from benchmarks.harness.serve import BUCKETS, SERVER_FLAGS, SLOTS, served_settings
 
 
 # ------------------------------------------------------------------------------------------- checkpoint
 def make_checkpoint(ckpt: Path, layers: int, tiny: bool) -> None:
     """E2B-shaped random weights + a tokenizer over the whole vocabulary (extra ids decode to ' w<id>')."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    from benchmarks.jax_gpu_e2b_shape import build
-    from devtools.tiny_gemma4 import build_tokenizer
-
-    build(ckpt, layers, tiny)
-    build_tokenizer(ckpt)
-    vocab_size = json.loads((ckpt / "config.json").read_text())["text_config"]["vocab_size"]
-    tj = json.loads((ckpt / "tokenizer.json").read_text())
-    vocab = tj["model"]["vocab"]
-    for i in range(len(vocab), vocab_size):
-        vocab[f"▁w{i}"] = i
-    (ckpt / "tokenizer.json").write_text(json.dumps(tj))
-    import torch
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    checkpoint.build(ckpt, checkpoint.text_config("e2b", layers, tiny))
+    checkpoint.add_whole_vocab_tokenizer(ckpt)
 
 
 def prompts(ckpt: Path) -> dict:
@@ -94,16 +65,11 @@ def prompts(ckpt: Path) -> dict:
 def bench(url: str, out: Path, name: str, *, requests_n: int, concurrency: int, max_tokens: int,
           prompt: str | None = None) -> dict:
     """`build.py bench` on the wire; returns its result with per-request TPOTs and their spread."""
-    f = out / f"{name}.json"
-    cmd = [sys.executable, "build.py", "bench", "--url", url, "--mode", "both", "--requests", str(requests_n),
-           "--concurrency", str(concurrency), "--max-tokens", str(max_tokens), "--ignore-eos", "--warmup", "1",
-           "--timeout", "300", "--time-limit", "400", "--json", str(f)]
-    if prompt:
-        cmd += ["--prompt", prompt]
-    subprocess.run(cmd, cwd=ROOT, check=True, timeout=600, stdout=subprocess.DEVNULL)
-    r = json.loads(f.read_text())
-    tpots = [(lat - ttft) / (n - 1) * 1000 for lat, ttft, n in zip(r["latencies"], r["ttfts"], r["output_lens"])
-             if ttft is not None and n > 1]
+    args = ["--mode", "both", "--requests", str(requests_n), "--concurrency", str(concurrency), "--max-tokens",
+            str(max_tokens), "--ignore-eos", "--warmup", "1", "--timeout", "300", "--time-limit", "400"]
+    r = serve.bench(url, out / f"{name}.json", *args, *(["--prompt", prompt] if prompt else []), quiet=True,
+                    timeout=600)
+    tpots = serve.tpots_ms(r)
     keep = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "output_throughput",
             "median_ttft_ms", "mean_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "mean_tpot_ms", "std_tpot_ms",
             "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms", "gauge")
@@ -118,7 +84,7 @@ def bench(url: str, out: Path, name: str, *, requests_n: int, concurrency: int, 
 
 def measure_server(runtime: str, ckpt: Path, work: Path, runs: int, p: dict, torch_slots: int = 1, boots: int = 2,
                    **extra: str) -> dict:
-    from devtools.server import serving, serving_env
+    from devtools.server import serving_env
 
     env = serving_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"), XLA_PYTHON_CLIENT_MEM_FRACTION="0.5",
                       **{**served_settings(work, torch_slots), **extra})
@@ -130,10 +96,10 @@ def measure_server(runtime: str, ckpt: Path, work: Path, runs: int, p: dict, tor
     # boot from that cache, as a restarted pod with the chart's compile-cache volume does (boots=1: measure on the
     # cold-booted server, when GPU time is short)
     if boots == 2:
-        with serving(runtime, ckpt, *flags, env=env, timeout=900) as srv:
+        with serve.served(runtime, ckpt, *flags, env=env, timeout=900) as srv:
             res["boot_cold_s"] = round(srv.ready_s, 1)
         res["log_tail"]["cold"] = srv.output[-1500:]
-    with serving(runtime, ckpt, *flags, env=env, timeout=900) as srv:
+    with serve.served(runtime, ckpt, *flags, env=env, timeout=900) as srv:
         res["boot_warm_s" if boots == 2 else "boot_cold_s"] = round(srv.ready_s, 1)
         url = srv.url
         r = requests.post(f"{url}/v1/chat/completions", timeout=120, json={
@@ -348,7 +314,9 @@ def main() -> int:
         make_checkpoint(ckpt, args.layers, args.tiny)
     p = prompts(ckpt)
     import torch
-    note(out, device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", layers=args.layers,
+    results = Results(out / "serving_speed.json")
+    note = results.note
+    note(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", layers=args.layers,
          runs=args.runs, jax_buckets=BUCKETS, slots=SLOTS, checkpoint_s=round(time.perf_counter() - t0, 1),
          prompt_tokens={k: v["tokens"] for k, v in p.items()})
     phases = {"peer": ("peer_transformers_static", lambda: measure_peer(ckpt, args.runs, p)),
@@ -366,9 +334,9 @@ def main() -> int:
     for phase in args.only.split(","):
         key, run = phases[phase]
         try:
-            note(out, **{key: run()})
+            note(**{key: run()})
         except Exception as e:              # one phase failing must not lose the others' figures
-            note(out, **{key: {"error": f"{type(e).__name__}: {e}"[-3000:]}})
+            note(**{key: {"error": f"{type(e).__name__}: {e}"[-3000:]}})
     return 0
 
 

@@ -3,7 +3,7 @@ what each moves through DRAM against the least it must (ncu, cold L2 as on a T4G
 time predicted on a T4G by benchmarks/t4g_model.py's model (t4g_kernel_s: the largest of DRAM bytes, issue time,
 scaled duration and launch floor).
 
-    python benchmarks/t4g_kernels.py OUT_DIR [--cases NAME,...] [--tiny] [--no-ncu]
+    python -m benchmarks.t4g_kernels OUT_DIR [--cases NAME,...] [--tiny] [--no-ncu]
 
 Cases (CASES; E2B's shapes, 8 rows, random data), each with its peer in the same run:
 - attention-S-ROWS: one decode step's attention of a full layer (8 query heads over 1 KV head of 512) over S keys
@@ -19,7 +19,6 @@ Writes OUT_DIR/t4g_kernels.json, one row per case and path.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -28,9 +27,9 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
+from benchmarks.harness import children  # noqa: E402
+from benchmarks.harness.results import Results  # noqa: E402
 from benchmarks.t4g_model import CONSTANTS, METRICS, TURING, parse_ncu, t4g_kernel_s  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 1, 512       # E2B's full-attention layers
@@ -159,18 +158,18 @@ def child(case: str, path: str | None, tiny: bool, result: Path | None) -> None:
             times.append((time.perf_counter() - t0) * 1e3)
         res[name] = {"ms_here": round(statistics.median(times), 4), "least_bytes": least,
                      "max_abs_diff_vs_first": float(abs(got - first).max())}
-    result.write_text(json.dumps(res))
+    children.write_result(result, res)
 
 
 # ----------------------------------------------------------------------------------------------- the parent
 def run_case(case: str, args, ncu: str | None) -> dict:
-    env = {**os.environ, **TURING, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    me = [sys.executable, __file__, "--child", case] + ["--tiny"] * args.tiny
+    env = children.child_env(None, **TURING)
+    me = children.module_argv("benchmarks.t4g_kernels", "--child", case, *["--tiny"] * args.tiny)
     result = args.work / f"{case}.json"
-    r = subprocess.run([*me, "--result", str(result)], env=env, capture_output=True, text=True, timeout=args.timeout)
-    if r.returncode:
-        return {"error": (r.stdout + r.stderr)[-1500:]}
-    rows = json.loads(result.read_text())
+    timed = children.run_child([*me, "--result", str(result)], result, timeout=args.timeout, env=env, tail=1500)
+    if timed.error:
+        return {"error": timed.error}
+    rows = timed.figures
     for path in rows if ncu else ():
         log = args.work / f"{case}-{path}.csv"
         r = subprocess.run([ncu, "--profile-from-start", "off", "--clock-control", "none", "--cache-control", "all",
@@ -216,11 +215,10 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     ncu = None if args.no_ncu else __import__("shutil").which("ncu")
-    report = {"constants": CONSTANTS, "turing_env": TURING, "ncu": bool(ncu), "cases": {}}
+    results = Results(args.out / "t4g_kernels.json")
+    results.note(constants=CONSTANTS, turing_env=TURING, ncu=bool(ncu), cases={})
     for case in cases:
-        report["cases"][case] = run_case(case, args, ncu)
-        (args.out / "t4g_kernels.json").write_text(json.dumps(report, indent=1))
-        print(case, json.dumps(report["cases"][case]), flush=True)
+        results.note(cases={**results.data["cases"], case: run_case(case, args, ncu)})
     return 0
 
 

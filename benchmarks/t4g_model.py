@@ -2,10 +2,10 @@
 with physical constants (CONSTANTS: each with its source and an optimistic and a pessimistic value), calibrated
 against transformers' own eager decode, whose T4G step time is published.
 
-    python benchmarks/t4g_model.py OUT_DIR [--runtimes transformers,pytorch,jax] [--schemes fp16,w8a16,w4a16]
+    python -m benchmarks.t4g_model OUT_DIR [--runtimes transformers,pytorch,jax] [--schemes fp16,w8a16,w4a16]
         [--heads fp16,int8] [--ncu-budget 800] [--work DIR] [--steps 32] [--tiny] [--no-ncu]
-    python benchmarks/t4g_model.py OUT_DIR --recompute      # the predictions again from OUT_DIR/raw/ (no GPU)
-    python benchmarks/t4g_model.py OUT_DIR --recompute --wire serving_speed.json   # + the served TPOT beside each
+    python -m benchmarks.t4g_model OUT_DIR --recompute      # the predictions again from OUT_DIR/raw/ (no GPU)
+    python -m benchmarks.t4g_model OUT_DIR --recompute --wire serving_speed.json   # + the served TPOT beside each
                                                             # fp16 cell's wall per step (same GPU)
 
 A cell is a (runtime, scheme): `transformers` is the calibration (transformers' eager decode, fp16, SDPA, dynamic
@@ -55,8 +55,8 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
+
+from benchmarks.harness import checkpoint, children  # noqa: E402
 
 # Every constant of the model: its point value, its optimistic and pessimistic values, and where it comes from.
 CONSTANTS = {
@@ -451,7 +451,7 @@ class EngineRunner:
     def __init__(self, runtime: str, ckpt: Path, settings_dir: Path):
         # the engine the server builds (serving.__main__.load_engine) with serving_speed's flags; the settings come
         # from the environment, which measure_cell gives serving_speed's (served_settings)
-        from benchmarks.serving_speed import SERVER_FLAGS
+        from benchmarks.harness.serve import SERVER_FLAGS
         from serving.__main__ import load_engine, parse
         args = parse(["--runtime", runtime, "--model", str(ckpt), *SERVER_FLAGS])
         self.engine = load_engine(args.runtime, Path(args.model), args.max_model_len)
@@ -603,14 +603,13 @@ def gpu_clock_hz() -> float:
 
 # ------------------------------------------------------------------------------------------------ parent
 def checkpoints(work: Path, schemes: list[str], tiny: bool) -> dict[str, Path]:
-    import quantize
     import torch
 
-    from benchmarks.quantized_decode import build_checkpoint
+    from tools import quantize
 
     src = work / "e2b-fp16"
     if not (src / "config.json").exists():
-        build_checkpoint(src, "e2b", tiny)
+        checkpoint.build(src, checkpoint.text_config("e2b", tiny=tiny))
     dirs = {"fp16": src}
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     for scheme in schemes:
@@ -632,16 +631,9 @@ def available(ncu: str, metrics: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def run_child(args: list[str], env: dict, result: Path, timeout: int, ncu: list[str] | None = None) -> dict:
-    result.unlink(missing_ok=True)
-    cmd = [*(ncu or []), sys.executable, __file__, "--child", *args, "--result", str(result)]
-    t0 = time.perf_counter()
-    try:
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout} s", "child_s": timeout}
-    if r.returncode or not result.exists():
-        return {"error": (r.stdout + r.stderr)[-2000:], "child_s": round(time.perf_counter() - t0, 1)}
-    return {**json.loads(result.read_text()), "child_s": round(time.perf_counter() - t0, 1)}
+    """One child of a cell (under ncu when given): its record, or its error, with the seconds it ran (child_s)."""
+    cmd = [*(ncu or []), *children.module_argv("benchmarks.t4g_model", "--child", *args, "--result", str(result))]
+    return children.run_child(cmd, result, timeout=timeout, env=env).record(timed="child_s")
 
 
 # ncu cannot profile the kernel nodes of a CUDA graph that may hold conditional nodes ("not supported for profiling"):
@@ -666,7 +658,7 @@ def profiled_env(runtime: str, env: dict) -> dict:
 def measure_cell(runtime: str, ckpt: Path, env: dict, a, ncu: str | None, metrics: tuple[str, ...],
                  name: str) -> dict:
     """A cell's raw record: the measure child's timings and traced steps, joined with the ncu child's rows."""
-    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = children.child_env(None, **env)
     common = [runtime, str(ckpt), "--steps", str(a.steps), "--work", str(a.work)]
     warm = run_child(common, env, a.work / f"{name}-warm.json", COMPILE_TIMEOUT_S)
     if "error" in warm:
@@ -782,10 +774,9 @@ def main() -> int:
         (a.out / "t4g_model.json").write_text(json.dumps({**prev, **table(raws, wire_record(a))}, indent=1))
         return 0
     a.work.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(ROOT))
     import torch
 
-    from benchmarks.serving_speed import served_settings
+    from benchmarks.harness.serve import served_settings
     from serving import memory_plan
     ncu = None if a.no_ncu else shutil.which("ncu")
     metrics = available(ncu, METRICS) if ncu else METRICS

@@ -1,12 +1,8 @@
-"""benchmarks/vllm_build_report.py reads BuildKit's plain log, ninja's log and the build's cuobjdump listing as they
-are written (the snippets below are cut from the g4dn build's own files)."""
+"""benchmarks/build_evidence/vllm_build_report.py reads BuildKit's plain log, ninja's log and the build's cuobjdump
+listing as they are written (the snippets below are cut from the g4dn build's own files)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import vllm_build_report as report  # noqa: E402
+from benchmarks.build_evidence import vllm_build_report as report
 
 BAKE_LOG = """\
 #14 [torch-base torch-base 3/7] RUN --mount=type=cache,target=/root/.cache/pip pip install "torch==${TORCH_VERSION}"
@@ -116,8 +112,9 @@ def test_stage_times_read_steps_buildkit_pads_to_two_digits():
 
 
 def test_rehearsal_report_keeps_the_steps_an_attempt_stopped_on(tmp_path):
-    """benchmarks/rehearsal_report.py: a failed attempt's steps are in the record with how long they had run."""
-    import rehearsal_report as rr
+    """benchmarks/build_evidence/rehearsal_report.py: a failed attempt's steps are in the record with how long they
+    had run."""
+    from benchmarks.build_evidence import rehearsal_report as rr
     log = tmp_path / "bake.log"
     log.write_text("#13 [vllm torch-base  4/10] RUN pip install torch\n#13 1184.2 Installing collected packages: x\n"
                    "#13 1657.2 ERROR: Could not install packages due to an OSError: [Errno 28] No space left on device\n"
@@ -136,7 +133,7 @@ def test_rehearsal_report_keeps_an_earlier_reports_attempts(tmp_path, monkeypatc
     at; what this run does not give anew (the resolution, the vLLM report) is kept; the new attempt has its note."""
     import json
 
-    import rehearsal_report as rr
+    from benchmarks.build_evidence import rehearsal_report as rr
     prev = {"provenance": {"project_commit": "a" * 40}, "inputs": {"x.whl": "00"},
             "attempts": [{"log": "old.log", "steps": [], "proof": ["segfault"], "wheels_downloaded": [], "error": None}],
             "base_images": [{"ref": "base:arm64", "id": "sha256:1"}],
@@ -168,7 +165,7 @@ def test_rehearsal_report_keeps_the_earlier_vllm_report_next_to_a_new_one(tmp_pa
     """A new --report (e.g. linux/arm64 under QEMU) does not drop the earlier report's vLLM run (linux/amd64)."""
     import json
 
-    import rehearsal_report as rr
+    from benchmarks.build_evidence import rehearsal_report as rr
     prev = {"provenance": {"project_commit": "a" * 40}, "attempts": [], "vllm_report": {"stages": {"old": 1}},
             "report_note": "linux/amd64 natively"}
     (tmp_path / "prev.json").write_text(json.dumps(prev))
@@ -195,7 +192,7 @@ def test_rehearsal_report_records_torchs_cuda_discovery_per_platform(tmp_path, m
     --previous, replaced per name."""
     import json
 
-    import rehearsal_report as rr
+    from benchmarks.build_evidence import rehearsal_report as rr
     ok, bad = tmp_path / "ok.log", tmp_path / "bad.log"
     ok.write_text("#12 3.0 -- Found CUDNN: /usr/local/cuda/lib64/libcudnn.so\n#12 3.1 -- Detecting C compile features\n"
                   "#12 3.2 -- Looking for NCCL_VERSION_CODE - found\n"
@@ -227,7 +224,7 @@ def test_rehearsal_report_records_the_header_stage_per_variant(tmp_path):
     that stopped on a missing header is FAILED and names it."""
     import json
 
-    import rehearsal_report as rr
+    from benchmarks.build_evidence import rehearsal_report as rr
     ok, bad = tmp_path / "ok.log", tmp_path / "bad.log"
     ok.write_text("#9 1.0 check-headers: include ATen/cudnn/cudnn-wrapper.h: cudnn.h\n#9 1.1 some warning\n"
                   "#9 90.0 check-headers: 15 of torch's headers that name NVIDIA library headers compiled (3 skipped)\n")

@@ -1,13 +1,13 @@
-"""benchmarks/image_proof.py's pure parts: cuobjdump's output, coverage of a 7.5 GPU, wheel RECORDs against the
-image's, and pip's target arguments from a wheel's tags."""
+"""benchmarks/build_evidence/image_proof.py's pure parts: cuobjdump's output, coverage of a 7.5 GPU, wheel RECORDs
+against the image's, and pip's target arguments from a wheel's tags."""
 from __future__ import annotations
 
 import zipfile
 
 import pytest
 
-from benchmarks import image_proof as ip
-from benchmarks import provenance
+from benchmarks.build_evidence import image_proof as ip
+from benchmarks.build_evidence import provenance
 
 ELF = """ELF file    1: xla_cuda_plugin.1.sm_75.cubin
 ELF file    2: xla_cuda_plugin.2.sm_80.cubin

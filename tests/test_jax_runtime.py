@@ -179,7 +179,8 @@ def test_limits_are_clear_errors(pair):
 
 def test_float16_stays_near_the_float32_reference(e2b_ckpt):
     """The GPU dtype, run on CPU: float32 logits out, within 0.1 of transformers' float32 logits, same argmax.
-    (At E2B's real shapes on a GPU, benchmarks/jax_gpu_e2b_shape.py compares it with transformers' float16.)"""
+    (At E2B's real shapes on an H200 it was compared with transformers' float16:
+    benchmarks/results/jax_gpu_e2b_shape_h200.json.)"""
     ref, ckpt = e2b_ckpt
     half = load(ckpt, Settings(buckets=(16,), dtype="float16", cache_dir=None, slots=1))
     seq = _sequence(ref.config.get_text_config().vocab_size, 16, seed=3)

@@ -26,7 +26,7 @@ BOUNDS_RANDOM = {"w8a16": (5e-3, 0.85), "w4a16": (0.3, 0.25)}   # random weights
 def e2b_shaped(tmp_path_factory):
     """E2B's widths (hidden 1536, MLP 6144/12288, heads 8x256 / 8x512, 1 KV head, PLE 256), 7 layers (E2B's
     first five, then a sliding and a full layer sharing the KV of layers 3 and 4) and a 4096-token vocabulary:
-    CPU- and disk-sized (1.2 GB written, removed after), random weights as benchmarks/jax_gpu_e2b_shape.py draws
+    CPU- and disk-sized (1.2 GB written, removed after), random weights as benchmarks/harness/checkpoint.py draws
     them (small q/k norms: otherwise attention is one-hot and chaotic)."""
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 

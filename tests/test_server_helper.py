@@ -128,7 +128,7 @@ def test_benchmarks_and_the_package_import_no_test_code():
     import tomllib
 
     product = [*(REPO / "g5g").rglob("*.py"), *(REPO / "serving").rglob("*.py")]
-    for path in [*(REPO / "benchmarks").glob("*.py"), *product]:
+    for path in [*(REPO / "benchmarks").rglob("*.py"), *product]:
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import t4g_model as tm
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import t4g_model as tm  # noqa: E402
 
 SAMPLE = Path(__file__).parent / "fixtures" / "ncu_raw_sample.csv"
 RESULTS = ROOT / "benchmarks" / "results" / "t4g_model"
@@ -158,8 +158,8 @@ def test_the_committed_table_is_what_the_model_makes_of_the_committed_records(tm
     (tmp_path / "raw").mkdir()
     for p in (RESULTS / "raw").glob("*.json"):
         (tmp_path / "raw" / p.name).write_bytes(p.read_bytes())
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "t4g_model.py"), str(tmp_path), "--recompute"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.t4g_model", str(tmp_path), "--recompute"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     made, committed = (json.loads(p.read_text()) for p in (tmp_path / "t4g_model.json", RESULTS / "t4g_model.json"))
     assert made["runtimes"] == committed["runtimes"] and made["calibration"] == committed["calibration"]
@@ -174,9 +174,9 @@ def test_the_committed_table_is_what_the_model_makes_of_the_committed_records(tm
 def test_the_measure_runs_its_children_on_cpu(tmp_path):
     """The whole measure on a CPU (tiny widths, no ncu): checkpoints made, transformers' eager decode and our
     PyTorch engine loaded and stepped with 1 and 8 live sequences in the measure child."""
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "t4g_model.py"), str(tmp_path / "out"), "--tiny",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.t4g_model", str(tmp_path / "out"), "--tiny",
                         "--no-ncu", "--steps", "2", "--runtimes", "transformers,pytorch", "--schemes", "fp16",
-                        "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=600)
+                        "--work", str(tmp_path / "work")], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     for name in ("transformers-fp16", "pytorch-fp16"):
         raw = json.loads((tmp_path / "out" / "raw" / f"{name}.json").read_text())
@@ -187,8 +187,9 @@ def test_t4g_kernels_runs_each_case_beside_its_peers_on_cpu(tmp_path):
     """benchmarks/t4g_kernels.py on CPU (tiny shapes, no ncu): each path of a case timed, and checked to compute what
     the runtime's own path computes (SDPA's attention against serving/torch_runtime/attention.py's GEMMs; the packed
     dot and the fp16 dot against the JAX runtime's multiply-reduce)."""
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "t4g_kernels.py"), str(tmp_path), "--tiny",
-                        "--no-ncu", "--cases", "attention-1024-8,w4a16-8"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.t4g_kernels", str(tmp_path), "--tiny",
+                        "--no-ncu", "--cases", "attention-1024-8,w4a16-8"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     cases = json.loads((tmp_path / "t4g_kernels.json").read_text())["cases"]
     rows = cases["attention-1024-8"]
@@ -199,8 +200,8 @@ def test_t4g_kernels_runs_each_case_beside_its_peers_on_cpu(tmp_path):
     assert list(rows) == ["reduce", "packed_dot", "fp16_dot"]
     assert all(r["max_abs_diff_vs_first"] < 0.05 for r in rows.values())      # fp16 outputs of size ~10
     assert rows["fp16_dot"]["least_bytes"] > 2 * rows["reduce"]["least_bytes"]  # 2 bytes a weight against 1/2
-    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "t4g_kernels.py"), str(tmp_path), "--cases",
-                          "attention-7"], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.t4g_kernels", str(tmp_path), "--cases",
+                          "attention-7"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown case(s) attention-7" in bad.stderr
 
 

@@ -1,7 +1,7 @@
 """What a pushed image is, bound to what proves it: registry digest, the key wheels (sha256, every file checked
 against the image), the SASS/PTX in every shared library of the CUDA wheels, ptxas for sm_75, the project commit.
 
-    python benchmarks/image_proof.py 127.0.0.1:5055/g5g-images:jax-g4dn --dists jax jaxlib jax-cuda13-plugin \
+    python -m benchmarks.build_evidence.image_proof 127.0.0.1:5055/g5g-images:jax-g4dn --dists jax jaxlib jax-cuda13-plugin \
         jax-cuda13-pjrt --cuobjdump-dists jax-cuda13-plugin jax-cuda13-pjrt --ptxas \
         --build-log build/logs/bake-….log --json benchmarks/results/g4dn_jax_image.json
 
@@ -39,13 +39,10 @@ import time
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from g5g import archlist, registry  # noqa: E402
-from g5g.errors import UserError  # noqa: E402
-from benchmarks.provenance import git_state, revision_label, run  # noqa: E402
-from benchmarks.vllm_build_report import stage_times  # noqa: E402
+from benchmarks.build_evidence.provenance import ROOT, git_state, revision_label, run
+from benchmarks.build_evidence.vllm_build_report import stage_times
+from g5g import archlist, registry
+from g5g.errors import UserError
 
 CUOBJDUMP_VERSION = "13.4.92"  # nvidia-cuda-cuobjdump, the g4dn profile's pin
 NO_DEVICE_CODE = "does not contain device code"

@@ -1,5 +1,5 @@
 """Where an image and a report come from: the checkout a proof ran from, and the commit build.py labelled the image
-with (benchmarks/image_proof.py and benchmarks/vllm_build_report.py both record it)."""
+with (image_proof and vllm_build_report both record it)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 from g5g.commands.build import IMAGE_INPUTS
 from g5g.errors import UserError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(argv: list[str], timeout: int = 1800, **kw) -> subprocess.CompletedProcess:

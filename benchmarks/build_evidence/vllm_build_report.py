@@ -2,7 +2,7 @@
 the image itself (import, our Triton attention kernel compiled for sm_75 inside it), bound to what it proves: the
 project commit, the wheel's sha256, the external sources used and the image digest.
 
-    python benchmarks/vllm_build_report.py --log build/logs/bake-….log --report DIR --image REF \
+    python -m benchmarks.build_evidence.vllm_build_report --log build/logs/bake-….log --report DIR --image REF \
         [--build-commit SHA] [--sdist-tree .cache/src/vllm-0.33.0] [--json benchmarks/results/g4dn-vllm-build.json]
 
 DIR is the `vllm-report` stage exported after the build (cached, so instant):
@@ -21,9 +21,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.provenance import git_state, revision_label  # noqa: E402
+from benchmarks.build_evidence.provenance import ROOT, git_state, revision_label
 
 STEP = re.compile(r"^#(\d+) \[(?:(\S+) )?(\S+) +(\d+)/(\d+)\] (.*)$")  # "#23 [vllm toolchain 1/6] RUN …", "#13 [vllm torch-base  4/10] …"
 DONE = re.compile(r"^#(\d+) DONE ([\d.]+)s$")

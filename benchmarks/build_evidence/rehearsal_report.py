@@ -1,6 +1,6 @@
 """What a `build.py --rehearse` run proved, stage by stage, bound to what it ran on.
 
-    python benchmarks/rehearsal_report.py --bake-log build/logs/bake-….log [--bake-log …] \
+    python -m benchmarks.build_evidence.rehearsal_report --bake-log build/logs/bake-….log [--bake-log …] \
         [--resolve aarch64-resolve.json] [--report DIR --report-log LOG] [--base-image REF] [--input FILE…] \
         [--previous benchmarks/results/g5g_rehearsal.json] \
         --json benchmarks/results/g5g_rehearsal.json [--md benchmarks/results/g5g_rehearsal.md]
@@ -9,7 +9,7 @@
 time or "cached", the lines that prove something (nvcc's version, check-sass.sh's verdicts, CMake's arch lines, the
 rehearsal's own lines), the wheels pip took for the platform, and the error the attempt stopped on.
 --resolve: `pip install --dry-run --report` of the runtime stage's requirement set for the target platform.
---report/--report-log: a rehearsal's exported vllm-report stage and its bake log (benchmarks/vllm_build_report.py).
+--report/--report-log: a rehearsal's exported vllm-report stage and its bake log (vllm_build_report).
 --input: files the run used (wheels, sdists), recorded by sha256. Nothing here needs Docker but --base-image.
 --previous: an earlier report of this tool (its logs may be gone): its attempts come first, each still with the
 commit it ran at, and what this run does not give anew (resolution, vLLM report, inputs, bases) is kept.
@@ -27,9 +27,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import vllm_build_report as vbr  # noqa: E402
-from image_proof import sha256_file as sha256  # noqa: E402
+from benchmarks.build_evidence import vllm_build_report as vbr
+from benchmarks.build_evidence.image_proof import sha256_file as sha256
 
 PROOF = re.compile(r"(Cuda compilation tools|sass: |no device code|CUDA (supported )?target architectures|REHEARSAL|"
                    r"rehearsal:|arch list:|Successfully installed|No space left|Could not find a version|"
