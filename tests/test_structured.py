@@ -125,6 +125,31 @@ def test_compile_limits_refuse_instead_of_hanging(info):
         Grammars(info, len(info.prompt_tokenizer), workers=2, memory=2 * 48 * 2**20).json_schema(SCHEMA)
 
 
+def test_the_compile_process_imports_serving_from_the_tree_it_was_started_from(tmp_path):
+    """The compile's program finds `serving` at the root it is given (serving/shaping/grammar_pool.py's _ROOT), not
+    through an install or the working directory: run here without site (no editable install) from elsewhere."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import outlines_core
+
+    from serving.shaping import grammar_pool
+    from serving.shaping.grammar import MAX_REGEX_CHARS, MAX_STRING_BOUND
+
+    vocabulary = outlines_core.Vocabulary(8, {ch: [i] for i, ch in enumerate("truefals")})
+    libraries = {str(Path(m.__file__).resolve().parents[1]) for m in (np, outlines_core)}    # not serving's
+    r = subprocess.run([sys.executable, "-S", "-c", grammar_pool._INDEX_PROGRAM, str(os.getpid()), grammar_pool._ROOT,
+                        "0"], input=pickle.dumps(('{"type": "boolean"}', MAX_STRING_BOUND, MAX_REGEX_CHARS, vocabulary)),
+                       capture_output=True, check=False, cwd=tmp_path,
+                       env={"PYTHONPATH": os.pathsep.join(sorted(libraries))}, timeout=120)
+    assert r.returncode == 0, r.stderr.decode(errors="replace")[-500:]
+    ok, index = pickle.loads(r.stdout)
+    assert ok and isinstance(index, outlines_core.Index)
+
+
 def test_a_matcher_walks_a_valid_instance_to_a_stop_token(info, grammars):
     """The mask allows each token of a compact valid instance in turn, then any of the checkpoint's stop tokens
     (and only then); taking one ends the grammar."""

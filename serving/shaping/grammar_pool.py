@@ -364,7 +364,7 @@ _ROOT = str(Path(__file__).resolve().parents[2])       # where `serving` is impo
 def build_index(schema_json: str, vocabulary, deadline: float, stop: threading.Event | None = None,
                 max_string: int = MAX_STRING_BOUND, max_regex_chars: int = MAX_REGEX_CHARS,
                 memory: int = COMPILE_MEMORY // (COMPILES + 1), quick: bool = False) -> tuple[Any, int]:
-    """outlines-core's Index of the schema's regex (structured.schema_regex) over `vocabulary`, and the memory it
+    """outlines-core's Index of the schema's regex (grammar.schema_regex) over `vocabulary`, and the memory it
     holds once loaded (LOADED_PER_PICKLED times its size as it crossed), built in a child process (the server's
     threads, memory and devices stay out of it) that is killed at `deadline` or once `stop` is set (TimeoutError).
     Its reason (ValueError) if it cannot. `quick`: a try in the quick slot, whose timeout says nothing of the server
