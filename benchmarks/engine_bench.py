@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from serving.generation import Delta, Finish, SamplingParams, TokenizerInfo, generate
+from serving.core.generation import Delta, Finish, SamplingParams, TokenizerInfo, generate
 
 RUNTIMES = {"pytorch": "serving.torch_runtime", "jax": "serving.jax_runtime"}
 

@@ -1,5 +1,5 @@
 """Which grammar library constrains JSON output: xgrammar vs outlines-core, on CPU, over a Gemma-sized vocabulary;
-and the server's own path (serving/structured.py, outlines-core) over the same vocabulary.
+and the server's own path (serving/shaping/grammar.py, outlines-core) over the same vocabulary.
 
 For `response_format` json_schema the server compiles one grammar per request and, for every generated token, asks
 the request's matcher which of the vocabulary's tokens may come next (a bitmask the runtime applies to the logits
@@ -138,15 +138,15 @@ def bench_outlines(vocab, text, runs):
 
 
 def bench_serving(vocab, text, runs):
-    """serving.structured as the server runs it: Grammars without a cache (every compile cold) and with one, and a
+    """serving.shaping.grammar as the server runs it: Grammars without a cache (every compile cold) and with one, and a
     Matcher walking the instance."""
     import threading
     from types import SimpleNamespace
 
-    from serving.grammar_compile import Grammars
-    from serving.structured import Matcher
+    from serving.shaping.grammar import Matcher
+    from serving.shaping.grammar_pool import Grammars
 
-    class Tokenizer:      # the synthetic vocabulary behind the one method serving.structured.token_bytes calls
+    class Tokenizer:      # the synthetic vocabulary behind the one method serving.shaping.grammar.token_bytes calls
         def get_vocab(self):
             return {t: i for i, t in enumerate(vocab)}
 

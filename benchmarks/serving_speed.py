@@ -47,7 +47,7 @@ def make_checkpoint(ckpt: Path, layers: int, tiny: bool) -> None:
 
 def prompts(ckpt: Path) -> dict:
     """The chat prompts (text) the benches send, and their token counts as the servers will see them."""
-    from serving.generation import TokenizerInfo
+    from serving.core.generation import TokenizerInfo
     from g5g.bench import DEFAULT_PROMPT
 
     info = TokenizerInfo.load(ckpt)

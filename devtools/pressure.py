@@ -250,7 +250,7 @@ def on_the_wire(url: str, case: Wire, limit_s: float = 120) -> tuple[list[int], 
 
 def compiles_of(url: str) -> list[int]:
     """The schema compiles' processes of the server at `url` (started with `--port PORT`, as devtools/server.py
-    starts it): children whose argv names the server's pid (serving/grammar_compile.py's _INDEX_PROGRAM)."""
+    starts it): children whose argv names the server's pid (serving/shaping/grammar_pool.py's _INDEX_PROGRAM)."""
     from pathlib import Path
 
     def argv(pid: str) -> list[bytes]:

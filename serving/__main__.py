@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-connections", type=_count, default=1024,
                    help="open connections; one more gets a 503 and is closed at once (0: as many as the "
                         "descriptor limit allows, less 128 kept spare, which also caps this; default: 1024)")
-    from serving.grammar_compile import CACHE_BYTES, COMPILE_MEMORY, COMPILES
+    from serving.shaping.grammar_pool import CACHE_BYTES, COMPILE_MEMORY, COMPILES
 
     p.add_argument("--grammar-compiles", type=_positive, default=COMPILES,
                    help="schema compiles (response_format, forced tools) run at once, each in its own process; "
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 1
 
-    from serving.api import create_app, server as make_server
+    from serving.api.app import create_app, server as make_server
 
     def load():
         # Imported here, in the engine thread, so the port opens before torch/jax are even imported.

@@ -3,7 +3,7 @@
 A runtime holds up to `slots` sequences at once, each in its own slot of a fixed KV cache. It runs prompts and
 decode steps and picks every next token on the device (greedy, temperature, top-k, top-p, seeded per request:
 the contract below), so only token ids cross to the host. Tokenisation, the chat template, stop rules,
-detokenisation and scheduling (which request holds which slot) are the API layer's (serving/generation.py), so
+detokenisation and scheduling (which request holds which slot) are the API layer's (serving/core/generation.py), so
 both runtimes behave the same on the wire.
 
 Sampling contract, the same on every runtime:
@@ -24,7 +24,7 @@ above (bias, penalties, temperature, cuts); `logprobs(slot)` has the chosen toke
 `prompt_logprobs(slot)` the same for each prompt token (computed by `start` only when the params ask: it costs the
 LM head over every prompt position).
 
-Allowed tokens (structured output, serving/structured.py): `start` takes a mask and `step` a {slot: mask} for the
+Allowed tokens (structured output, serving/shaping/grammar.py): `start` takes a mask and `step` a {slot: mask} for the
 slots whose request follows a grammar. A mask is a packed bitmask row, int32 [ceil(vocab_size / 32)], bit i % 32 of
 word i // 32 set when token i may come next (mask_words below: the words in a row); the runtime gives every other
 token the logit MASKED before the adjustments above and the draw. A slot without a mask is unconstrained. The

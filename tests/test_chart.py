@@ -200,7 +200,7 @@ def arg(container: dict, flag: str) -> str:
 
 @pytest.mark.parametrize("sets", [(), ("maxModelLen=8192",), ("drain.shutdownTimeoutSeconds=60",)])
 def test_grace_period_covers_prestop_drain_and_the_servers_exit(helm, sets):  # noqa: F811
-    from serving.api import server
+    from serving.api.app import server
 
     docs = render(helm, "values-jax-g5g.yaml", *sets)
     pod = by_kind(docs)["Deployment"]["spec"]["template"]["spec"]
@@ -359,9 +359,9 @@ def test_autoscaling_scrapes_the_metric_its_scaler_queries(helm):  # noqa: F811
     pod_re = re.search(r'pod=~"([^"]+)"', trigger["metadata"]["query"]).group(1)
     assert re.fullmatch(pod_re, f"{dep['metadata']['name']}-7c9d8f6b5-x2k4q")
     assert 'namespace="team-a"' in trigger["metadata"]["query"]
-    # the metrics exist on our servers under those names (serving/metrics.py registers them)
+    # the metrics exist on our servers under those names (serving/core/metrics.py registers them)
     for name in ("vllm:num_requests_waiting", "vllm:num_requests_running"):
-        assert f'"{name}"' in (REPO / "serving" / "metrics.py").read_text()
+        assert f'"{name}"' in (REPO / "serving" / "core" / "metrics.py").read_text()
 
 
 @pytest.mark.parametrize("runtime", ["vllm", "jax", "pytorch"])

@@ -116,7 +116,7 @@ def test_every_link_and_repository_path_in_the_docs_exists():
 def test_a_missing_path_is_found(tmp_path):
     doc = tmp_path / "x.md"
     doc.write_text("See [a](nothere.md), `serving/nothere.py`, `benchmarks/results/{g4dn_vllm_build,nope}.json` "
-                   "and `serving/api.py`, `http://x/serving/api.py`.\n")
+                   "and `serving/api/app.py`, `http://x/serving/api/app.py`.\n")
     assert paths_that_do_not_exist(doc) == ["link nothere.md", "path benchmarks/results/{g4dn_vllm_build,nope}.json",
                                             "path serving/nothere.py"]
 

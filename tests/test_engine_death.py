@@ -13,7 +13,7 @@ import requests
 
 from devtools.server import serving_env
 from devtools.tiny_gemma4 import QUESTION
-from serving.scheduler import FATAL_AFTER, fatal
+from serving.core.scheduler import FATAL_AFTER, fatal
 from tests.fixtures.failing_runtime import BROKEN_SEED, OOM_SEED, POISON_SEED, REFUSED_SEED
 from tests.fixtures.serving import tiny_server
 

@@ -157,7 +157,7 @@ def test_sm75_paths_answer_as_this_gpus_own(servers, name):
                         _answers(servers[name.removesuffix("-sm75")], concurrent=True))
 
 
-# serving/api.py's warm-up line, with the PyTorch engine's compile summary (serving/torch_runtime/compile_cache.py)
+# serving/api/app.py's warm-up line, with the PyTorch engine's compile summary (serving/torch_runtime/compile_cache.py)
 WARM_UP = re.compile(r"boot: warm-up [\d.]+s \(.*?\); compiled decode: (?P<graphs>\d+) graph\(s\).*"
                      r"FX graph cache (?P<fx_hit>\d+) hit (?P<fx_miss>\d+) miss (?P<fx_bypass>\d+) bypass, "
                      r"AOT cache (?P<aot_hit>\d+) hit (?P<aot_miss>\d+) miss (?P<aot_bypass>\d+) bypass")

@@ -1,4 +1,4 @@
-"""The HTTP protocol below the app (serving/middleware.py's http_protocol), on loopback, in this process: framing
+"""The HTTP protocol below the app (serving/api/middleware.py's http_protocol), on loopback, in this process: framing
 that cannot smuggle, a half-close that loses no pipelined request, a header deadline per request, one log line for
 a body the parser refuses, and a connection cap that /health and light clients get past. The app is a small one
 behind the server's own Guard and error handlers (the runtimes' servers: tests/test_serving_fuzz.py)."""
@@ -19,8 +19,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from devtools.server import free_port
-from serving.api import ERROR_HANDLERS
-from serving.middleware import Guard, http_protocol
+from serving.api.app import ERROR_HANDLERS
+from serving.api.middleware import Guard, http_protocol
 
 WAIT_S = 30         # a bound on every wait, never a speed requirement
 

@@ -101,7 +101,7 @@ def test_the_proof_names_the_build_commit_and_what_changed_since():
     assert state["image_inputs_changed_since_build"] == []
     first = provenance.run(["git", "-C", str(provenance.ROOT), "rev-list", "--max-parents=0", "HEAD"]).stdout.split()[0]
     if first != state["commit"]:  # a depth-1 clone has no older commit
-        assert "serving/api.py" in provenance.git_state(first)["image_inputs_changed_since_build"]
+        assert "serving/api/app.py" in provenance.git_state(first)["image_inputs_changed_since_build"]
     with pytest.raises(provenance.UserError, match="not a commit"):
         provenance.git_state("0" * 40)
 

@@ -1,6 +1,7 @@
 """No import circles among the project's modules (g5g/, serving/, benchmarks/, devtools/): a module's imports, at
 its top or inside a function, never lead back to it. A circle ties two modules into one that no one can read or test alone
-(before: serving/api.py <-> serving/openai_text.py, benchmarks/image_proof.py <-> benchmarks/vllm_build_report.py)."""
+(before: serving/api/app.py <-> serving/api/completions.py, benchmarks/image_proof.py <->
+benchmarks/vllm_build_report.py)."""
 from __future__ import annotations
 
 import ast
@@ -84,7 +85,7 @@ def test_the_finder_finds_a_circle_and_its_absence():
 def test_no_module_imports_itself_back():
     known = modules()
     graph = {n: imports(n, p, known) for n, p in known.items()}
-    assert graph["serving.api"] and graph["benchmarks.build_evidence.image_proof"]      # the finder reads real imports
+    assert graph["serving.api.app"] and graph["benchmarks.build_evidence.image_proof"]      # the finder reads real imports
     assert cycles(graph) == []
 
 
@@ -106,16 +107,16 @@ def test_the_api_layer_reaches_a_runtime_only_through_the_engine_seam():
     assert "serving.engine" in imports("serving.torch_runtime.engine", known["serving.torch_runtime.engine"], known)
 
 
-# serving/'s layers, each module named: the API layer -> the engine core -> request shaping -> the runtime contract
-# and pure helpers <- the runtimes. Data, so a move of modules edits only this.
+# serving/'s layers: the API layer -> the engine core -> request shaping -> the runtime contract and pure helpers <-
+# the runtimes. A package stands for all its modules (serving/api/, core/, shaping/: a layer each); a module
+# outside them is named. Data, so a move of modules edits only this.
 SERVING_LAYERS = {
     "entry": ["serving", "serving.__main__"],       # `python -m serving` picks the runtime and starts the app
-    "api": ["serving.api", "serving.middleware", "serving.protocol", "serving.openai_text", "serving.answering",
-            "serving.tokenization"],
-    "core": ["serving.scheduler", "serving.generation", "serving.metrics"],
-    "shaping": ["serving.tokenizer_info", "serving.tool_calls", "serving.structured", "serving.grammar_compile"],
+    "api": ["serving.api"],                         # each package with all its modules
+    "core": ["serving.core"],
+    "shaping": ["serving.shaping"],
     "contract": ["serving.engine", "serving.memory_plan", "serving.quantized", "serving.device"],
-    "runtime": ["serving.jax_runtime", "serving.torch_runtime"],    # each package with all its modules
+    "runtime": ["serving.jax_runtime", "serving.torch_runtime"],
 }
 # The layers each layer's modules may import (its own included). A runtime reaches only the contract (and,
 # by the test above, never the other runtime).
@@ -149,11 +150,11 @@ def crossings(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_the_layer_check_finds_an_upward_import():
-    graph = {"serving.scheduler": {"serving.protocol"}, "serving.structured": {"serving.engine"},
-             "serving.jax_runtime.engine": {"serving.structured"}, "serving.newcomer": set()}
-    assert crossings(graph) == ["serving.jax_runtime.engine (runtime) imports serving.structured (shaping)",
-                                "serving.newcomer is in no layer (SERVING_LAYERS)",
-                                "serving.scheduler (core) imports serving.protocol (api)"]
+    graph = {"serving.core.scheduler": {"serving.api.protocol"}, "serving.shaping.grammar": {"serving.engine"},
+             "serving.jax_runtime.engine": {"serving.shaping.grammar"}, "serving.newcomer": set()}
+    assert crossings(graph) == ["serving.core.scheduler (core) imports serving.api.protocol (api)",
+                                "serving.jax_runtime.engine (runtime) imports serving.shaping.grammar (shaping)",
+                                "serving.newcomer is in no layer (SERVING_LAYERS)"]
 
 
 def test_serving_imports_only_down_its_layers():
@@ -161,7 +162,7 @@ def test_serving_imports_only_down_its_layers():
     them to HTTP), the mask is the runtime contract's, and a runtime needs nothing of the layers above."""
     known = modules()
     graph = {n: imports(n, p, known) for n, p in known.items() if n == "serving" or n.startswith("serving.")}
-    assert "serving.scheduler" in graph["serving.api"]          # the finder reads real imports
+    assert "serving.core.scheduler" in graph["serving.api.app"]          # the finder reads real imports
     assert crossings(graph) == []
 
 

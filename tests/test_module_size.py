@@ -1,5 +1,5 @@
 """The product's modules (g5g/, serving/) are split by responsibility: none runs past 500 lines, the size at which
-one was found to hold two (g5g/manifest.py: the schema, the loading and the expressions; serving/api.py: the app,
+one was found to hold two (g5g/manifest.py: the schema, the loading and the expressions; serving/api/app.py: the app,
 the engine thread and the metrics)."""
 from __future__ import annotations
 

@@ -76,8 +76,8 @@ def test_images_carry_the_commit_they_are_built_from(g5g, tmp_path):
     assert build_cmd.git_revision(tmp_path) is None  # not a checkout: no label rather than a guess
     git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git, "init", "-q"], check=True)
-    (tmp_path / "serving").mkdir()
-    for f in ("serving/api.py", "notes.md"):
+    (tmp_path / "serving/api").mkdir(parents=True)
+    for f in ("serving/api/app.py", "notes.md"):
         (tmp_path / f).write_text("1")
     subprocess.run([*git, "add", "."], check=True)
     subprocess.run([*git, "commit", "-qm", "x"], check=True)
@@ -85,7 +85,7 @@ def test_images_carry_the_commit_they_are_built_from(g5g, tmp_path):
     assert build_cmd.git_revision(tmp_path) == head
     (tmp_path / "notes.md").write_text("2")  # not an image input: the image is still the commit's
     assert build_cmd.git_revision(tmp_path) == head
-    (tmp_path / "serving/api.py").write_text("2")
+    (tmp_path / "serving/api/app.py").write_text("2")
     assert build_cmd.git_revision(tmp_path) == head + "-dirty"
 
 def test_vllm_build_args(g5g):

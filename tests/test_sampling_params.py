@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from serving.engine import SamplingParams
-from serving.generation import Delta, generate
+from serving.core.generation import Delta, generate
 from tests.fixtures.batching import Job, every_parameter_jobs, run_in_batch, summary
 from tests.fixtures.tolerances import F32_MODEL_REORDERED
 from devtools.tiny_gemma4 import ANSWER, QUESTION

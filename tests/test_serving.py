@@ -13,7 +13,7 @@ import openai
 import pytest
 import requests
 
-from serving.api import create_app
+from serving.api.app import create_app
 from tests.fixtures.observe import hangs_up_waiting, metrics, wait_until
 from devtools.tiny_gemma4 import ANSWER, QUESTION
 from devtools.server import in_thread, wait_ready
@@ -168,7 +168,7 @@ BAD = [
 
 
 def test_temperature_is_accepted_over_openais_whole_range():
-    from serving.protocol import ChatRequest, parse
+    from serving.api.protocol import ChatRequest, parse
     for t in (0, 0.5, 2, 2.0):
         assert parse(ChatRequest, json.dumps({"messages": ASK, "temperature": t}).encode()).temperature == t
 
@@ -391,7 +391,7 @@ def test_health_reports_a_load_failure(tiny_gemma4):
 
 
 def test_text_parts_of_a_message_are_joined_with_newlines_as_vllm_does():
-    from serving.protocol import ChatRequest, messages, parse
+    from serving.api.protocol import ChatRequest, messages, parse
 
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
     assert messages(parse(ChatRequest, json.dumps(body).encode()).messages)[0]["content"] == "a\nb"
@@ -415,13 +415,13 @@ def test_openais_nullable_fields_take_null_as_the_default(server):
     tok = requests.post(f"{server}/tokenize", timeout=60, json={"messages": ASK, "return_token_strs": None,
                                                                  "add_generation_prompt": None})
     assert tok.status_code == 200 and tok.json()["token_strs"] is None, tok.text
-    from serving.protocol import CompletionRequest, parse
+    from serving.api.protocol import CompletionRequest, parse
     assert parse(CompletionRequest, b'{"prompt": "a", "max_tokens": null}').max_tokens is None
 
 
 def test_the_stop_limits_are_exact():
     """64 stop strings and 16 384 characters in all are taken; one more of either is refused."""
-    from serving.protocol import APIError, ChatRequest, parse
+    from serving.api.protocol import APIError, ChatRequest, parse
 
     def body(stop) -> bytes:
         return json.dumps({"messages": [{"role": "user", "content": "hi"}], "stop": stop}).encode()
@@ -442,9 +442,9 @@ def test_a_large_answer_is_serialised_off_the_event_loop():
     import asyncio
     import time
 
-    from serving.answering import json_response
-    from serving.generation import Logprob
-    from serving.openai_text import chat_logprobs
+    from serving.api.answers import json_response
+    from serving.api.completions import chat_logprobs
+    from serving.core.generation import Logprob
 
     lps = [Logprob(f"tok{t}", -0.5, [(f"alt{k}", -1.0 - k) for k in range(20)]) for t in range(220)]
 

@@ -1,4 +1,4 @@
-"""The shared generation loop (serving/generation.py) and the PyTorch runtime, on the tiny Gemma 4 checkpoint."""
+"""The shared generation loop (serving/core/generation.py) and the PyTorch runtime, on the tiny Gemma 4 checkpoint."""
 from __future__ import annotations
 
 import random
@@ -6,8 +6,8 @@ import random
 import numpy as np
 import pytest
 
-from serving.generation import (Batch, Delta, Detokenizer, Finish, SamplingParams, StopAutomaton, StopStrings,
-                                generate)
+from serving.core.detokenize import Detokenizer, StopAutomaton, StopStrings
+from serving.core.generation import Batch, Delta, Finish, SamplingParams, generate
 from tests.fixtures.batching import Job, run_in_batch
 from tests.fixtures.jax_engines import load_tiny as load_tiny_jax
 from tests.fixtures.tolerances import F32_MODEL_REORDERED
@@ -52,7 +52,7 @@ def test_chat_prompt_uses_the_checkpoints_template(info):
 def test_a_conversation_the_template_would_blow_up_is_refused_before_rendering(info):
     """Gemma's template writes the tools again in every system turn: 1000 tools x 1000 system turns (147 KB sent)
     rendered for 23-26 s before the length check. Its rendered size is known from the inputs first."""
-    from serving.tokenizer_info import PromptTooLong, rendered_chars
+    from serving.shaping.tokenizer import PromptTooLong, rendered_chars
     tools = [{"type": "function", "function": {"name": f"f{i}", "description": "d"}} for i in range(1000)]
     turns = [{"role": "system", "content": "s"}] * 1000
     assert rendered_chars(turns, tools) == 1001 * rendered_chars([], tools) + 1000 * len("rolesystemcontents")

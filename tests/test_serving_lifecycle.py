@@ -234,9 +234,9 @@ def test_abort_all_ends_requests_taken_from_the_queue_but_not_started(tiny_gemma
     turn; abort_all must end those too (they ran on to `length`), not only the queued and the running ones."""
     import asyncio
 
-    from serving.metrics import Metrics
-    from serving.scheduler import Job, Scheduler
-    from serving.generation import Finish, SamplingParams, TokenizerInfo
+    from serving.core.metrics import Metrics
+    from serving.core.scheduler import Job, Scheduler
+    from serving.core.generation import Finish, SamplingParams, TokenizerInfo
 
     info = TokenizerInfo.load(tiny_gemma4)
     prefilling, release = threading.Event(), threading.Event()
@@ -330,9 +330,9 @@ def test_free_slots_go_turn_about_to_the_oldest_job_and_the_least_served_request
 
 def _expiring(jobs_ago: list[float], max_queue_wait: float = 1.0):
     """A Scheduler whose FIFO holds jobs that arrived `ago` seconds back, and the loop their events go to."""
-    from serving.generation import SamplingParams
-    from serving.metrics import Metrics
-    from serving.scheduler import Job, Scheduler
+    from serving.core.generation import SamplingParams
+    from serving.core.metrics import Metrics
+    from serving.core.scheduler import Job, Scheduler
 
     loop = asyncio.new_event_loop()
     sched = Scheduler(Metrics("t"), max_waiting=8, max_queue_wait=max_queue_wait)
@@ -345,8 +345,8 @@ def _expiring(jobs_ago: list[float], max_queue_wait: float = 1.0):
 def _answers(loop, jobs) -> list:
     """What each job was sent (an error's status, as the API layer answers it), once the loop ran the callbacks the
     engine thread queued."""
-    from serving.answering import api_error
-    from serving.scheduler import SchedulerError
+    from serving.api.answers import api_error
+    from serving.core.scheduler import SchedulerError
 
     loop.run_until_complete(asyncio.sleep(0))
     out = [j.events.get_nowait()[1] if not j.events.empty() else None for j in jobs]

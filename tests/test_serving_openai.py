@@ -18,7 +18,7 @@ import openai
 import pytest
 import requests
 
-from serving.openai_text import GOLDEN
+from serving.api.completions import GOLDEN
 from devtools.server import address, serving_env
 from tests.fixtures.observe import wait_until
 from tests.fixtures.serving import tiny_server

@@ -9,11 +9,12 @@ import jsonschema
 import numpy as np
 import pytest
 
-from serving.generation import Delta, Detokenizer, Finish, SamplingParams, TokenizerInfo, generate
-from serving.grammar_compile import Grammars, GrammarBusy
+from serving.core.detokenize import Detokenizer
+from serving.core.generation import Delta, Finish, SamplingParams, TokenizerInfo, generate
+from serving.shaping.grammar_pool import Grammars, GrammarBusy
 from serving.engine import MASKED, mask_words
-from serving.structured import InvalidGrammar, _bounded_integers, _depth, integer_regex, token_bytes
-from serving.tool_calls import GemmaCalls, NamedCall, RequiredCalls, merge, parse_call, required_schema
+from serving.shaping.grammar import InvalidGrammar, _bounded_integers, _depth, integer_regex, token_bytes
+from serving.shaping.tool_calls import GemmaCalls, NamedCall, RequiredCalls, merge, parse_call, required_schema
 from tests.fixtures.batching import Job, run_in_batch
 from devtools.tiny_gemma4 import QUESTION
 
@@ -91,7 +92,7 @@ def test_the_vocabulary_is_what_each_token_writes(info):
 @pytest.mark.parametrize("lo,hi", [(1, 7), (0, None), (None, 0), (-5, 5), (13, 987), (0, 0), (-1000, -3), (5, None),
                                    (None, -3), (100, 100000), (-3, None), (None, 12), (-1, 1), (9, 10)])
 def test_integer_bounds_become_an_exact_regex(lo, hi):
-    """outlines-core ignores minimum/maximum; serving/structured.py enforces them with a regex of its own."""
+    """outlines-core ignores minimum/maximum; serving/shaping/grammar.py enforces them with a regex of its own."""
     import re
     rx = re.compile(integer_regex(lo, hi))
     for n in [*range(-1500, 1500), -123456, 123456, 99999, 100000, 100001]:
@@ -124,10 +125,35 @@ def test_compile_limits_refuse_instead_of_hanging(info):
         Grammars(info, len(info.prompt_tokenizer), workers=2, memory=2 * 48 * 2**20).json_schema(SCHEMA)
 
 
+def test_the_compile_process_imports_serving_from_the_tree_it_was_started_from(tmp_path):
+    """The compile's program finds `serving` at the root it is given (serving/shaping/grammar_pool.py's _ROOT), not
+    through an install or the working directory: run here without site (no editable install) from elsewhere."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import outlines_core
+
+    from serving.shaping import grammar_pool
+    from serving.shaping.grammar import MAX_REGEX_CHARS, MAX_STRING_BOUND
+
+    vocabulary = outlines_core.Vocabulary(8, {ch: [i] for i, ch in enumerate("truefals")})
+    libraries = {str(Path(m.__file__).resolve().parents[1]) for m in (np, outlines_core)}    # not serving's
+    r = subprocess.run([sys.executable, "-S", "-c", grammar_pool._INDEX_PROGRAM, str(os.getpid()), grammar_pool._ROOT,
+                        "0"], input=pickle.dumps(('{"type": "boolean"}', MAX_STRING_BOUND, MAX_REGEX_CHARS, vocabulary)),
+                       capture_output=True, check=False, cwd=tmp_path,
+                       env={"PYTHONPATH": os.pathsep.join(sorted(libraries))}, timeout=120)
+    assert r.returncode == 0, r.stderr.decode(errors="replace")[-500:]
+    ok, index = pickle.loads(r.stdout)
+    assert ok and isinstance(index, outlines_core.Index)
+
+
 def test_a_matcher_walks_a_valid_instance_to_a_stop_token(info, grammars):
     """The mask allows each token of a compact valid instance in turn, then any of the checkpoint's stop tokens
     (and only then); taking one ends the grammar."""
-    from serving.structured import Matcher
+    from serving.shaping.grammar import Matcher
     text = json.dumps({"name": "Ada", "age": 36, "unit": "celsius", "ok": True}, separators=(",", ":"))
     for stop in sorted(info.stop_ids):
         m = Matcher(grammars.json_schema(SCHEMA))
@@ -352,8 +378,8 @@ def test_a_compile_dies_with_its_server(tiny_gemma4):
     server = f"""
 import os, threading, time
 from pathlib import Path
-from serving.generation import TokenizerInfo
-from serving.grammar_compile import Grammars
+from serving.core.generation import TokenizerInfo
+from serving.shaping.grammar_pool import Grammars
 info = TokenizerInfo.load({str(tiny_gemma4)!r})
 grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=120, max_string=40)
 threading.Thread(target=grammars.json_schema, args=({{"type": "string", "maxLength": 30}},), daemon=True).start()
@@ -585,7 +611,7 @@ def test_forced_json_is_json_with_a_byte_level_tokenizer(byte_level_dir):
     """Random walks through the grammar (every step any token the mask allows, until the stop token) decode to
     JSON valid for the schema, without control characters: the mask speaks the tokenizer's bytes (read as
     SentencePiece, most walks wrote raw control characters or U+FFFD)."""
-    from serving.structured import Matcher
+    from serving.shaping.grammar import Matcher
     info = TokenizerInfo.load(byte_level_dir)
     grammar = Grammars(info, len(info.prompt_tokenizer)).json_schema(
         {"type": "object", "properties": {"a": {"type": "string", "maxLength": 5},
@@ -749,7 +775,7 @@ def test_a_compile_killed_or_stopped_from_outside_is_the_servers_failure_and_not
     import signal
     import threading
 
-    from serving.grammar_compile import CompileFailed
+    from serving.shaping.grammar_pool import CompileFailed
     grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=timeout_s)
     grammars.json_schema({"type": "boolean"})            # the vocabulary, built once
     procs = _spawned(monkeypatch)
@@ -779,7 +805,7 @@ def test_a_full_tmpdir_does_not_stop_compiles_and_no_room_at_all_is_the_servers_
     import os
     import tempfile
 
-    from serving.grammar_compile import CompileFailed
+    from serving.shaping.grammar_pool import CompileFailed
 
     def full(*a, **kw):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -798,7 +824,7 @@ def test_a_full_tmpdir_does_not_stop_compiles_and_no_room_at_all_is_the_servers_
 def test_a_small_schema_compiles_while_slow_ones_hold_every_worker(info, monkeypatch):
     """Two slow schemas (one client's, say) hold both workers; a small one sent then compiles in the quick slot
     while they still run. Before: the workers were first come, first served, and the small schema waited for a slow
-    one to end (12-29 s). The pool is the same code under both runtimes' servers (serving/api.py builds it)."""
+    one to end (12-29 s). The pool is the same code under both runtimes' servers (serving/api/app.py builds it)."""
     import threading
     # quick_s well above a small compile's time on a loaded machine: what is checked is where it runs, not how fast
     grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=120, max_string=40, quick_s=60)
@@ -837,7 +863,7 @@ def test_a_small_schema_compiles_when_slow_ones_fill_every_place(info, monkeypat
     run's "small schemas beside 16 slow ones", 2026-12-06). One more past the quick slot's places is still busy."""
     import threading
 
-    from serving import grammar_compile
+    from serving.shaping import grammar_pool
 
     grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=120, workers=1, queued=1, quick_s=60)
     grammars.json_schema({"type": "boolean"})            # the vocabulary, built once
@@ -849,7 +875,7 @@ def test_a_small_schema_compiles_when_slow_ones_fill_every_place(info, monkeypat
         if '"flood-' in key:                             # the flood: its worker held; its quick try cut short
             if quick:
                 time.sleep(0.2)
-                raise grammar_compile._Slow
+                raise grammar_pool._Slow
             release.wait(60)
         return compile(key, deadline, stop, quick=quick)
 

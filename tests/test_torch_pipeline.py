@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from serving.engine import SamplingParams
-from serving.generation import generate
+from serving.core.generation import generate
 from tests.fixtures.batching import Job, every_parameter_jobs, run_in_batch, summary, torch_engines
 from tests.fixtures.eager_reference import EagerReference, close_logprobs, eager_model, tokens
 from tests.fixtures.tolerances import F32_MODEL_REORDERED

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from serving.engine import SamplingParams  # noqa: E402
-from serving.generation import generate  # noqa: E402
+from serving.core.generation import generate  # noqa: E402
 from tests.fixtures.batching import Job, run_in_batch, summary, torch_engines  # noqa: E402
 from tests.fixtures.eager_reference import EagerReference, close_logprobs, eager_model, tokens  # noqa: E402
 from tests.fixtures.tolerances import F32_MODEL_REORDERED  # noqa: E402

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from serving.engine import SamplingParams  # noqa: E402
-from serving.generation import generate  # noqa: E402
+from serving.core.generation import generate  # noqa: E402
 from serving.torch_runtime.attention import ladder, rows  # noqa: E402
 from tests.fixtures.batching import Job, run_in_batch, summary, torch_engines  # noqa: E402
 from tests.fixtures.eager_reference import EagerReference, eager_model  # noqa: E402
@@ -165,10 +165,10 @@ def test_a_stream_that_joins_throws_the_step_ahead_at_one_row_away(engines, info
 
 
 def test_the_boot_warm_up_decodes_every_row_count(engines, tiny_gemma4):
-    """serving/api.py's warm-up steps a lone sequence in each of the engine's warm_slots: every rung of the ladder,
+    """serving/api/app.py's warm-up steps a lone sequence in each of the engine's warm_slots: every rung of the ladder,
     so no row count reaches the compiled step first under traffic."""
     from devtools.server import in_thread, wait_ready
-    from serving.api import create_app
+    from serving.api.app import create_app
 
     engine = engines[True]
     assert engine.warm_slots == (0, 1, 3, 7)

@@ -37,7 +37,7 @@ EXECUTABLES_DIR = "g5g-executables"
 OPT_IN = "G5G_JAX_EXECUTABLE_STORE"
 _SERVING = Path(__file__).resolve().parents[1]
 # What the ladder's functions are traced from: a change to any of these makes every stored executable a miss.
-SOURCES = (*sorted(Path(__file__).parent.glob("*.py")), _SERVING / "engine.py", _SERVING / "structured.py")
+SOURCES = (*sorted(Path(__file__).parent.glob("*.py")), _SERVING / "engine.py")     # engine.py: the mask, MASKED
 
 
 def fingerprint(*parts) -> str:

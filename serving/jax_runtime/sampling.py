@@ -143,7 +143,7 @@ def sample(logits, temperature, top_k, top_p, keys, positions, candidates: int =
 # device: counts [slots, V] int32 (generated tokens) and seen [slots, V] bool (prompt tokens).
 
 
-BIAS_WIDTH = 300          # logit_bias entries per sequence (serving/protocol.py refuses more)
+BIAS_WIDTH = 300          # logit_bias entries per sequence (serving/api/protocol.py refuses more)
 STOP_WIDTH = 64           # ids min_tokens holds back per sequence: eos ids + stop_token_ids (at most 32)
 
 

@@ -72,7 +72,7 @@ class TorchEngine:
         self._params = [SamplingParams(temperature=0.0)] * slots
         self.sampler = Sampler(slots, vocab, device)
         self._rows = torch.arange(slots, device=device)
-        # a boot's warm-up (serving/api.py) decodes a lone sequence in each of these: every row count rows() gives
+        # a boot's warm-up (serving/api/app.py) decodes a lone sequence in each of these: every row count rows() gives
         self.warm_slots = tuple(b - 1 for b in ladder(slots))
         # a step's host inputs cross in one copy, from pinned memory on a GPU so that it does not wait
         self._stager = Stager(slots, device)
@@ -126,7 +126,7 @@ class TorchEngine:
         return out
 
     def boot_summary(self) -> str:
-        """What compiling the decode step has cost so far (a boot's warm-up: serving/api.py logs it)."""
+        """What compiling the decode step has cost so far (a boot's warm-up: serving/api/app.py logs it)."""
         if self.compiles is None:
             return "decode not compiled"
         return "compiled decode: " + compile_cache.describe(self.compiles.total())

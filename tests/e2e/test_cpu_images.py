@@ -165,9 +165,9 @@ def test_secrets_stay_out_of_the_image(engine, built, canaries):
         assert n not in cfg, f"{n.decode()} in the image config"
 
     # The scan reads real content: a file every image has is found; the canaries are not.
-    found = oci.find_in_layers(ref, needles + [b"serving/api.py", b"ID=debian"])
+    found = oci.find_in_layers(ref, needles + [b"serving/api/app.py", b"ID=debian"])
     assert found[b"ID=debian"], "layer scan found not even /etc/os-release: it reads nothing"
-    assert found[b"serving/api.py"], "the serving code is in no layer"
+    assert found[b"serving/api/app.py"], "the serving code is in no layer"
     for n in needles:
         assert not found[n], f"{n.decode()} in layers {found[n]}"
 

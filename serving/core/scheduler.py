@@ -1,14 +1,14 @@
 """The engine thread and its queue (Scheduler), a request's work as that thread sees it (Job), and the refusal of
-one more than the queue holds (QueueFull). serving/api.py runs the Scheduler; the endpoints (serving/openai_text.py)
-submit Jobs to it. A job's failure is one of the core's own errors (SchedulerError), sent as the job's event or
-raised by submit; the API layer (serving/answering.py) gives each its HTTP status and OpenAI error body.
+one more than the queue holds (QueueFull). serving/api/app.py runs the Scheduler; the endpoints
+(serving/api/completions.py) submit Jobs to it. A job's failure is one of the core's own errors (SchedulerError), sent as the job's event or
+raised by submit; the API layer (serving/api/answers.py) gives each its HTTP status and OpenAI error body.
 
 A failed join or step is reported to its requests (GenerationFailed: a 500) and the engine goes on: one bad
 request, or one request's out-of-memory, costs that request only. A device error (DEVICE_ERRORS: a poisoned CUDA
 context, an XLA device failure) or FATAL_AFTER failed steps in a row (joins, one request's own, never count) mean
 every later step fails too: the engine is dead (`dead` says why), every request in hand and in the queue gets an
-EngineFailed (a 503) naming it, new ones are refused, and the loop ends, so that the server can exit (serving/api.py)
-and its orchestrator restart it (as vLLM's engine-dead exit).
+EngineFailed (a 503) naming it, new ones are refused, and the loop ends, so that the server can exit
+(serving/api/app.py) and its orchestrator restart it (as vLLM's engine-dead exit).
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from serving.core.generation import Batch, Finish, SamplingParams, TokenizerInfo
+from serving.core.metrics import Metrics
 from serving.engine import Engine
-from serving.generation import Batch, Finish, SamplingParams, TokenizerInfo
-from serving.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,8 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     shutdown: bool = False        # aborted because the server is shutting down (not because the client left)
     index: int = 0                # which of the request's `n` choices (its jobs share one `events` queue)
-    grammar: Any = None           # serving/structured.py: the grammar the output follows (None: free text)
-    stops: Any = None             # params.stop's serving.generation.StopAutomaton, built off the engine thread
+    grammar: Any = None           # serving/shaping/grammar.py: the grammar the output follows (None: free text)
+    stops: Any = None             # params.stop's serving.core.detokenize.StopAutomaton, built off the engine thread
     reveal: frozenset[int] = frozenset()    # special tokens shown in the text (tool-call markup)
     # Shared by a request's n choices: set once any of them has a slot. The request then waits no more: its other
     # choices take slots as they come free and never expire (vLLM runs the n choices as one request).

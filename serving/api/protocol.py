@@ -176,7 +176,7 @@ TokenIds = list[Annotated[int, Field(ge=0)]]
 
 
 class CompletionRequest(_Sampling):
-    # A string or token ids, or a list of either: several prompts (their n choices each; serving/openai_text.py).
+    # A string or token ids, or a list of either: several prompts (their n choices each; serving/api/completions.py).
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds | \
         Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     max_tokens: Annotated[int, Field(ge=0)] | None = 16     # OpenAI's and vLLM's default for completions

@@ -16,15 +16,16 @@ from typing import Any, Callable
 
 from fastapi import APIRouter, Request
 
-from serving.answering import api_error, collect, json_response, sse, stream
-from serving.generation import Delta, Finish, Logprob, PromptLogprob, SamplingParams, StopAutomaton
-from serving.protocol import (APIError, ChatRequest, CompletionRequest, ResponseFormat, messages, read,
+from serving.api.answers import api_error, collect, json_response, sse, stream
+from serving.core.detokenize import StopAutomaton
+from serving.core.generation import Delta, Finish, Logprob, PromptLogprob, SamplingParams
+from serving.api.protocol import (APIError, ChatRequest, CompletionRequest, ResponseFormat, messages, read,
                               template_options)
-from serving.scheduler import Job, SchedulerError
-from serving.grammar_compile import POLL_S, CompileFailed, GrammarBusy
-from serving.structured import ANY_OBJECT, InvalidGrammar
-from serving.tokenizer_info import PromptTooLong
-from serving.tool_calls import GemmaCalls, NamedCall, Reader, RequiredCalls, merge, required_schema
+from serving.core.scheduler import Job, SchedulerError
+from serving.shaping.grammar_pool import POLL_S, CompileFailed, GrammarBusy
+from serving.shaping.grammar import ANY_OBJECT, InvalidGrammar
+from serving.shaping.tokenizer import PromptTooLong
+from serving.shaping.tool_calls import GemmaCalls, NamedCall, Reader, RequiredCalls, merge, required_schema
 
 router = APIRouter()
 
@@ -114,7 +115,7 @@ def revealed(ctx, req) -> frozenset[int]:
 
 
 def tool_plan(req: ChatRequest) -> tuple[list[dict] | None, Callable[[], Reader], Any]:
-    """What `tools` and `tool_choice` ask for (serving/tool_calls.py): (the tools the chat template shows, a new
+    """What `tools` and `tool_choice` ask for (serving/shaping/tool_calls.py): (the tools the chat template shows, a new
     reader of the output, the JSON schema the output is forced to follow or None)."""
     tools = req.tools or []
     choice = req.tool_choice or "auto"
@@ -154,7 +155,7 @@ def grammar_schema(fmt: ResponseFormat | None, tool_schema: Any = None) -> tuple
 
 async def output_grammar(request: Request, fmt: ResponseFormat | None, tool_schema: Any = None) -> Any:
     """The grammar the output follows, or None for free text. Compiled by the server's Grammars
-    (serving/grammar_compile.py: its own workers and admission) and awaited here, holding no thread; a compile
+    (serving/shaping/grammar_pool.py: its own workers and admission) and awaited here, holding no thread; a compile
     nobody waits for any more (its clients left) stops. Busy compiling: a 429, to retry; a compile that died (killed,
     stopped, no room): a 503, to retry."""
     wanted = grammar_schema(fmt, tool_schema)

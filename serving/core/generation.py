@@ -1,133 +1,23 @@
-"""The generation loop, shared by every runtime: stop rules, incremental detokenisation, continuous batching.
+"""The generation loop, shared by every runtime: a request's budget, stop rules and token times, continuous batching.
 
 A runtime (serving/engine.py) turns token ids into next token ids (it samples on the device, by the contract in
-serving/engine.py). When generation stops and what text comes out of each token is decided here, once, so the
-PyTorch and JAX images answer the same request the same way. `Batch` keeps a runtime's slots busy: requests join
-between decode steps and leave when they finish or their client goes away.
+serving/engine.py). When generation stops and what text comes out of each token is decided here, once (the text
+itself by serving/core/detokenize.py), so the PyTorch and JAX images answer the same request the same way. `Batch`
+keeps a runtime's slots busy: requests join between decode steps and leave when they finish or their client goes
+away.
 """
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from serving.engine import Engine, SamplingParams, TokenLogprobs, mask_words
-from serving.structured import Matcher
-from serving.tokenizer_info import TokenizerInfo
-
-class Detokenizer:
-    """Turns generated token ids into text deltas: never splits a UTF-8 character across deltas, never shows
-    special tokens (except those in `reveal`) or what the model writes inside a thought block."""
-
-    def __init__(self, info: TokenizerInfo, reveal: frozenset[int] = frozenset()):
-        self.info, self.reveal = info, reveal
-        self.ids: list[int] = []       # visible ids so far
-        self.prefix = 0                # ids[prefix:read] is already-emitted context used to decode the next delta
-        self.read = 0
-        self.in_thought = False
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        with self.info.lock:
-            return self.info.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-    def push(self, token_id: int) -> str:
-        if token_id == self.info.thought_start:
-            self.in_thought = True
-            return ""
-        if token_id == self.info.thought_end:
-            self.in_thought = False
-            return ""
-        if self.in_thought or (token_id in self.info.hidden_ids and token_id not in self.reveal):
-            return ""
-        self.ids.append(token_id)
-        before = self._decode(self.ids[self.prefix:self.read])
-        after = self._decode(self.ids[self.prefix:])
-        # An incomplete UTF-8 sequence decodes to U+FFFD: wait for the bytes that complete it.
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            delta = after[len(before):]
-            self.prefix, self.read = self.read, len(self.ids)
-            return delta
-        return ""
-
-    def flush(self) -> str:
-        """What is still held back when generation ends (an incomplete character stays U+FFFD)."""
-        before = self._decode(self.ids[self.prefix:self.read])
-        after = self._decode(self.ids[self.prefix:])
-        self.prefix = self.read = len(self.ids)
-        return after[len(before):]
-
-
-class StopAutomaton:
-    """An Aho-Corasick automaton over a request's stop strings: built once, in time linear in their length (bounded
-    by the API: serving/protocol.py's MAX_STOP, MAX_STOP_CHARS; the API builds it off the engine thread, Job.stops),
-    it then costs O(1) amortised per generated character, however many stops there are and however long they and
-    the output are. Read-only: the n choices of a request share one."""
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops = tuple(s for s in dict.fromkeys(stops) if s)
-        # The trie of the stops: node 0 the root, goto[n] its edges, depth[n] the length of the text it stands for,
-        # ends[n] the length of the longest stop that text ends with (0: none), fail[n] the node of its longest
-        # proper suffix that is in the trie.
-        self.goto: list[dict[str, int]] = [{}]
-        self.depth, self.ends = [0], [0]
-        for stop in self.stops:
-            n = 0
-            for ch in stop:
-                if ch not in self.goto[n]:
-                    self.goto[n][ch] = len(self.goto)
-                    self.goto.append({})
-                    self.depth.append(self.depth[n] + 1)
-                    self.ends.append(0)
-                n = self.goto[n][ch]
-            self.ends[n] = len(stop)
-        self.fail = [0] * len(self.goto)
-        queue = deque(self.goto[0].values())   # breadth first: a node's suffix is done before it
-        while queue:
-            n = queue.popleft()
-            for ch, child in self.goto[n].items():
-                f = self.fail[n]
-                while f and ch not in self.goto[f]:
-                    f = self.fail[f]
-                self.fail[child] = self.goto[f].get(ch, 0)
-                self.ends[child] = self.ends[child] or self.ends[self.fail[child]]
-                queue.append(child)
-
-
-class StopStrings:
-    """Holds back text that might be the start of a stop string; cuts the text at the first stop string to
-    complete (the longest, if several complete at one character). `stops`: the strings, or their StopAutomaton."""
-
-    def __init__(self, stops: Sequence[str] | StopAutomaton, include: bool = False):
-        self.include = include                  # the text ends with the stop string (vLLM's include_stop_str_in_output)
-        self.auto = stops if isinstance(stops, StopAutomaton) else StopAutomaton(stops)
-        self.stops = self.auto.stops
-        self.node = 0                           # where the text so far ends in the trie
-        self.pending = ""                       # unsent text: the longest possible start of a stop string
-
-    def push(self, delta: str) -> tuple[str, bool]:
-        """Returns (text safe to send, whether a stop string was hit)."""
-        if not self.stops:
-            return delta, False
-        text, base = self.pending + delta, len(self.pending)
-        goto, fail, ends, n = self.auto.goto, self.auto.fail, self.auto.ends, self.node
-        for i, ch in enumerate(delta):
-            while n and ch not in goto[n]:
-                n = fail[n]
-            n = goto[n].get(ch, 0)
-            if ends[n]:
-                end = base + i + 1
-                self.pending, self.node = "", 0
-                return text[:end if self.include else end - ends[n]], True
-        self.node, keep = n, self.auto.depth[n]
-        self.pending = text[len(text) - keep:] if keep else ""
-        return text[:len(text) - keep], False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
+from serving.core.detokenize import Detokenizer, StopAutomaton, StopStrings
+from serving.shaping.grammar import Matcher
+from serving.shaping.tokenizer import TokenizerInfo
 
 
 # ---------------------------------------------------------------------------------------------- the loop
@@ -265,7 +155,7 @@ class Generation:
 def generate(engine: Engine, info: TokenizerInfo, prompt_ids: Sequence[int], params: SamplingParams,
              cancelled: Callable[[], bool] = lambda: False, slot: int = 0,
              grammar: Any = None) -> Iterator[Delta | Finish]:
-    """Run one request to the end in one slot (following `grammar`, a serving.structured compiled grammar, when
+    """Run one request to the end in one slot (following `grammar`, a serving.shaping.grammar compiled grammar, when
     given). Yields a Delta per generated token, then one Finish."""
     gen = Generation(info, prompt_ids, params, engine.max_context, grammar, vocab_size=engine.vocab_size)
     if gen.budget <= 0 and params.prompt_logprobs is not None and not cancelled():
@@ -298,7 +188,7 @@ class _Live:
 
 class Batch:
     """Continuous batching over an engine's slots. A job is anything with `prompt_ids`, `params`, `cancelled`
-    (a threading.Event), and optionally `grammar` (serving/structured.py; None: unconstrained), `reveal`
+    (a threading.Event), and optionally `grammar` (serving/shaping/grammar.py; None: unconstrained), `reveal`
     (special token ids the text shows, e.g. TokenizerInfo.tool_markup) and `stops` (params.stop's StopAutomaton,
     built before: none, it is built on the engine thread). `join` prefills a job into a free slot,
     `step` advances every live job by one token; both return the (job, Delta | Finish) events to hand out. A job

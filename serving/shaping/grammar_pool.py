@@ -1,4 +1,4 @@
-"""Compiling a request's schema (serving/structured.py) where it can take nothing from other clients.
+"""Compiling a request's schema (serving/shaping/grammar.py) where it can take nothing from other clients.
 
 - **Its own workers**: at most `workers` compiles run at once (`--grammar-compiles`), each in a child process whose
   address space is capped at `memory / (workers + 1)` (`--grammar-memory` bounds all of them and the quick slot's
@@ -15,7 +15,7 @@
   more are admitted for the quick slot alone, ahead of those in flight: one that does not compile within its
   quick try, like one more past those, is GrammarBusy, the client's 429, never cached: the same schema compiles
   when sent again.
-- **Waiting holds no thread**: the API awaits a compile's future (serving/openai_text.py); `json_schema` waits in
+- **Waiting holds no thread**: the API awaits a compile's future (serving/api/completions.py); `json_schema` waits in
   the caller's thread, for tests and tools.
 - **Memory**: compiled grammars are cached per schema, within `cache_bytes` (`--grammar-cache-bytes`, each index
   counted by the memory it holds once loaded), least recently used out first; freed memory goes back to the system.
@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from serving.engine import mask_words
-from serving.structured import (ANY_OBJECT, MAX_REGEX_CHARS, MAX_SCHEMA_DEPTH, MAX_STRING_BOUND, Grammar,
+from serving.shaping.grammar import (ANY_OBJECT, MAX_REGEX_CHARS, MAX_SCHEMA_DEPTH, MAX_STRING_BOUND, Grammar,
                                 InvalidGrammar, check_schema, token_bytes)
 
 COMPILE_TIMEOUT_S = float(os.environ.get("G5G_GRAMMAR_TIMEOUT_S", "30"))     # from the start of a compile
@@ -105,7 +105,7 @@ class _Compile:
 
 
 class Grammars:
-    """Compiles grammars over a checkpoint's tokenizer (serving.tokenizer_info.TokenizerInfo), for a runtime whose
+    """Compiles grammars over a checkpoint's tokenizer (serving.shaping.tokenizer.TokenizerInfo), for a runtime whose
     logits are `vocab_size` wide. The vocabulary is built on first use, not at boot. Compiled grammars are cached by the
     schema's compact JSON (key order kept: it is the output's key order); one instance serves one tokenizer."""
 
@@ -350,7 +350,7 @@ memory = int(sys.argv[3])
 if memory:
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 from outlines_core import Index
-from serving.structured import schema_regex
+from serving.shaping.grammar import schema_regex
 schema_json, max_string, max_regex_chars, vocabulary = pickle.load(sys.stdin.buffer)
 try:
     out = (True, Index(schema_regex(schema_json, max_string, max_regex_chars), vocabulary))
@@ -358,13 +358,13 @@ except (ValueError, TypeError, RecursionError, MemoryError) as e:
     out = (False, str(e) or type(e).__name__)
 pickle.dump(out, sys.stdout.buffer)
 """
-_ROOT = str(Path(__file__).resolve().parents[1])       # where `serving` is imported from
+_ROOT = str(Path(__file__).resolve().parents[2])       # where `serving` is imported from (serving/shaping/ is 2 down)
 
 
 def build_index(schema_json: str, vocabulary, deadline: float, stop: threading.Event | None = None,
                 max_string: int = MAX_STRING_BOUND, max_regex_chars: int = MAX_REGEX_CHARS,
                 memory: int = COMPILE_MEMORY // (COMPILES + 1), quick: bool = False) -> tuple[Any, int]:
-    """outlines-core's Index of the schema's regex (structured.schema_regex) over `vocabulary`, and the memory it
+    """outlines-core's Index of the schema's regex (grammar.schema_regex) over `vocabulary`, and the memory it
     holds once loaded (LOADED_PER_PICKLED times its size as it crossed), built in a child process (the server's
     threads, memory and devices stay out of it) that is killed at `deadline` or once `stop` is set (TimeoutError).
     Its reason (ValueError) if it cannot. `quick`: a try in the quick slot, whose timeout says nothing of the server

@@ -6,11 +6,11 @@ slots, behind a FIFO queue with a bound: requests take free slots in order of ar
 gets a 429 at once. A client that goes away (mid-stream or while queued) frees its slot: its generation stops at
 the next token.
 
-The engine thread and its queue are serving/scheduler.py's, the Prometheus metrics serving/metrics.py's. The
-endpoints live by family: serving/openai_text.py (chat and completions), serving/tokenization.py; this module holds
+The engine thread and its queue are serving/core/scheduler.py's, the Prometheus metrics serving/core/metrics.py's. The
+endpoints live by family: serving/api/completions.py (chat and completions), serving/api/tokenize.py; this module holds
 what they share (Context) and the small ones (health, models, version, metrics, embeddings: refused, as vLLM
 refuses them for a generate model).
-Every error is an OpenAI error body {"error": {"message", "type", "param", "code"}} (serving/protocol.py).
+Every error is an OpenAI error body {"error": {"message", "type", "param", "code"}} (serving/api/protocol.py).
 """
 from __future__ import annotations
 
@@ -35,14 +35,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
-from serving import openai_text, tokenization
+from serving.api import completions, tokenize
 from serving.engine import Engine
-from serving.generation import SamplingParams, TokenizerInfo
-from serving.metrics import Metrics
-from serving.middleware import Guard, http_protocol
-from serving.protocol import APIError, unavailable
-from serving.scheduler import Scheduler
-from serving.grammar_compile import Grammars
+from serving.core.generation import SamplingParams, TokenizerInfo
+from serving.core.metrics import Metrics
+from serving.api.middleware import Guard, http_protocol
+from serving.api.protocol import APIError, unavailable
+from serving.core.scheduler import Scheduler
+from serving.shaping.grammar_pool import Grammars
 
 log = logging.getLogger("serving.api")
 
@@ -120,7 +120,7 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
     every open stream ends with finish_reason "abort" and [DONE] and every other request gets a 503.
     `engine_stall_timeout` (seconds, 0: off): /health is also 503 while the engine has work and has finished no
     prefill or decode step for that long (a wedged CUDA call), so a liveness probe on /health restarts the pod.
-    An engine that dies (serving/scheduler.py: a device error, or failures in a row) turns /health 503 at once and
+    An engine that dies (serving/core/scheduler.py: a device error, or failures in a row) turns /health 503 at once and
     is handed to `on_load_error` as EngineDead, as a failed load is: `python -m serving` exits 1."""
 
     model_dir = Path(model_dir)
@@ -140,7 +140,7 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
     app.add_middleware(CORSMiddleware, **cors)       # outermost: preflights never need the API key
     for exc, handler in ERROR_HANDLERS.items():
         app.add_exception_handler(exc, handler)
-    for r in (router, openai_text.router, tokenization.router):
+    for r in (router, completions.router, tokenize.router):
         app.include_router(r)
     return app
 
@@ -191,7 +191,7 @@ async def _startup(ctx: Context, load_engine: Callable[[], Engine],
             on_load_error(e)
         return
     await sched.run()
-    if sched.dead and on_load_error:        # the engine died (serving/scheduler.py): the server exits non-zero
+    if sched.dead and on_load_error:        # the engine died (serving/core/scheduler.py): the server exits non-zero
         on_load_error(EngineDead(sched.dead))
 
 

@@ -1,7 +1,7 @@
-"""Answering a request from its jobs' events (serving/scheduler.py): the whole answer (collect, then
+"""Answering a request from its jobs' events (serving/core/scheduler.py): the whole answer (collect, then
 json_response, built off the event loop) or an SSE stream (stream), each stopping the generations once the
 client hangs up; a stream's headers wait for its first event, so a refusal from the queue is its status. The
-engine core's errors (serving/scheduler.py: SchedulerError) become HTTP here (api_error)."""
+engine core's errors (serving/core/scheduler.py: SchedulerError) become HTTP here (api_error)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,9 +11,9 @@ from typing import Any, Callable
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from serving.generation import Delta, Finish, Logprob, PromptLogprob
-from serving.protocol import APIError, unavailable
-from serving.scheduler import EngineFailed, GenerationFailed, Job, QueueFull, QueueTimeout, SchedulerError
+from serving.core.generation import Delta, Finish, Logprob, PromptLogprob
+from serving.api.protocol import APIError, unavailable
+from serving.core.scheduler import EngineFailed, GenerationFailed, Job, QueueFull, QueueTimeout, SchedulerError
 
 # Each of the core's errors as the API answers it: status, OpenAI error type, code.
 _STATUS = {QueueFull: (429, "rate_limit_error", "rate_limit_exceeded"),

@@ -6,8 +6,8 @@ schema may be is checked first, cheaply (its depth, integer bounds, string lengt
 unusable schema is the client's 400); the compile itself, regex and index, can grow quadratically with the schema
 and cannot be interrupted, so it runs in a process of its own, with capped memory, killed at the time limit or once
 every request waiting for it left: a compile nobody waits for keeps no core and no memory, and no compile holds the
-server's GIL (serving/grammar_compile.py: its workers, admission and cache). The generation loop
-(serving/generation.py) gives each such request a `Matcher`: before every sampling step it writes the tokens the
+server's GIL (serving/shaping/grammar_pool.py: its workers, admission and cache). The generation loop
+(serving/core/generation.py) gives each such request a `Matcher`: before every sampling step it writes the tokens the
 grammar allows next as a bitmask (bit i % 32 of int32 word i // 32 is token i, the layout outlines-core and the
 runtimes share) and after every generated token it advances. The runtime sets every other token's logit to MASKED
 before it samples (serving/engine.py: the mask's layout, mask_words and MASKED are the runtime contract).
@@ -159,7 +159,7 @@ def _depth(schema: Any, limit: int) -> None:
 def check_schema(schema: Any, max_depth: int = MAX_SCHEMA_DEPTH, max_string: int = MAX_STRING_BOUND) -> None:
     """InvalidGrammar for a schema past the bounds a compile can afford (its depth first, before anything recurses
     into it; then string length bounds, optional properties, integer bounds): cheap, so the server checks it before
-    it queues a compile (serving/grammar_compile.py)."""
+    it queues a compile (serving/shaping/grammar_pool.py)."""
     _depth(schema, max_depth)
     _bounded_integers(schema, {}, max_string)
 

@@ -7,8 +7,8 @@ import json
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from serving.tokenizer_info import PromptTooLong
-from serving.protocol import APIError, DetokenizeRequest, TokenizeRequest, messages, read, template_options
+from serving.shaping.tokenizer import PromptTooLong
+from serving.api.protocol import APIError, DetokenizeRequest, TokenizeRequest, messages, read, template_options
 
 router = APIRouter()
 

@@ -1,11 +1,11 @@
-"""The server's Prometheus metrics, under vLLM's names and label (serving/api.py serves them at /metrics)."""
+"""The server's Prometheus metrics, under vLLM's names and label (serving/api/app.py serves them at /metrics)."""
 from __future__ import annotations
 
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
-from serving.generation import Finish
+from serving.core.generation import Finish
 
 disable_created_metrics()
 

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from serving.structured import tokenizer_family
+from serving.shaping.grammar import tokenizer_family
 
 PROMPT_THREADS = 4                              # requests tokenising or rendering at once
-# Gemma 4's markup, all of it here (see the checkpoint's tokenizer.json; serving/tool_calls.py reads the calls).
+# Gemma 4's markup, all of it here (see the checkpoint's tokenizer.json; serving/shaping/tool_calls.py reads the calls).
 TURN_END = "<turn|>"                            # end of a dialogue turn: always a stop token
 THOUGHT_START, THOUGHT_END = "<|channel>", "<channel|>"   # the thinking channel: never shown to the client
 # A tool call, `<|tool_call>call:NAME{key:value,…}<tool_call|>`, its strings quoted with QUOTE.
@@ -50,7 +50,7 @@ class TokenizerInfo:
     token_texts: dict = field(default_factory=dict)     # id -> its text alone (logprobs), filled as needed
     tool_markup: frozenset[int] = frozenset()   # Gemma 4's tool-call tags: shown when tool calls are read
     tool_response: int | None = None            # RESPONSE_START's id: ends a reply that may call tools
-    family: str = "sentencepiece"               # how its tokens spell bytes (serving/structured.py's tokenizer_family)
+    family: str = "sentencepiece"               # how its tokens spell bytes (shaping/grammar.py's tokenizer_family)
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "TokenizerInfo":
@@ -104,7 +104,7 @@ class TokenizerInfo:
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None, limit: int | None = None,
                     **options) -> str:
         """The conversation as the checkpoint's chat template writes it; options: add_generation_prompt (default
-        true), continue_final_message, and variables the template reads (serving/protocol.py's template_options).
+        true), continue_final_message, and variables the template reads (serving/api/protocol.py's template_options).
         PromptTooLong, before rendering, when the text the template will write (rendered_chars) could not fit
         `limit` tokens: Gemma's template writes the tools again in every system turn (1000 tools x 1000 system
         turns, 147 KB sent, rendered for 23-26 s)."""

@@ -31,7 +31,7 @@ import json
 import socket
 import uuid
 
-from serving.protocol import APIError
+from serving.api.protocol import APIError
 
 
 class BodyTooLarge(APIError):

@@ -2,7 +2,7 @@
 
 `tool_choice` picks how the answer is read:
 - "none" (or no tools): plain content;
-- a named function: the output is forced (serving/structured.py) to be that function's arguments, as JSON valid
+- a named function: the output is forced (serving/shaping/grammar.py) to be that function's arguments, as JSON valid
   against its `parameters` schema, and streamed as the call's argument fragments;
 - "required": the output is forced to be a JSON array of {"name", "parameters"} objects, one per call (what vLLM's
   structured outputs force); the calls are sent when the array is complete;
@@ -20,7 +20,7 @@ import re
 import uuid
 from typing import Any
 
-from serving.tokenizer_info import CALL_END, CALL_START, QUOTE     # Gemma's markup lives with its tokenizer
+from serving.shaping.tokenizer import CALL_END, CALL_START, QUOTE     # Gemma's markup lives with its tokenizer
 
 
 def call_id() -> str:
