@@ -82,6 +82,11 @@ def bench(url: str, out: Path, name: str, *, requests_n: int, concurrency: int, 
     return res
 
 
+def runtime_lines(output: str, keep: int = 40) -> list[str]:
+    """The server's own log lines (boot phases, compiles, the ready line with its flags), not uvicorn's access log."""
+    return [line for line in output.splitlines() if " serving" in line][-keep:]
+
+
 def measure_server(runtime: str, ckpt: Path, work: Path, runs: int, p: dict, torch_slots: int = 1, boots: int = 2,
                    **extra: str) -> dict:
     from devtools.server import serving_env
@@ -90,15 +95,15 @@ def measure_server(runtime: str, ckpt: Path, work: Path, runs: int, p: dict, tor
                       **{**served_settings(work, torch_slots), **extra})
     # --max-queue-wait 0: the concurrent runs queue on a one-slot runtime by design (throughput, not latency)
     flags = (*SERVER_FLAGS, "--served-model-name", "e2b", "--max-waiting", "64", "--max-queue-wait", "0",
-             "--log-level", "warning")
-    res: dict = {"log_tail": {}}
+             "--log-level", "info")
+    res: dict = {"log": {}}
     # the first boot compiles into an empty cache (JAX: the bucket ladder; PyTorch: the decode step): time it, then
     # boot from that cache, as a restarted pod with the chart's compile-cache volume does (boots=1: measure on the
     # cold-booted server, when GPU time is short)
     if boots == 2:
         with serve.served(runtime, ckpt, *flags, env=env, timeout=900) as srv:
             res["boot_cold_s"] = round(srv.ready_s, 1)
-        res["log_tail"]["cold"] = srv.output[-1500:]
+        res["log"]["cold"] = runtime_lines(srv.output)
     with serve.served(runtime, ckpt, *flags, env=env, timeout=900) as srv:
         res["boot_warm_s" if boots == 2 else "boot_cold_s"] = round(srv.ready_s, 1)
         url = srv.url
@@ -112,7 +117,7 @@ def measure_server(runtime: str, ckpt: Path, work: Path, runs: int, p: dict, tor
                                         requests_n=SLOTS * (2 if runtime == "jax" or torch_slots > 1 else 1))
         res["prefill_512"] = bench(url, work, f"{runtime}-prefill512", requests_n=runs, concurrency=1,
                                    max_tokens=1, prompt=p["long"]["text"])
-    res["log_tail"]["measured"] = srv.output[-1500:]
+    res["log"]["measured"] = runtime_lines(srv.output)
     return res
 
 
