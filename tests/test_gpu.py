@@ -31,12 +31,13 @@ SERVERS = {
     "pytorch": ("pytorch", "fp16", {}),
     "pytorch-no-pipeline": ("pytorch", "fp16", {"G5G_TORCH_PIPELINE": "0"}),
     "pytorch-one-slot": ("pytorch", "fp16", {"G5G_TORCH_SLOTS": "1"}),
+    "pytorch-eager-prompts": ("pytorch", "fp16", {"G5G_TORCH_PREFILL_GRAPHS": "0"}),
     **{f"pytorch-{q}": ("pytorch", q, {}) for q in ("w8a16", "w4a16")},
     "jax": ("jax", "fp16", {}),
     **{f"jax-{q}": ("jax", q, {}) for q in ("w8a16", "w4a16")},
 }
 SERVERS |= {f"{name}-sm75": (rt, ckpt, SM75[rt]) for name, (rt, ckpt, _) in list(SERVERS.items())
-            if name not in ("pytorch-no-pipeline", "pytorch-one-slot")}
+            if name not in ("pytorch-no-pipeline", "pytorch-one-slot", "pytorch-eager-prompts")}
 # How much of the fixture's answer each checkpoint keeps, greedy: int4 leaves it after 47 characters on a CPU in
 # float32 (tests/test_quantize.py); 40 is what it keeps on the H200's float16 paths too (2026-12-03), sm_75's included.
 KEEPS = {"fp16": len(ANSWER), "w8a16": len(ANSWER), "w4a16": 40}
@@ -136,14 +137,15 @@ def _seeded(url: str) -> list[str]:
 # Whether `other` runs the default's shapes: then seeded samples must match token for token. One slot runs batch 1
 # where the default runs 8, so float16 rounds the logits apart and a draw near a boundary may flip (one prompt of 8,
 # after ~40 tokens, on an H100, 2026-12-06); that draws depend on (seed, position) alone, whatever shares the batch,
-# is tests/test_torch_sampler.py's, exactly, on the CPU.
-SAME_SHAPES = {"pytorch-no-pipeline": True, "pytorch-one-slot": False}
+# is tests/test_torch_sampler.py's, exactly, on the CPU. Eager prompts run unpadded where the default's graphs run
+# them padded to a bucket: other shapes too.
+SAME_SHAPES = {"pytorch-no-pipeline": True, "pytorch-one-slot": False, "pytorch-eager-prompts": False}
 
 
 @pytest.mark.parametrize("other", sorted(SAME_SHAPES))
-def test_pytorch_pipeline_off_and_one_slot_answer_as_the_default(servers, other):
-    """Pipeline on = off, eight slots = one: the same greedy answers to concurrent requests (to a near-tie), and with
-    the pipeline off, the same seeded samples."""
+def test_pytorch_pipeline_off_one_slot_and_eager_prompts_answer_as_the_default(servers, other):
+    """Pipeline on = off, eight slots = one, prompts from CUDA graphs = eager: the same greedy answers to concurrent
+    requests (to a near-tie), and with the pipeline off, the same seeded samples."""
     base, alt = servers["pytorch"], servers[other]
     _assert_same_greedy(_answers(alt, concurrent=True), _answers(base, concurrent=True))
     if SAME_SHAPES[other]:
@@ -178,6 +180,7 @@ def test_a_second_pytorch_boot_over_the_same_cache_compiles_nothing(request, tmp
             answer = _chat(srv.url, max_tokens=MAX_TOKENS).text
         found = WARM_UP.search(srv.output)
         assert found, srv.output[-3000:]
+        assert re.search(r"prefill graphs: [1-9]\d* captured in", srv.output), srv.output[-3000:]
         assert f"compile cache: {tmp_path / 'cache'}" in srv.output
         boots.append(({k: int(v) for k, v in found.groupdict().items()}, answer))
     (cold, cold_answer), (warm, warm_answer) = boots

@@ -143,10 +143,20 @@ class SlotKV:
         """The bytes of every position a sequence may use (memory_plan's count; the PAD positions aside)."""
         return sum(t[:, :, :self.max_context].numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
 
-    def prefill(self, slot: int, n: int) -> dict:
-        """A prompt of n tokens into `slot` from position 0: it attends over its own keys (causal, window)."""
-        self._slot, self._pos = slot, None
-        q = torch.arange(n, device=self.device)
+    def prefill(self, slot: int | torch.Tensor, n: int | torch.Tensor, length: int | None = None) -> dict:
+        """A prompt of n tokens into `slot` from position 0: it attends over its own keys (causal, window). slot and
+        n may be device tensors [1] (a captured prompt reads them from its buffers: prefill.py), and `length` (default
+        n) pads the prompt: positions from n on are computed and their keys written to full layers' rows, where every
+        decode step writes a position before it reads it, but never to a ring."""
+        length = length or n
+        self._slot = torch.as_tensor(slot, device=self.device).view(1)
+        n = torch.as_tensor(n, device=self.device).view(1)
+        # ring entry j keeps the last prompt position p < n with p % window == j (none where j >= n: an entry no step
+        # reads before writing it; position 0's key goes there)
+        j = torch.arange(self.window, device=self.device)
+        self._ring_src = (n - 1 - torch.remainder(n - 1 - j, self.window)).clamp_min(0)
+        self._pos = None
+        q = torch.arange(length, device=self.device)
         full = q[None, :] <= q[:, None]
         sliding = full & (q[None, :] > q[:, None] - self.window)
         return dict(position_ids=q[None], past_key_values=self,
@@ -171,14 +181,13 @@ class SlotKV:
         """Write the new entries (key/value [rows, kv_heads, T, head_dim]) and return what the layer attends over."""
         k, v, ring = self.k[layer_idx], self.v[layer_idx], self.ring[layer_idx]
         if self._pos is None:                   # a prompt: the ring keeps its last window positions
-            n, s = key.shape[2], self._slot
             if ring:
-                m = min(n, self.window)
-                at = torch.arange(n - m, n, device=key.device) % self.window
-                k[s].index_copy_(1, at, key[0, :, n - m:])
-                v[s].index_copy_(1, at, value[0, :, n - m:])
+                k.index_copy_(0, self._slot, key[:, :, self._ring_src])
+                v.index_copy_(0, self._slot, value[:, :, self._ring_src])
             else:
-                k[s, :, :n], v[s, :, :n] = key[0], value[0]
+                n = key.shape[2]
+                k[:, :, :n].index_copy_(0, self._slot, key)
+                v[:, :, :n].index_copy_(0, self._slot, value)
             return key, value
         b = key.shape[0]                        # the step's rows: the first b slots
         row = torch.arange(b, device=key.device)

@@ -19,7 +19,7 @@ import torch
 from serving import device as gpu_device, memory_plan, quantized
 from serving.engine import DeviceRow, SamplingParams, TokenLogprobs
 
-from . import attention, compile_cache, packed_matmul
+from . import attention, compile_cache, packed_matmul, prefill
 from .attention import SlotKV, ladder, rows, span
 from .compile_cache import DEFAULT_CACHE_DIR, inductor_env  # noqa: F401 (the runtime's settings, read here)
 from .pipeline import INPUTS, Run, Stager, pipeline_from_env
@@ -96,13 +96,16 @@ class TorchEngine:
         self._decode_checked = not compile_ok
         # what each compile of the decode step cost and took from the cache (logged; boot_summary() sums them)
         self.compiles = compile_cache.Compiles(log) if compile_ok else None
+        # prompts replayed from a CUDA graph per length bucket (prefill.py), captured at the first prompt
+        self.prompt_graphs = (prefill.PromptGraphs(self._padded_prompt, prefill.buckets(max_context), device)
+                              if prefill.graphs_from_env(os.environ, device.type, slots) else None)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.slots:
             raise ValueError(f"slot {slot} is not one of the PyTorch runtime's {self.slots} slots")
 
-    def _forward(self, call, kw: dict) -> torch.Tensor:
-        out = call(use_cache=True, logits_to_keep=1, **kw)
+    def _forward(self, call, kw: dict, keep: int | torch.Tensor = 1) -> torch.Tensor:
+        out = call(use_cache=True, logits_to_keep=keep, **kw)
         # a copy (float32, off the CUDA graph's output buffer, which the next replay overwrites)
         return out.logits[:, -1].float().clone()
 
@@ -125,11 +128,24 @@ class TorchEngine:
         self._decode_checked = True
         return out
 
+    def _padded_prompt(self, ids: torch.Tensor, slot: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        """The logits of a prompt's last position, its first n of ids [1, L] (the rest padding), into `slot`:
+        every shape static, every input on the device (what prefill.PromptGraphs captures)."""
+        kw = self._kv.prefill(slot, n, ids.shape[1])
+        return self._forward(self.model.__call__, dict(input_ids=ids, **kw), keep=n - 1)
+
+    def _prompt(self, slot: int, prompt_ids: Sequence[int]) -> torch.Tensor:
+        if self.prompt_graphs is not None and (logits := self.prompt_graphs.run(slot, prompt_ids)) is not None:
+            return logits
+        ids = torch.tensor([list(prompt_ids)], device=self.device)
+        return self._forward(self.model.__call__, dict(input_ids=ids, **self._kv.prefill(slot, len(prompt_ids))))
+
     def boot_summary(self) -> str:
-        """What compiling the decode step has cost so far (a boot's warm-up: serving/api/app.py logs it)."""
-        if self.compiles is None:
-            return "decode not compiled"
-        return "compiled decode: " + compile_cache.describe(self.compiles.total())
+        """What compiling the decode step (and capturing prompt graphs) has cost so far (a boot's warm-up:
+        serving/api/app.py logs it)."""
+        decode = ("compiled decode: " + compile_cache.describe(self.compiles.total()) if self.compiles is not None
+                  else "decode not compiled")
+        return decode if self.prompt_graphs is None else f"{decode}; {self.prompt_graphs.describe()}"
 
     def _took(self, slot: int, token: int) -> int:
         p = self._params[slot]
@@ -154,12 +170,11 @@ class TorchEngine:
         self.sampler.set(slot, DeviceRow.of(params, self.vocab_size), params.seed64(), prompt_ids)
         self._out[slot] = 0
         self._pos[slot] = n
-        kw = self._kv.prefill(slot, n)
-        ids = torch.tensor([list(prompt_ids)], device=self.device)
         if params.prompt_logprobs is None:
-            logits = self._forward(self.model.__call__, dict(input_ids=ids, **kw))
-        else:      # the model's head over every prompt position (the last one's logits as the call above makes them)
-            h = self.model.model(input_ids=ids, use_cache=True, **kw).last_hidden_state[0]
+            logits = self._prompt(slot, prompt_ids)
+        else:      # the model's head over every prompt position (the last one's logits as _prompt makes them)
+            ids = torch.tensor([list(prompt_ids)], device=self.device)
+            h = self.model.model(input_ids=ids, use_cache=True, **self._kv.prefill(slot, n)).last_hidden_state[0]
             self._prompt_logprobs[slot] = prompt_logprobs(self._head, h[:-1], prompt_ids[1:], params.prompt_logprobs)
             logits = self._head(h[-1:]).float()
         self._logits[slot] = logits[0]

@@ -1,0 +1,71 @@
+"""Prompts padded to a length bucket (serving/torch_runtime/prefill.py: what each CUDA graph replays) give the
+unpadded prompt's tokens and logits, here on the CPU with the padded forward called eagerly; the graphs themselves
+are the GPU suite's (tests/test_gpu.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from serving.engine import SamplingParams
+from serving.torch_runtime import prefill
+
+GREEDY = SamplingParams(temperature=0.0)
+CONTEXT = 128
+
+
+def test_buckets_double_from_64_to_the_context():
+    assert prefill.buckets(4096) == (64, 128, 256, 512, 1024, 2048, 4096)
+    assert prefill.buckets(1000) == (64, 128, 256, 512, 1000)
+    assert prefill.buckets(64) == (64,)
+    assert prefill.bucket_of(65, prefill.buckets(1000)) == 128
+    assert prefill.bucket_of(1000, prefill.buckets(1000)) == 1000
+    assert prefill.bucket_of(1001, prefill.buckets(1000)) is None
+
+
+def test_graphs_only_on_cuda_with_slots_and_the_setting_is_checked():
+    assert prefill.graphs_from_env({}, "cuda", 8)
+    assert not prefill.graphs_from_env({}, "cpu", 8)
+    assert not prefill.graphs_from_env({}, "cuda", 1)          # StaticCache: one sequence, prompts eager
+    assert not prefill.graphs_from_env({"G5G_TORCH_PREFILL_GRAPHS": "0"}, "cuda", 8)
+    with pytest.raises(ValueError, match="G5G_TORCH_PREFILL_GRAPHS"):
+        prefill.graphs_from_env({"G5G_TORCH_PREFILL_GRAPHS": "yes"}, "cuda", 8)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_gemma4):
+    from serving.torch_runtime import load
+    yield load(tiny_gemma4, max_context=CONTEXT), load(tiny_gemma4, max_context=CONTEXT, slots=4)
+
+
+def _decode(engine, slot, prompt, n):
+    toks = [engine.start(slot, prompt, GREEDY)]
+    logits = [engine.logits(slot)]
+    while len(toks) < n:
+        toks.append(engine.step({slot: toks[-1]})[slot])
+        logits.append(engine.logits(slot))
+    return toks, np.stack(logits)
+
+
+@pytest.mark.parametrize("n, slot", [(3, 0), (20, 3), (40, 1), (64, 2), (100, 1)])
+def test_a_padded_prompt_gives_the_unpadded_tokens_and_logits(engines, monkeypatch, n, slot):
+    """Past the fixture's sliding window (16), where the padding (random ids) would overwrite the prompt's ring
+    entries if it were written there, and into slots other than 0: the StaticCache engine's tokens and logits."""
+    import torch
+
+    one, many = engines
+    rng = np.random.default_rng(n)
+    prompt = rng.integers(0, one.vocab_size, n).tolist()
+    ref, ref_logits = _decode(one, 0, prompt, 24)
+    length = prefill.bucket_of(n, prefill.buckets(CONTEXT))
+    padded = []
+
+    def prompt_padded(s, ids):
+        x = torch.tensor([list(ids) + rng.integers(0, one.vocab_size, length - len(ids)).tolist()])
+        padded.append(x.shape[1])
+        return many._padded_prompt(x, torch.tensor([s]), torch.tensor([len(ids)]))
+
+    monkeypatch.setattr(many, "_prompt", prompt_padded)
+    got, got_logits = _decode(many, slot, prompt, 24)
+    assert padded == [length] and (length > n or n == 64)
+    assert got == ref
+    np.testing.assert_allclose(got_logits, ref_logits, atol=1e-4)
