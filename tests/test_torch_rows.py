@@ -1,5 +1,5 @@
 """The PyTorch runtime decodes the live rows only: a step takes the first rows() slots (attention.ROWS), so a
-lone stream on an 8-slot engine decodes one row, not eight. Observed at the model's compiled call (the rows it is
+lone stream on an 8-slot engine decodes two rows (no rung of 1: it would be a compile of its own), not eight. Observed at the model's compiled call (the rows it is
 fed), at SlotKV.update (the K/V rows each layer writes and reads) and at the sampler (the logits' rows), with the
 step dispatched ahead on and off; the answers are those of the same requests alone, and of transformers' eager
 recompute (tests/fixtures/eager_reference.py)."""
@@ -24,12 +24,13 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def test_a_step_takes_the_smallest_rung_above_its_highest_live_slot():
-    assert [rows([s], 8) for s in range(8)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert [rows([s], 8) for s in range(8)] == [2, 2, 4, 4, 8, 8, 8, 8]
     assert rows([0, 3], 8) == 4 and rows([2, 0], 8) == 4 and rows([0, 1, 2, 3, 4], 8) == 8
-    assert [rows([s], 3) for s in range(3)] == [1, 2, 3]           # capped at the slots, the top rung
+    assert [rows([s], 3) for s in range(3)] == [2, 2, 3]           # capped at the slots, the top rung
     assert [rows([s], 12) for s in (7, 8, 11)] == [8, 12, 12]
     assert rows([0], 1) == 1
-    assert ladder(8) == (1, 2, 4, 8) and ladder(3) == (1, 2, 3) and ladder(12) == (1, 2, 4, 8, 12) and ladder(1) == (1,)
+    assert ladder(8) == (2, 4, 8) and ladder(3) == (2, 3) and ladder(12) == (2, 4, 8, 12) and ladder(1) == (1,)
+    assert ladder(2) == (2,) and rows([0], 2) == 2
     assert {rows([s], n) for n in (1, 3, 8, 12) for s in range(n)} <= {b for n in (1, 3, 8, 12) for b in ladder(n)}
 
 
@@ -79,20 +80,20 @@ class Rows:
 
 
 @pytest.mark.parametrize("piped", [False, True])
-def test_a_lone_stream_decodes_one_row(engines, info, piped, monkeypatch):
+def test_a_lone_stream_decodes_two_rows(engines, info, piped, monkeypatch):
     engine = engines[piped]
     seen = Rows(engine, monkeypatch)
     ask = info.chat_prompt([{"role": "user", "content": QUESTION}])
     got = summary(run_in_batch(engine, info, [Job(ask, SamplingParams(temperature=0.0, max_tokens=200))])[0])
     assert got[:2] == (ANSWER, "stop")
     steps = seen.steps()
-    assert steps == [1] * len(steps) and len(steps) == got[2] - 1 + piped         # + the step ahead not taken
+    assert steps == [2] * len(steps) and len(steps) == got[2] - 1 + piped         # + the step ahead not taken
     assert engine._kv.k[0].shape[0] == SLOTS                                        # the cache keeps every slot
 
 
 @pytest.mark.parametrize("piped", [False, True])
 def test_streams_in_slots_0_and_3_decode_4_rows_and_get_what_they_get_alone(engines, piped, monkeypatch, tiny_gemma4):
-    """Two sequences in slots 0 and 3 (the rows between are free, fed at position 0): four rows a step, then one
+    """Two sequences in slots 0 and 3 (the rows between are free, fed at position 0): four rows a step, then two
     once slot 3 leaves; every step's logits and tokens those of each sequence decoded alone in slot 0, which are
     transformers' eager recompute's."""
     engine = engines[piped]
@@ -125,13 +126,14 @@ def test_streams_in_slots_0_and_3_decode_4_rows_and_get_what_they_get_alone(engi
     for s in prompts:
         assert got[s][0] == want[s][0]
         np.testing.assert_allclose(np.stack(got[s][1]), np.stack(want[s][1]), atol=F32_MODEL_REORDERED)   # 4 rows, 1
-    # with the step ahead: the one dispatched at 4 rows before slot 3 left is taken, then 1 row
-    assert seen.steps() == [4] * (5 + piped) + [1] * 7
+    # with the step ahead: the one dispatched at 4 rows before slot 3 left is taken, then 2 rows
+    assert seen.steps() == [4] * (5 + piped) + [2] * 7
 
 
 def test_a_stream_that_joins_throws_the_step_ahead_at_one_row_away(engines, info):
-    """A lone stream decodes one row with a step dispatched ahead; a second joins in slot 1: that step ahead is
-    thrown away and counted, the next steps take two rows, and both answers are those of the engine that waits."""
+    """A lone stream decodes its two rows with a step dispatched ahead; a second joins in slot 1, the free row: that
+    step ahead (which ran without it) is thrown away and counted, and both answers are those of the engine that
+    waits."""
     ask = info.chat_prompt([{"role": "user", "content": QUESTION}])
     jobs = [Job(ask, SamplingParams(temperature=0.0, max_tokens=12)),
             Job(ask, SamplingParams(temperature=0.9, seed=5, max_tokens=8, logprobs=1))]
@@ -159,7 +161,7 @@ def test_a_stream_that_joins_throws_the_step_ahead_at_one_row_away(engines, info
     finally:
         mp.undo()
     assert got == want and (dropped, none) == (1, 0)
-    assert waited == [1] * 3 + [2] * 6 and steps == [1] * 4 + [2] * 7      # + a step ahead thrown away, one left
+    assert waited == [2] * 9 and steps == [2] * 11      # + a step ahead thrown away, one left
     alone = [summary(list(generate(engines[True], info, j.prompt_ids, j.params))) for j in jobs]
     assert [summary(ev) for ev in run_in_batch(engines[True], info, jobs)] == alone
 
@@ -171,7 +173,7 @@ def test_the_boot_warm_up_decodes_every_row_count(engines, tiny_gemma4):
     from serving.api.app import create_app
 
     engine = engines[True]
-    assert engine.warm_slots == (0, 1, 3, 7)
+    assert engine.warm_slots == (1, 3, 7)
     mp = pytest.MonkeyPatch()
     seen = Rows(engine, mp)
     try:
@@ -183,9 +185,9 @@ def test_the_boot_warm_up_decodes_every_row_count(engines, tiny_gemma4):
 
 
 @pytest.mark.slow
-def test_two_compiles_serve_every_row_count(engines):
-    """The rows dimension reaches the compiled step marked dynamic: one compile for a single row (torch.compile
-    specialises sizes of 1) and one for every other count, whichever comes first; then none, at any span."""
+def test_one_compile_serves_every_row_count(engines):
+    """The rows dimension reaches the compiled step marked dynamic, and no step takes a single row (which
+    torch.compile would specialise): one compile, whichever count comes first; then none, at any span."""
     from torch._dynamo.testing import CompileCounter
 
     engine = engines[False]
@@ -197,12 +199,12 @@ def test_two_compiles_serve_every_row_count(engines):
         for slot in (7, 3, 1, 0, 1, 7):
             engine.step({slot: engine.start(slot, [2, 5, 6], GREEDY)})
             counts.append(counter.frame_count)
-        assert counts == [1, 1, 1, 2, 2, 2]
+        assert counts == [1, 1, 1, 1, 1, 1]
         prompt = np.random.default_rng(3).integers(0, 512, 62).tolist()
         live = {s: engine.start(s, prompt, GREEDY) for s in (0, 2)}      # 4 rows, past a span of 64
         for _ in range(4):
             live = engine.step(live)
-        assert counter.frame_count == 2
+        assert counter.frame_count == 1
     finally:
         engine._decode = engine.model.__call__
         torch._dynamo.reset()

@@ -1,6 +1,6 @@
 """The compiled decode step's persistent cache, and what each boot's compiles cost (issue 49).
 
-A boot compiles the decode step once per graph (row count 1, then every count above it: attention.SlotKV). Each
+A boot compiles the decode step once (every row count: attention.ROWS, the rows dimension dynamic). Each
 compile is dynamo's trace (never cached across processes), then AOTAutograd and inductor, whose outputs
 (FX graphs, Triton or C++ kernels) `inductor_env`'s directory keeps: a second boot over the same directory only
 traces and loads. Two things made every boot miss that cache:
