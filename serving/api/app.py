@@ -42,6 +42,7 @@ from serving.core.metrics import Metrics
 from serving.api.middleware import Guard, http_protocol
 from serving.api.protocol import APIError, unavailable
 from serving.core.scheduler import Scheduler
+from serving.shaping import heap
 from serving.shaping.grammar_pool import Grammars
 
 log = logging.getLogger("serving.api")
@@ -134,7 +135,7 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
     app.state.ctx = ctx
     app.state.begin_shutdown = lambda on_drained=None: on_drained and on_drained()    # replaced once it runs
     app.add_middleware(Guard, max_body_bytes=max_body_bytes, api_key=api_key, body_timeout_s=body_timeout_s,
-                       body_total_timeout_s=body_total_timeout_s)
+                       body_total_timeout_s=body_total_timeout_s, heap=heap.Trimmer(metrics.trimmed))
     cors = {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers": ["*"], "allow_credentials": False,
             **(cors or {})}
     app.add_middleware(CORSMiddleware, **cors)       # outermost: preflights never need the API key
@@ -181,6 +182,10 @@ async def _startup(ctx: Context, load_engine: Callable[[], Engine],
         # thread, the event loop's too) walks that request's objects only, not the whole process (as vLLM).
         gc.collect()
         gc.freeze()
+        # what loading freed (the checkpoint's host copies, the compiles' garbage) goes back: 460 MiB of the tiny
+        # JAX server's RSS after a cold boot on the CPU (benchmarks/RESULTS.md)
+        if heap.enabled():
+            ctx.metrics.trimmed(await asyncio.to_thread(heap.give_back_memory))
         ctx.ready = True
     except asyncio.CancelledError:    # shut down while loading
         raise

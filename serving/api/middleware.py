@@ -8,6 +8,8 @@
 - a body that stops coming (`--body-timeout`: seconds without a byte while the body is incomplete, e.g. a
   Content-Length of 100 and 7 bytes sent), or that takes longer than `--body-total-timeout` in all (one byte every
   few seconds), gets a 408, instead of holding its connection and handler open;
+- a request whose body and answer together are large (serving/shaping/heap.py's Trimmer) is followed by a
+  `malloc_trim` off the event loop, so that the heap its parse and its answer freed goes back to the system;
 
 and, below the app, in the HTTP protocol (`http_protocol`, uvicorn's h11 one):
 
@@ -32,6 +34,7 @@ import socket
 import uuid
 
 from serving.api.protocol import APIError
+from serving.shaping.heap import Trimmer
 
 
 class BodyTooLarge(APIError):
@@ -49,8 +52,8 @@ class BodyTimeout(APIError):
 
 class Guard:
     def __init__(self, app, max_body_bytes: int, api_key: str | None = None, body_timeout_s: float = 10.0,
-                 body_total_timeout_s: float = 60.0):
-        self.app, self.limit, self.body_timeout_s = app, max_body_bytes, body_timeout_s
+                 body_total_timeout_s: float = 60.0, heap: Trimmer | None = None):
+        self.app, self.limit, self.body_timeout_s, self.heap = app, max_body_bytes, body_timeout_s, heap
         self.body_total_timeout_s = body_total_timeout_s
         self.auth = f"Bearer {api_key}".encode() if api_key else None
 
@@ -60,11 +63,15 @@ class Guard:
         headers = dict(scope["headers"])
         rid = headers.get(b"x-request-id", b"").decode("latin-1")[:256] or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
+        received = sent = 0
 
         async def send_with_id(message):
+            nonlocal sent
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", []),
                                                   (b"x-request-id", rid.encode("latin-1"))]}
+            else:
+                sent += len(message.get("body", b""))
             await send(message)
 
         async def refuse(error: APIError):
@@ -82,7 +89,7 @@ class Guard:
         if length is not None and (not length.isdigit() or int(length) > self.limit):
             return await refuse(BodyTooLarge(self.limit) if length.isdigit() else
                                 APIError(400, "invalid Content-Length header"))
-        received, complete = 0, False
+        complete = False
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.body_total_timeout_s if self.body_total_timeout_s else float("inf")
 
@@ -106,6 +113,8 @@ class Guard:
             return message
 
         await self.app(scope, limited_receive, send_with_id)
+        if self.heap is not None and self.heap.due(received + sent):
+            await asyncio.to_thread(self.heap.run)     # the answer is out; a trim walks every arena
 
 
 PEER_POLL_S = 0.1       # how often a half-closed connection is checked for the reset that says its client is gone

@@ -48,6 +48,11 @@ class Metrics:
         self.preemptions = Counter("vllm:num_preemptions", "Requests preempted.", ln, registry=r).labels(model_name)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of the KV cache (slots x context) the running "
                               "requests' tokens fill, 0 to 1.", ln, registry=r).labels(model_name)
+        # Not vLLM's: freed heap handed back to the system (serving/shaping/heap.py), at boot and after large requests.
+        self.heap_trims = Counter("g5g:heap_trims", "malloc_trim calls (after boot, after large requests).", ln,
+                                  registry=r).labels(model_name)
+        self.heap_released = Counter("g5g:heap_released_bytes", "Resident bytes those calls gave back.", ln,
+                                     registry=r).labels(model_name)
         self.model_name = model_name
         self.lock = threading.Lock()
 
@@ -79,6 +84,11 @@ class Metrics:
                 self.itl.observe(b - a)
             if len(times) > 1:
                 self.tpot.observe((e2e - ttft) / (len(times) - 1))
+
+    def trimmed(self, released: int) -> None:
+        with self.lock:
+            self.heap_trims.inc()
+            self.heap_released.inc(released)
 
     def scrape(self) -> bytes:
         with self.lock:

@@ -28,7 +28,6 @@
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import pickle
@@ -48,6 +47,7 @@ from typing import Any
 from serving.engine import mask_words
 from serving.shaping.grammar import (ANY_OBJECT, MAX_REGEX_CHARS, MAX_SCHEMA_DEPTH, MAX_STRING_BOUND, Grammar,
                                 InvalidGrammar, check_schema, token_bytes)
+from serving.shaping.heap import give_back_memory
 
 COMPILE_TIMEOUT_S = float(os.environ.get("G5G_GRAMMAR_TIMEOUT_S", "30"))     # from the start of a compile
 COMPILES = 2                # compiles at once (--grammar-compiles); twice as many more may wait for a worker
@@ -212,7 +212,9 @@ class Grammars:
                 entry.nbytes = 0 if error is not None else entry.future.result().nbytes
                 self.cached_bytes += entry.nbytes
                 self._evict(lambda: self.cached_bytes > self.cache_bytes)
-        give_back_memory()          # what the compile's result crossed in (its pickle) is freed by now
+        # what the compile's result crossed in (its pickle) is freed by now (glibc kept it otherwise: 864 MiB of
+        # RSS stayed after three dropped indexes)
+        give_back_memory()
 
     def _held(self, grammar: Grammar) -> Grammar:
         """Count `grammar` in live_bytes for as long as anything holds it."""
@@ -323,15 +325,6 @@ class Grammars:
                 # outlines-core knows one end token; Matcher lets any of the checkpoint's stop tokens end.
                 self._vocabulary = Vocabulary(min(self.info.stop_ids), tokens)
             return self._vocabulary
-
-
-def give_back_memory() -> None:
-    """Hand freed heap back to the system (glibc keeps it otherwise: 864 MiB of RSS stayed after three dropped
-    indexes); nothing where there is no glibc."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 # The compile, as a program of its own: (schema JSON, bounds, outlines-core Vocabulary) pickled in, (ok, Index or
