@@ -11,9 +11,11 @@ forward in one launch. What makes a forward replayable:
   keeps are the prompt's last position's (`logits_to_keep` as an index);
 - one memory pool for every bucket (the largest captured first): prompts run one at a time, and each replay's
   logits are copied out before the next.
-Graphs are captured on the first prompt (the boot's warm-up), with SlotKV (slots > 1) on CUDA only;
-G5G_TORCH_PREFILL_GRAPHS=0 keeps prompts eager. A prompt longer than every bucket, or one that asks for
-prompt_logprobs, runs eagerly.
+Graphs are captured on the first prompt (the boot's warm-up), with SlotKV (slots > 1) on CUDA only, where
+G5G_TORCH_PREFILL_GRAPHS=1 asks for them: opt-in until a GPU run shows them answering as eager prompts do, and
+faster (the padded forward is the CPU's tests/test_torch_prefill.py; the capture and replay have not run on a GPU
+yet: benchmarks/serving_speed.py's pytorch_batched_prompt_graphs phase and the GPU suite are the check). A prompt
+longer than every bucket, or one that asks for prompt_logprobs, runs eagerly.
 """
 from __future__ import annotations
 
@@ -39,8 +41,8 @@ def buckets(max_context: int, smallest: int = SMALLEST) -> tuple[int, ...]:
 
 
 def graphs_from_env(env, device_type: str, slots: int) -> bool:
-    """G5G_TORCH_PREFILL_GRAPHS: 1 (default) captures prompt graphs on CUDA with SlotKV (slots > 1); 0 never."""
-    text = env.get("G5G_TORCH_PREFILL_GRAPHS") or "1"
+    """G5G_TORCH_PREFILL_GRAPHS: 1 captures prompt graphs on CUDA with SlotKV (slots > 1); 0 (default) never."""
+    text = env.get("G5G_TORCH_PREFILL_GRAPHS") or "0"
     if text not in ("0", "1"):
         raise ValueError(f"G5G_TORCH_PREFILL_GRAPHS: {text!r} is not 0 or 1")
     return text == "1" and device_type == "cuda" and slots > 1
