@@ -212,3 +212,14 @@ def test_benchmarks_run_one_way_no_sys_path_edits_no_bare_sibling_imports():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
             found += [f"{f.relative_to(ROOT)}:{node.lineno}: import {n}" for n in names if n.split(".")[0] in stems]
     assert found == []
+
+
+def test_prompt_graphs_without_a_gpu_says_so_in_one_line_before_building_anything(tmp_path):
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "benchmarks.prompt_graphs", str(tmp_path / "out")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == ("prompt_graphs: no CUDA GPU here (the graphs it compares are "
+                                                   "CUDA graphs)")
+    assert not (tmp_path / "out").exists()

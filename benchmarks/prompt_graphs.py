@@ -1,0 +1,89 @@
+"""Prompts replayed from CUDA graphs against eager prompts, in one process (serving/torch_runtime/prefill.py, issue
+49): per prompt length, the time from `start()` to the first token each way (median of --runs), their ratio, and
+whether the two agree (first-token logits, then --tokens greedy tokens). E2B's text shapes with random fp16 weights
+(benchmarks/harness/checkpoint.py); a GPU only, since the graphs are CUDA's. Decode runs eagerly here
+(G5G_TORCH_COMPILE=0): only the prompts are compared, and no compile is spent on the rest.
+
+    python -m benchmarks.prompt_graphs OUT_DIR [--ckpt DIR] [--lengths 5,117,526,1000] [--runs 5] [--tokens 32]
+Writes OUT_DIR/prompt_graphs.json and prints each length's figures.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.harness import checkpoint
+from benchmarks.harness.results import Results
+
+CONTEXT = 1024      # serving_speed's --max-model-len
+SLOTS = 8
+SLOT = 2            # not slot 0, which the capture's own runs write
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--ckpt", type=Path, help="reuse (or build here) the checkpoint in this directory")
+    ap.add_argument("--lengths", default="5,117,526,1000")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=32)
+    a = ap.parse_args()
+    import numpy as np
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("prompt_graphs: no CUDA GPU here (the graphs it compares are CUDA graphs)")
+    lengths = [int(n) for n in a.lengths.split(",")]
+    if max(lengths) > CONTEXT:
+        raise SystemExit(f"prompt_graphs: --lengths past the context ({CONTEXT})")
+    os.environ |= {"G5G_TORCH_PREFILL_GRAPHS": "1", "G5G_TORCH_COMPILE": "0"}
+    from serving.engine import SamplingParams
+    from serving.torch_runtime import load
+
+    ckpt = a.ckpt or a.out / "ckpt"
+    if not (ckpt / "config.json").exists():
+        checkpoint.build(ckpt, checkpoint.text_config("e2b"))
+    a.out.mkdir(parents=True, exist_ok=True)
+    results = Results(a.out / "prompt_graphs.json")
+    eng = load(ckpt, max_context=CONTEXT, slots=SLOTS)
+    greedy = SamplingParams(temperature=0.0)
+
+    def answer(prompt: list[int], graphs: bool) -> tuple[np.ndarray, list[int], float]:
+        """First-token logits, the greedy tokens, and the median seconds from start() to the first token."""
+        keep, eng.prompt_graphs = eng.prompt_graphs, eng.prompt_graphs if graphs else None
+        try:
+            took = []
+            for _ in range(a.runs):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                first = eng.start(SLOT, prompt, greedy)      # the token is on the host: the prompt has run
+                took.append(time.perf_counter() - t0)
+            logits, tokens = eng.logits(SLOT), [first]
+            while len(tokens) < a.tokens:
+                tokens.append(eng.step({SLOT: tokens[-1]})[SLOT])
+            return logits, tokens, statistics.median(took)
+        finally:
+            eng.prompt_graphs = keep
+
+    answer([2, 5, 6], graphs=True)       # captures every bucket's graph (as a server's warm-up does)
+    results.note(device=torch.cuda.get_device_name(), context=CONTEXT, slots=SLOTS, runs=a.runs, tokens=a.tokens,
+                 capture=eng.prompt_graphs.describe())
+    rng = np.random.default_rng(0)
+    for n in lengths:
+        prompt = rng.integers(10, eng.vocab_size, n).tolist()
+        g_logits, g_tokens, g_s = answer(prompt, graphs=True)
+        e_logits, e_tokens, e_s = answer(prompt, graphs=False)
+        parted = next((i for i, (x, y) in enumerate(zip(g_tokens, e_tokens)) if x != y), None)
+        results.note(**{f"prompt_{n}": {
+            "graph_ms": round(g_s * 1000, 2), "eager_ms": round(e_s * 1000, 2), "eager_over_graph": round(e_s / g_s, 2),
+            "max_abs_logit_diff": round(float(np.abs(g_logits - e_logits).max()), 4),
+            "same_first_token": int(g_logits.argmax()) == int(e_logits.argmax()), "tokens_parted_at": parted}})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
