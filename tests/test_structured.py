@@ -856,6 +856,61 @@ def test_a_small_schema_compiles_while_slow_ones_hold_every_worker(info, monkeyp
             t.join(30)
 
 
+def test_a_shorter_schema_takes_the_place_of_the_longest_waiting_for_the_quick_slot(info):
+    """Every place taken by one client's flood (the worker, the waiting place held in the quick slot, and the quick
+    slot's own place by a long schema waiting for it): another client's short schema is admitted in the long one's
+    place (the smallest job first), which is GrammarBusy, and compiles once the quick slot frees. Before: a 429 at
+    once (the pressure run's round 6: every small schema beside 16 slow ones refused). A schema no shorter than any
+    waiting is still busy."""
+    import threading
+
+    grammars = Grammars(info, len(info.prompt_tokenizer), timeout_s=120, workers=1, queued=1, quick_s=60)
+    grammars.json_schema({"type": "boolean"})            # the vocabulary, built once
+    while grammars.in_flight:
+        time.sleep(0.01)
+    compile, release = grammars._compile, threading.Event()
+
+    def flood_held(key, deadline, stop, quick=False):
+        if '"flood-' in key:                             # the flood holds the worker and the quick slot
+            release.wait(60)
+        return compile(key, deadline, stop, quick=quick)
+
+    grammars._compile = flood_held
+    outcomes = {}
+
+    def ask(name, schema):
+        outcomes[name] = _outcome(lambda: grammars.json_schema(schema))
+
+    long_one = {"enum": ["flood-3", "x" * 200]}
+    threads = [threading.Thread(target=ask, args=(n, sc), daemon=True)
+               for n, sc in (("flood-1", {"enum": ["flood-1"]}), ("flood-2", {"enum": ["flood-2"]}))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while grammars.in_flight < 2 or grammars._free["quick"]:            # the worker and the quick slot held
+        assert time.monotonic() < deadline, "the flood did not fill the places"
+        time.sleep(0.01)
+    threads.append(threading.Thread(target=ask, args=("long", long_one), daemon=True))
+    threads[-1].start()
+    while len(grammars._quick_queue) < 1:                                # the long one waits for the quick slot
+        assert time.monotonic() < deadline, "the long schema was not admitted for the quick slot"
+        time.sleep(0.01)
+    try:
+        with pytest.raises(GrammarBusy, match="compiling or waiting"):  # no shorter than the one waiting
+            grammars.json_schema({"enum": ["flood-4", "y" * 300]})
+        threads.append(threading.Thread(target=ask, args=("short", {"type": "string", "maxLength": 3}), daemon=True))
+        threads[-1].start()
+        threads[2].join(60)
+        assert isinstance(outcomes["long"], GrammarBusy) and "shorter schema" in str(outcomes["long"])
+    finally:
+        release.set()
+        for t in threads:
+            t.join(60)
+    assert outcomes["short"].words == mask_words(len(info.prompt_tokenizer))
+    assert not any(isinstance(outcomes[n], Exception) for n in ("flood-1", "flood-2"))
+    assert json.dumps(long_one, separators=(",", ":")) not in grammars._cache      # the refusal is never cached
+
+
 def test_a_small_schema_compiles_when_slow_ones_fill_every_place(info, monkeypatch):
     """One worker and one waiting place, both taken by slow schemas (one client's flood; the second's quick try
     ends, and it waits for the worker): a small schema is admitted for the quick slot alone, ahead of them, and

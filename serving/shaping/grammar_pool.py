@@ -14,7 +14,11 @@
   Past that (one client's slow schemas filled it, and every other client's schema was refused), up to `queued`
   more are admitted for the quick slot alone, ahead of those in flight: one that does not compile within its
   quick try, like one more past those, is GrammarBusy, the client's 429, never cached: the same schema compiles
-  when sent again.
+  when sent again. **The smallest job first** (a schema's compact JSON length: the size of what it asks for): the
+  quick slot goes to the shortest of those admitted for it alone, and with every place taken, a schema shorter
+  than the longest of them still waiting takes its place (that one is GrammarBusy). One client's flood of slow
+  schemas fills every place within milliseconds, so first come alone refused every other client's small schema
+  that came next (the pressure run's round 6, benchmarks/RESULTS.md).
 - **Waiting holds no thread**: the API awaits a compile's future (serving/api/completions.py); `json_schema` waits in
   the caller's thread, for tests and tools.
 - **Memory**: compiled grammars are cached per schema, within `cache_bytes` (`--grammar-cache-bytes`, each index
@@ -102,6 +106,8 @@ class _Compile:
     started: float | None = None
     nbytes: int = 0
     quick_only: bool = False        # admitted past the workers' places: the quick slot or nothing
+    size: int = 0                   # its schema's compact JSON length: the job's size, for the smallest first
+    bumped: bool = False            # a shorter schema took its place in the quick slot's queue
 
 
 class Grammars:
@@ -126,7 +132,7 @@ class Grammars:
         self._free = {"worker": workers, "quick": int(quick_s > 0)}
         self.in_flight = 0          # compiles running or waiting for a worker
         self.quick_only = 0         # compiles admitted past those, for the quick slot alone
-        self._quick_waiting = 0     # of those, waiting for it (they take it before any other)
+        self._quick_queue: list[_Compile] = []  # of those, waiting for it (they take it before any other)
         self.cached_bytes = 0       # the finished grammars in the cache
         self.live_bytes = 0         # every compiled grammar still held (cached, or a request's)
 
@@ -142,7 +148,7 @@ class Grammars:
             if entry is None:
                 self._evict(lambda: self.live_bytes > self.cache_bytes)
                 full = self.in_flight >= self.workers + self.queued
-                if full and (not self.quick_s or self.quick_only >= self.queued):
+                if full and (not self.quick_s or self.quick_only >= self.queued and not self._bump(len(key))):
                     limit = f"at most {self.workers + self.queued}" + (
                         f", and {self.queued} more for the quick slot" if self.quick_s else "")
                     raise GrammarBusy(f"{self.in_flight + self.quick_only} schemas are compiling or waiting to "
@@ -234,7 +240,7 @@ class Grammars:
         """Compile in a daemon thread of its own (a compile still running at exit must not hold the server), which
         waits for a worker first (`quick_only`: for the quick slot, and only there); at most workers + 2 * queued
         such threads (enter's admission)."""
-        entry = _Compile(quick_only=quick_only)
+        entry = _Compile(quick_only=quick_only, size=len(key))
         entry.future.set_running_or_notify_cancel()     # no waiter can cancel it (asyncio.wrap_future would try)
         if quick_only:
             self.quick_only += 1
@@ -275,20 +281,40 @@ class Grammars:
 
     def _slot(self, entry: _Compile, kinds: tuple[str, ...]) -> str:
         """Wait for the first free slot of `kinds` (a worker first), and take it; _Stopped once every requester
-        left."""
+        left; GrammarBusy once a shorter schema took its place (_bump)."""
         with self._slots:
-            self._quick_waiting += entry.quick_only
+            if entry.quick_only:
+                self._quick_queue.append(entry)
             try:
                 while True:
                     if entry.stop.is_set():
                         raise _Stopped
+                    if entry.bumped:
+                        raise GrammarBusy("every compile worker and waiting place is taken, and a shorter schema "
+                                          "took its place for the quick slot")
                     for kind in kinds:
-                        if self._free[kind] and (kind != "quick" or entry.quick_only or not self._quick_waiting):
+                        if self._free[kind] and self._may_take(entry, kind):
                             self._free[kind] -= 1
                             return kind
                     self._slots.wait(POLL_S)
             finally:
-                self._quick_waiting -= entry.quick_only
+                if entry.quick_only:
+                    self._quick_queue.remove(entry)
+
+    def _may_take(self, entry: _Compile, kind: str) -> bool:
+        """The quick slot goes to the shortest schema waiting for it alone, before any other (under _slots)."""
+        return kind != "quick" or not self._quick_queue or entry is min(self._quick_queue, key=lambda e: e.size)
+
+    def _bump(self, size: int) -> bool:
+        """Every place taken: the longest schema still waiting for the quick slot alone, if longer than `size`,
+        gives its place up (its requests get GrammarBusy, never cached). Whether one did."""
+        with self._slots:
+            longest = max((e for e in self._quick_queue if not e.bumped), key=lambda e: e.size, default=None)
+            if longest is None or longest.size <= size:
+                return False
+            longest.bumped = True
+            self._slots.notify_all()
+            return True
 
     def _give_back(self, slot: str) -> None:
         with self._slots:
