@@ -12,6 +12,7 @@ import requests
 from serving.engine import SamplingParams
 from devtools.server import serving, serving_env
 from devtools.tiny_gemma4 import ANSWER, QUESTION
+from tests.fixtures.batching import decode_alone
 
 GREEDY = SamplingParams(temperature=0.0)
 SLOTS = 4
@@ -30,23 +31,13 @@ def _prompt(engine, n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, engine.vocab_size, n).tolist()
 
 
-def _alone(engine, prompt, params, n, slot=0):
-    """n tokens of one sequence in `slot`, and the logits behind each."""
-    toks = [engine.start(slot, prompt, params)]
-    logits = [engine.logits(slot)]
-    while len(toks) < n:
-        toks.append(engine.step({slot: toks[-1]})[slot])
-        logits.append(engine.logits(slot))
-    return toks, np.stack(logits)
-
-
 def test_slot_cache_gives_the_static_cache_logits(engines):
     """Past the sliding window (16 in the fixture) and in a slot other than 0: the same logits as StaticCache."""
     one, many = engines
     for n, slot in [(3, 0), (20, 3), (40, 1)]:
         prompt = _prompt(one, n, seed=n)
-        ref, ref_logits = _alone(one, prompt, GREEDY, 30)
-        got, got_logits = _alone(many, prompt, GREEDY, 30, slot=slot)
+        ref, ref_logits = decode_alone(one, prompt, GREEDY, 30)
+        got, got_logits = decode_alone(many, prompt, GREEDY, 30, slot=slot)
         assert got == ref
         np.testing.assert_allclose(got_logits, ref_logits, atol=1e-4)
 
@@ -108,8 +99,8 @@ def test_int8_lm_head_keeps_the_embedding_and_tracks_the_fp16_logits(engines, ti
     assert isinstance(q.model.lm_head, packed_matmul.PackedLinear) and q.model.lm_head.bits == 8
     assert q.model.model.embed_tokens.weight.dtype == torch.float32          # CPU dtype; not replaced
     prompt = _prompt(q, 12, 3)
-    _, want = _alone(engines[0], prompt, GREEDY, 4)
-    _, got = _alone(q, prompt, GREEDY, 4)
+    _, want = decode_alone(engines[0], prompt, GREEDY, 4)
+    _, got = decode_alone(q, prompt, GREEDY, 4)
     assert np.abs(got[0] - want[0]).max() < 0.02 * np.abs(want[0]).max()
     with pytest.raises(ValueError, match="G5G_LM_HEAD: 'int4' is not one of fp16, int8"):
         lm_head_from_env({"G5G_LM_HEAD": "int4"})

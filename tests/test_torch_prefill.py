@@ -8,6 +8,7 @@ import pytest
 
 from serving.engine import SamplingParams
 from serving.torch_runtime import prefill
+from tests.fixtures.batching import decode_alone
 
 GREEDY = SamplingParams(temperature=0.0)
 CONTEXT = 128
@@ -39,15 +40,6 @@ def engines(tiny_gemma4):
     yield load(tiny_gemma4, max_context=CONTEXT), load(tiny_gemma4, max_context=CONTEXT, slots=4)
 
 
-def _decode(engine, slot, prompt, n):
-    toks = [engine.start(slot, prompt, GREEDY)]
-    logits = [engine.logits(slot)]
-    while len(toks) < n:
-        toks.append(engine.step({slot: toks[-1]})[slot])
-        logits.append(engine.logits(slot))
-    return toks, np.stack(logits)
-
-
 @pytest.mark.parametrize("n, slot", [(3, 0), (20, 3), (40, 1), (64, 2), (100, 1)])
 def test_a_padded_prompt_gives_the_unpadded_tokens_and_logits(engines, monkeypatch, n, slot):
     """Past the fixture's sliding window (16), where the padding (random ids) would overwrite the prompt's ring
@@ -57,7 +49,7 @@ def test_a_padded_prompt_gives_the_unpadded_tokens_and_logits(engines, monkeypat
     one, many = engines
     rng = np.random.default_rng(n)
     prompt = rng.integers(0, one.vocab_size, n).tolist()
-    ref, ref_logits = _decode(one, 0, prompt, 24)
+    ref, ref_logits = decode_alone(one, prompt, GREEDY, 24)
     length = prefill.bucket_of(n, prefill.buckets(CONTEXT))
     padded = []
 
@@ -67,7 +59,7 @@ def test_a_padded_prompt_gives_the_unpadded_tokens_and_logits(engines, monkeypat
         return many._padded_prompt(x, torch.tensor([s]), torch.tensor([len(ids)]))
 
     monkeypatch.setattr(many, "_prompt", prompt_padded)
-    got, got_logits = _decode(many, slot, prompt, 24)
+    got, got_logits = decode_alone(many, prompt, GREEDY, 24, slot=slot)
     assert padded == [length] and (length > n or n == 64)
     assert got == ref
     np.testing.assert_allclose(got_logits, ref_logits, atol=1e-4)
