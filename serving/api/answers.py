@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from serving.core.generation import Delta, Finish, Logprob, PromptLogprob
 from serving.api.protocol import APIError, unavailable
@@ -80,7 +81,8 @@ async def first_event(request: Request, jobs: list[Job]) -> tuple[int, Any]:
 
 
 async def collect(request: Request, jobs: list[Job]) -> list[tuple[str, list[Logprob], Finish, list | None]]:
-    """Each choice's whole text, logprobs, end and prompt logprobs; stops the generations if the client hangs up."""
+    """Each choice's whole text, logprobs, end and prompt logprobs. Stops the generations if the client hangs up,
+    and then raises ClientDisconnect (the app answers it without building anything)."""
     watcher = asyncio.create_task(_stop_when_gone(request, jobs))
     parts: list[list[str]] = [[] for _ in jobs]
     lps: list[list[Logprob]] = [[] for _ in jobs]
@@ -101,6 +103,10 @@ async def collect(request: Request, jobs: list[Job]) -> list[tuple[str, list[Log
             if jobs[i].shutdown and ev.reason == "abort":
                 raise unavailable("server is shutting down: request aborted")
             fins[i] = ev
+        if watcher.done() and not watcher.cancelled():
+            # the client hung up and its choices were stopped: no answer to build (n=64 choices with logprobs are
+            # seconds of JSON, which held every other client's request) and nobody to send it to
+            raise ClientDisconnect()
         return [("".join(parts[i]), lps[i], fins[i], prompts[i]) for i in range(len(jobs))]
     finally:
         watcher.cancel()

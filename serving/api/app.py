@@ -253,9 +253,10 @@ async def _http_error(_: Request, e: StarletteHTTPException):
 
 
 async def _client_gone(_: Request, e: ClientDisconnect):
-    # The connection closed before the body came whole: the HTTP parser refused the rest (its one warning line says
-    # so) or the client left. Nobody reads this answer, and it is no error of the server's: nothing to log.
-    return APIError(400, "request body incomplete: the connection closed").response()
+    # The connection closed before the body came whole (the HTTP parser refused the rest, and its one warning line
+    # says so) or before the answer (answers.collect). Nobody reads this answer, and it is no error of the
+    # server's: nothing to log.
+    return APIError(400, "the connection closed before the answer").response()
 
 
 async def _unexpected(_: Request, e: Exception):
