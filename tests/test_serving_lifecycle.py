@@ -328,6 +328,38 @@ def test_free_slots_go_turn_about_to_the_oldest_job_and_the_least_served_request
     loop.close()
 
 
+def test_a_request_with_more_choices_than_slots_leaves_one_slot_to_the_others():
+    """Four slots. A (n=10) takes three and leaves the fourth free even with nobody else waiting; B, coming after,
+    takes it at once. C (n=4, one pass) takes all four: a request that fits is never held back. One slot: the rule
+    would leave nothing, so it does not apply."""
+    import types
+
+    sched, jobs, loop = _expiring([5.0] * 10 + [1.0] + [0.5] * 4)
+    sched.engine = types.SimpleNamespace(slots=4)
+    a, b, c = jobs[:10], jobs[10], jobs[11:]
+    for group in (a, c):
+        for i, job in enumerate(group):
+            job.events, job.started, job.index, job.choices = group[0].events, group[0].started, i, len(group)
+    sched.queued.remove(b)
+    for job in c:
+        sched.queued.remove(job)
+    assert sched._take(4) == a[:3]
+    sched.batch = types.SimpleNamespace(live={slot: types.SimpleNamespace(job=j) for slot, j in enumerate(a[:3])})
+    assert sched._take(1) == []                 # running three, A waits for one of its own to end
+    sched.queued.append(b)
+    assert sched._take(1) == [b]
+    sched.batch.live.popitem()                  # one of A's choices ended: A takes that slot again
+    assert sched._take(1) == [a[3]]
+    sched.batch = None
+    sched.queued.clear()
+    sched.queued.extend(c)
+    assert sched._take(4) == c
+    sched.engine.slots = 1
+    sched.queued.extend(a[4:])
+    assert sched._take(1) == [a[4]]
+    loop.close()
+
+
 def _expiring(jobs_ago: list[float], max_queue_wait: float = 1.0):
     """A Scheduler whose FIFO holds jobs that arrived `ago` seconds back, and the loop their events go to."""
     from serving.core.generation import SamplingParams

@@ -201,7 +201,8 @@ async def submit(request: Request, prompts: list[tuple[list[int], SamplingParams
     ctx.check_serving()                    # again: the server may have begun shutting down while we tokenised
     loop, events, started = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
     jobs = [Job(ids, params if params.seed is None or j == 0 else replace(params, seed=params.seed + j * GOLDEN),
-                loop, events=events, index=p * n + j, grammar=grammar, reveal=reveal, stops=stops, started=started)
+                loop, events=events, index=p * n + j, choices=len(prompts) * n, grammar=grammar, reveal=reveal,
+                stops=stops, started=started)
             for p, (ids, params) in enumerate(prompts) for j in range(n)]
     try:
         ctx.scheduler.submit(*jobs)
