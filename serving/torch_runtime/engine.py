@@ -309,7 +309,8 @@ def prompt_logprobs(head, h: torch.Tensor, targets: Sequence[int], k: int) -> li
 
 # Sequences decoded together by default, per device type: on a GPU a decode step streams the weights once whatever
 # its rows, and the 8-slot server beat the one-slot one on a lone stream too (H200: 185.9 vs 168.3 tok/s,
-# benchmarks/RESULTS.md, round 2); on a CPU 8 rows cost 8 rows' compute (a lone stream 0.81x), so one slot.
+# benchmarks/RESULTS.md, round 2); on a CPU a lone stream in a batched engine decodes 1.8-2x slower at E2B's widths
+# (benchmarks/cpu_slots.py: 148 ms a token with one slot, 304 with two, 266 with eight), so one slot.
 DEFAULT_SLOTS = {"cuda": 8, "cpu": 1}
 
 
