@@ -52,8 +52,8 @@ def main() -> int:
         result["fixture_answer_verbatim"] = text == fixture["answer"] and events[-1].reason == "stop"
         if not result["fixture_answer_verbatim"]:
             result["fixture_answer"] = text
-        if args.runtime == "pytorch":
-            import torch
+        if args.runtime == "pytorch" and engine.slots == 1:     # a batched engine's model attends through SlotKV,
+            import torch                                          # which a plain full forward does not set up
             answer = info.tokenizer.encode(fixture["answer"], add_special_tokens=False)
             with torch.inference_mode():
                 full = engine.model(input_ids=torch.tensor([prompt + answer], device=engine.device)).logits[0]
