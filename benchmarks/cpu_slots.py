@@ -13,15 +13,13 @@ checkpoint (about 1 GB) is kept under --work for the next run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from benchmarks.harness import ROOT, checkpoint
+from benchmarks.harness import checkpoint, children
 from benchmarks.harness.results import Results
 
 PROMPT = list(range(10, 74))
@@ -56,10 +54,11 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--work", type=Path, default=Path("/tmp/cpu_slots"))
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)   # one slot count, measured in this process
+    ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)  # where the child writes its figures
     a = ap.parse_args()
     ckpt = a.work / f"ckpt-e2b-{a.layers}l-{a.vocab}v"
     if a.child is not None:
-        print(json.dumps(measure(ckpt, a.child, a.tokens, a.runs)))
+        children.write_result(a.result, measure(ckpt, a.child, a.tokens, a.runs))
         return 0
     a.out.mkdir(parents=True, exist_ok=True)
     if not (ckpt / "config.json").exists():
@@ -69,16 +68,17 @@ def main() -> int:
         checkpoint.add_whole_vocab_tokenizer(ckpt)
     results = Results(a.out / "cpu_slots.json")
     results.note(layers=a.layers, vocab=a.vocab, tokens=a.tokens, runs=a.runs, cores=os.cpu_count(), threads=1)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "G5G_TORCH_COMPILE": "0"}
+    env = children.child_env(None, OMP_NUM_THREADS="1", G5G_TORCH_COMPILE="0")
     base = None
     for slots in map(int, a.slots.split(",")):
-        argv = [sys.executable, "-m", "benchmarks.cpu_slots", str(a.out), "--child", str(slots), "--layers",
-                str(a.layers), "--vocab", str(a.vocab), "--tokens", str(a.tokens), "--runs", str(a.runs),
-                "--work", str(a.work)]
-        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
-        got = json.loads(done.stdout.strip().splitlines()[-1])
-        base = base or got
-        got["decode_vs_first"] = round(got["decode_ms_per_token"] / base["decode_ms_per_token"], 2)
+        result = a.work / f"slots-{slots}.json"
+        argv = children.module_argv("benchmarks.cpu_slots", str(a.out), "--child", str(slots), "--result",
+                                    str(result), "--layers", str(a.layers), "--vocab", str(a.vocab), "--tokens",
+                                    str(a.tokens), "--runs", str(a.runs), "--work", str(a.work))
+        got = children.run_child(argv, result, timeout=1800, env=env).record()
+        if "error" not in got:
+            base = base or got
+            got["decode_vs_first"] = round(got["decode_ms_per_token"] / base["decode_ms_per_token"], 2)
         results.note(**{f"slots_{slots}": got})
     return 0
 
