@@ -1,6 +1,7 @@
-"""The PyTorch runtime decodes the live rows only: a step takes the first rows() slots (attention.ROWS), so a
-lone stream on an 8-slot engine decodes two rows (no rung of 1: it would be a compile of its own), not eight. Observed at the model's compiled call (the rows it is
-fed), at SlotKV.update (the K/V rows each layer writes and reads) and at the sampler (the logits' rows), with the
+"""The PyTorch runtime decodes the live rows only: a step takes the first rows() slots, so a lone stream on an 8-slot
+engine decodes two rows when its decode step is compiled (attention.ROWS: no rung of 1, it would be a compile of its
+own) and one when it is eager (EAGER_ROWS: a CPU's GEMV), never eight. Each test runs both ladders on an eager engine
+(the ladder is the engine's `_steps`). Observed at the model's call (the rows it is fed), at SlotKV.update (the K/V rows each layer writes and reads) and at the sampler (the logits' rows), with the
 step dispatched ahead on and off; the answers are those of the same requests alone, and of transformers' eager
 recompute (tests/fixtures/eager_reference.py)."""
 from __future__ import annotations
@@ -12,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from serving.engine import SamplingParams  # noqa: E402
 from serving.core.generation import generate  # noqa: E402
-from serving.torch_runtime.attention import ladder, rows  # noqa: E402
+from serving.torch_runtime.attention import EAGER_ROWS, ROWS, ladder, rows  # noqa: E402
 from tests.fixtures.batching import Job, run_in_batch, summary, torch_engines  # noqa: E402
 from tests.fixtures.eager_reference import EagerReference, eager_model  # noqa: E402
 from tests.fixtures.tolerances import F32_MODEL_REORDERED  # noqa: E402
@@ -32,6 +33,20 @@ def test_a_step_takes_the_smallest_rung_above_its_highest_live_slot():
     assert ladder(8) == (2, 4, 8) and ladder(3) == (2, 3) and ladder(12) == (2, 4, 8, 12) and ladder(1) == (1,)
     assert ladder(2) == (2,) and rows([0], 2) == 2
     assert {rows([s], n) for n in (1, 3, 8, 12) for s in range(n)} <= {b for n in (1, 3, 8, 12) for b in ladder(n)}
+    # eager: a lone stream in slot 0 takes one row
+    assert [rows([s], 8, EAGER_ROWS) for s in range(8)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert ladder(8, EAGER_ROWS) == (1, 2, 4, 8) and ladder(2, EAGER_ROWS) == (1, 2) and ladder(1, EAGER_ROWS) == (1,)
+
+
+def test_the_ladder_follows_the_compile(tiny_gemma4, monkeypatch):
+    """A compiled decode step takes ROWS (loading compiles nothing yet), an eager one EAGER_ROWS; the warm-up visits
+    every rung."""
+    from serving.torch_runtime import load
+
+    for mode, steps, warm in [("always", ROWS, (1, 3, 7)), ("0", EAGER_ROWS, (0, 1, 3, 7))]:
+        monkeypatch.setenv("G5G_TORCH_COMPILE", mode)
+        engine = load(tiny_gemma4, slots=SLOTS, max_context=CONTEXT)
+        assert (engine._steps, engine.warm_slots) == (steps, warm)
 
 
 def test_torch_runs_on_one_thread_in_the_tests():
@@ -40,10 +55,23 @@ def test_torch_runs_on_one_thread_in_the_tests():
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_gemma4):
+def loaded(tiny_gemma4):
     """{pipelined: an 8-slot engine}, the step ahead set through the environment."""
     with torch_engines(tiny_gemma4, {piped: (SLOTS, piped) for piped in (False, True)}, max_context=CONTEXT) as out:
         yield out
+
+
+@pytest.fixture(params=[ROWS, EAGER_ROWS], ids=["compiled_ladder", "eager_ladder"])
+def engines(loaded, request, monkeypatch):
+    """The module's engines, decoding on the compiled step's ladder and on the eager one's."""
+    for engine in loaded.values():
+        monkeypatch.setattr(engine, "_steps", request.param)
+    return loaded
+
+
+def lone(engine) -> int:
+    """Rows a lone stream in slot 0 decodes on `engine`'s ladder."""
+    return rows([0], SLOTS, engine._steps)
 
 
 class Rows:
@@ -80,14 +108,14 @@ class Rows:
 
 
 @pytest.mark.parametrize("piped", [False, True])
-def test_a_lone_stream_decodes_two_rows(engines, info, piped, monkeypatch):
+def test_a_lone_stream_decodes_the_lowest_rung(engines, info, piped, monkeypatch):
     engine = engines[piped]
     seen = Rows(engine, monkeypatch)
     ask = info.chat_prompt([{"role": "user", "content": QUESTION}])
     got = summary(run_in_batch(engine, info, [Job(ask, SamplingParams(temperature=0.0, max_tokens=200))])[0])
     assert got[:2] == (ANSWER, "stop")
     steps = seen.steps()
-    assert steps == [2] * len(steps) and len(steps) == got[2] - 1 + piped         # + the step ahead not taken
+    assert steps == [lone(engine)] * len(steps) and len(steps) == got[2] - 1 + piped    # + the step ahead not taken
     assert engine._kv.k[0].shape[0] == SLOTS                                        # the cache keeps every slot
 
 
@@ -127,11 +155,11 @@ def test_streams_in_slots_0_and_3_decode_4_rows_and_get_what_they_get_alone(engi
         assert got[s][0] == want[s][0]
         np.testing.assert_allclose(np.stack(got[s][1]), np.stack(want[s][1]), atol=F32_MODEL_REORDERED)   # 4 rows, 1
     # with the step ahead: the one dispatched at 4 rows before slot 3 left is taken, then 2 rows
-    assert seen.steps() == [4] * (5 + piped) + [2] * 7
+    assert seen.steps() == [4] * (5 + piped) + [lone(engine)] * 7
 
 
 def test_a_stream_that_joins_throws_the_step_ahead_at_one_row_away(engines, info):
-    """A lone stream decodes its two rows with a step dispatched ahead; a second joins in slot 1, the free row: that
+    """A lone stream decodes its rung (one row or two) with a step dispatched ahead; a second joins in slot 1: that
     step ahead (which ran without it) is thrown away and counted, and both answers are those of the engine that
     waits."""
     ask = info.chat_prompt([{"role": "user", "content": QUESTION}])
@@ -161,7 +189,8 @@ def test_a_stream_that_joins_throws_the_step_ahead_at_one_row_away(engines, info
     finally:
         mp.undo()
     assert got == want and (dropped, none) == (1, 0)
-    assert waited == [2] * 9 and steps == [2] * 11      # + a step ahead thrown away, one left
+    one = lone(engines[True])
+    assert waited == [one] * 3 + [2] * 6 and steps == [one] * 4 + [2] * 7   # + a step ahead thrown away, one left
     alone = [summary(list(generate(engines[True], info, j.prompt_ids, j.params))) for j in jobs]
     assert [summary(ev) for ev in run_in_batch(engines[True], info, jobs)] == alone
 
@@ -173,7 +202,7 @@ def test_the_boot_warm_up_decodes_every_row_count(engines, tiny_gemma4):
     from serving.api.app import create_app
 
     engine = engines[True]
-    assert engine.warm_slots == (1, 3, 7)
+    assert engine.warm_slots == tuple(b - 1 for b in ladder(SLOTS, engine._steps))
     mp = pytest.MonkeyPatch()
     seen = Rows(engine, mp)
     try:
@@ -181,16 +210,17 @@ def test_the_boot_warm_up_decodes_every_row_count(engines, tiny_gemma4):
             assert wait_ready(f"{url}/health", timeout=60) is not None
     finally:
         mp.undo()
-    assert sorted(set(seen.steps())) == list(ladder(SLOTS))
+    assert sorted(set(seen.steps())) == list(ladder(SLOTS, engine._steps))
 
 
 @pytest.mark.slow
-def test_one_compile_serves_every_row_count(engines):
+def test_one_compile_serves_every_row_count(loaded, monkeypatch):
     """The rows dimension reaches the compiled step marked dynamic, and no step takes a single row (which
     torch.compile would specialise): one compile, whichever count comes first; then none, at any span."""
     from torch._dynamo.testing import CompileCounter
 
-    engine = engines[False]
+    engine = loaded[False]
+    monkeypatch.setattr(engine, "_steps", ROWS)
     torch._dynamo.reset()
     counter = CompileCounter()
     engine._decode, engine._decode_checked = torch.compile(engine.model.__call__, backend=counter), True

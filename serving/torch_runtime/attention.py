@@ -87,6 +87,9 @@ def turing_backends() -> None:
 # of 1: torch.compile specialises sizes of 1, so one row was a second compile at every boot (cold and warm), for a
 # step that streams the same weights as two rows do.
 ROWS = (2, 4, 8)
+# An eager step (no compile to share) takes one row too: a lone stream's products are then GEMVs, which a CPU runs
+# about 2x faster than two-row GEMMs (fp32, one thread, 6144x1536: 2.6 against 4.9 ms; benchmarks/cpu_slots.py).
+EAGER_ROWS = (1, *ROWS)
 
 
 def rows(live, slots: int, steps=ROWS) -> int:

@@ -57,7 +57,8 @@ class TorchEngine:
     """serving.engine.Engine over a transformers causal LM, next tokens chosen on the device (sampling.py,
     every slot in one pass). One slot: transformers' StaticCache (sequences run one after another). More
     (G5G_TORCH_SLOTS; 8 on a GPU by default): continuous batching over SlotKV (attention.py), every
-    live sequence decoded in one forward, over the first rows() slots only (attention.ROWS)."""
+    live sequence decoded in one forward, over the first rows() slots only (attention.ROWS compiled, EAGER_ROWS
+    eager)."""
 
     def __init__(self, model, text_config, device: torch.device, max_context: int, slots: int = 1):
         self.model = model
@@ -72,8 +73,6 @@ class TorchEngine:
         self._params = [SamplingParams(temperature=0.0)] * slots
         self.sampler = Sampler(slots, vocab, device)
         self._rows = torch.arange(slots, device=device)
-        # a boot's warm-up (serving/api/app.py) decodes a lone sequence in each of these: every row count rows() gives
-        self.warm_slots = tuple(b - 1 for b in ladder(slots))
         # a step's host inputs cross in one copy, from pinned memory on a GPU so that it does not wait
         self._stager = Stager(slots, device)
         # the next decode step, dispatched before this one's tokens reach the host (pipeline.py)
@@ -93,12 +92,19 @@ class TorchEngine:
             use_cache_dir()
             compile_cache.ordered_layer_types(model)
         self._decode = model.get_compiled_call(None) if compile_ok else model.__call__
+        # row counts a decode step may take (attention.rows)
+        self._steps = attention.ROWS if compile_ok else attention.EAGER_ROWS
         self._decode_checked = not compile_ok
         # what each compile of the decode step cost and took from the cache (logged; boot_summary() sums them)
         self.compiles = compile_cache.Compiles(log) if compile_ok else None
         # prompts replayed from a CUDA graph per length bucket (prefill.py), captured at the first prompt
         self.prompt_graphs = (prefill.PromptGraphs(self._padded_prompt, prefill.buckets(max_context), device)
                               if prefill.graphs_from_env(os.environ, device.type, slots) else None)
+
+    @property
+    def warm_slots(self) -> tuple[int, ...]:
+        """Slots a boot's warm-up (serving/api/app.py) decodes a lone sequence in: every row count rows() gives."""
+        return tuple(b - 1 for b in ladder(self.slots, self._steps))
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.slots:
@@ -235,7 +241,7 @@ class TorchEngine:
         """Host inputs [INPUTS, rows] of the step just counted in _out/_pos (feeding `tokens`), or with `tokens`
         None of the step after it (its tokens fed on the device): token, position, counted, holding, live. rows:
         rows(live), the first slots, the only ones the step decodes."""
-        x = np.zeros((INPUTS, rows(live, self.slots)), np.int64)
+        x = np.zeros((INPUTS, rows(live, self.slots, self._steps)), np.int64)
         ahead = tokens is None
         for slot in live:
             p = self._params[slot]
