@@ -1,12 +1,13 @@
 """How long another client's small chat takes while issue 40's scenarios run, beside the same chat alone.
 
-    python -m benchmarks.other_clients [--runtimes pytorch,jax] [--repeats 3] [--out DIR]
+    python -m benchmarks.other_clients [--runtimes pytorch,jax] [--repeats 3] [--out DIR] [--only TEXT]
 
 For each runtime: `python -m serving` on the tiny Gemma 4 fixture (CPU, one thread, as the tests run it); the
 small chat (4 tokens) alone, ten times; then each scenario `--repeats` times, the small chat asked again and again
 while it runs (devtools/pressure.py: the same requests tests/test_serving_fuzz.py sends), and /health polled. The
 table gives the chat's slowest time beside each scenario, its ratio to the chat alone (median), and whether it
-stayed within issue 53's bound of 1 s (issue 40's: 2 s); `--out` keeps every time (other_clients.json). The tests
+stayed within issue 53's bound of 1 s (issue 40's: 2 s); `--out` keeps every time (other_clients.json). `--only`
+runs the scenarios whose names contain TEXT (e.g. "message lists"). The tests
 check relative bounds only (a loaded CI machine slows both sides); this is where the absolute seconds are measured.
 """
 from __future__ import annotations
@@ -74,13 +75,17 @@ def _chats_for(url: str, seconds: float) -> pressure.Beside:
     return got
 
 
-def measure(url: str, repeats: int) -> dict:
+def measure(url: str, repeats: int, only: str = "") -> dict:
     alone = [pressure.beside_small(url, pressure.CHAT, [], chats=1).chats[0] for _ in range(ALONE + 1)][1:]  # warm
     runs: dict[str, list[pressure.Beside]] = {}
     for name, scenario in REQUESTS.items():
+        if only not in name:
+            continue
         small = BESIDE.get(name, lambda: pressure.SMALL_CHAT)
         runs[name] = [pressure.beside_small(url, *scenario(), chats=CHATS, chat=small) for _ in range(repeats)]
     for name, hold in CONNECTIONS.items():
+        if only not in name:
+            continue
         runs[name] = []
         for _ in range(repeats):
             with hold(url):
@@ -121,7 +126,10 @@ def main() -> int:
     ap.add_argument("--runtimes", default="pytorch,jax")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results/other_clients_cpu")
+    ap.add_argument("--only", default="", help="run only the scenarios whose names contain this text")
     args = ap.parse_args()
+    if not any(args.only in name for name in (*REQUESTS, *CONNECTIONS)):
+        ap.error(f"--only {args.only!r}: no scenario's name contains it")
     from devtools.tiny_gemma4 import cached
     model, out = cached(), Path(args.out)
     machine = {"cores": os.cpu_count(), "load_average_at_start": os.getloadavg(),
@@ -132,7 +140,7 @@ def main() -> int:
         for runtime in args.runtimes.split(","):
             with served(runtime, model, "--served-model-name", "tiny", "--log-level", "warning", timeout=600,
                         env=serving_env(Path(jax_cache)), fatal=True) as srv:
-                results[runtime] = measure(srv.url, args.repeats)
+                results[runtime] = measure(srv.url, args.repeats, args.only)
             print(table(runtime, results[runtime]), flush=True)
             ok &= all(row[-1] for row in rows(results[runtime]))
     out.mkdir(parents=True, exist_ok=True)

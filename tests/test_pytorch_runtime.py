@@ -44,9 +44,9 @@ def test_slot_cache_gives_the_static_cache_logits(engines):
 
 def test_slots_setting_is_a_positive_integer():
     from serving.torch_runtime.engine import slots_from_env
-    assert slots_from_env({}) == 1 and slots_from_env({"G5G_TORCH_SLOTS": "8"}) == 8
+    assert slots_from_env({}) == 2 and slots_from_env({"G5G_TORCH_SLOTS": "8"}) == 8
     # the measured default: continuous batching on a GPU, one slot on a CPU; the variable wins on both
-    assert slots_from_env({}, "cuda") == 8 and slots_from_env({}, "cpu") == 1
+    assert slots_from_env({}, "cuda") == 8 and slots_from_env({}, "cpu") == 2
     assert slots_from_env({"G5G_TORCH_SLOTS": "1"}, "cuda") == 1
     for bad in ("0", "-2", "four"):
         with pytest.raises(ValueError, match=f"G5G_TORCH_SLOTS: '{bad}' is not a positive integer"):

@@ -12,7 +12,7 @@ text model and returns a ready engine. Modules:
   packed_matmul  the packed int8/int4 Triton GEMV/GEMM and the int8 LM head
 Settings come from the environment:
   G5G_DEVICE          gpu (the CUDA images) | cpu | auto (default): serving/device.py
-  G5G_TORCH_SLOTS     sequences decoded together (default 8 on a GPU, 1 on a CPU)
+  G5G_TORCH_SLOTS     sequences decoded together (default 8 on a GPU, 2 on a CPU)
   G5G_TORCH_PIPELINE  1 (default on a GPU): dispatch decode step t+1 before reading step t's tokens; 0: wait
   G5G_TORCH_COMPILE   1 (default): decode steps compiled by inductor with CUDA graphs; 0: eager; always: on a
                       CPU too (tests of the compile cache)

@@ -315,9 +315,10 @@ def prompt_logprobs(head, h: torch.Tensor, targets: Sequence[int], k: int) -> li
 
 # Sequences decoded together by default, per device type: on a GPU a decode step streams the weights once whatever
 # its rows, and the 8-slot server beat the one-slot one on a lone stream too (H200: 185.9 vs 168.3 tok/s,
-# benchmarks/RESULTS.md, round 2); on a CPU a lone stream in a batched engine decodes 1.8-2x slower at E2B's widths
-# (benchmarks/cpu_slots.py: 148 ms a token with one slot, 304 with two, 266 with eight), so one slot.
-DEFAULT_SLOTS = {"cuda": 8, "cpu": 1}
+# benchmarks/RESULTS.md, round 2); on a CPU two, so that another client's chat starts beside a running request
+# (issue 53: 0.08 s beside an n=64 request, 2.6 s with one slot) at no cost to a lone stream, which decodes one row
+# eagerly (benchmarks/cpu_slots.py at E2B's widths: 145 ms a token with two slots, 161 with one).
+DEFAULT_SLOTS = {"cuda": 8, "cpu": 2}
 
 
 def slots_from_env(env=os.environ, device_type: str = "cpu") -> int:
