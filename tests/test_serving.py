@@ -435,6 +435,26 @@ def test_the_stop_limits_are_exact():
             parse(ChatRequest, body(bad))
 
 
+def test_a_message_list_longer_than_the_context_holds_is_refused_before_validation():
+    """More messages than max_messages: a context-length 400 before any message is validated (a bad last message is
+    not reached); max_messages of them are validated (the bad one is named). MESSAGE_CHARS is what the shortest
+    message adds to rendered_chars, the bound the chat route applies after validation, so the early refusal refuses
+    nothing that the later one would take."""
+    from serving.api.protocol import MESSAGE_CHARS, ROLES, APIError, ChatRequest, Message, messages, parse
+    from serving.shaping.tokenizer import rendered_chars
+
+    bad = {"role": "user", "content": 5}
+    for n, refusal, code in ((4, "messages: more than 3 messages cannot fit this model's context",
+                              "context_length_exceeded"), (3, "messages.2.content: ", None)):
+        with pytest.raises(APIError, match=refusal) as e:
+            parse(ChatRequest, json.dumps({"messages": [{"role": "user", "content": ""}] * (n - 1) + [bad]}).encode(),
+                  max_messages=3)
+        assert (e.value.status, e.value.code) == (400, code) and e.value.param.startswith("messages")
+    least = [rendered_chars(messages([Message(role=role, content="")]), None) for role in ROLES if role != "tool"]
+    assert min(least) == MESSAGE_CHARS == rendered_chars([{"role": "tool", "content": ""}], None)  # a tool's, bare
+    assert len(parse(ChatRequest, json.dumps({"messages": ASK * 3}).encode(), max_messages=3).messages) == 3
+
+
 def test_a_large_answer_is_serialised_off_the_event_loop():
     """64 choices of 220 tokens with 20 top logprobs each (~19 MB of JSON, as n=64 x top_logprobs 20 asks): built on
     the event loop it held /health for 2 s. A coroutine that wakes every millisecond meanwhile is never held up for

@@ -216,15 +216,18 @@ def test_cancel_stops_at_the_next_token(engine, info):
 
 
 # ------------------------------------------------------------------------------------------ pytorch runtime
-def test_incremental_decode_matches_one_full_forward(engine, info):
-    """KV cache, sliding window (16) and KV-shared layers: each step's logits equal a full forward's."""
+def test_incremental_decode_matches_one_full_forward(engine, info, tiny_gemma4):
+    """KV cache, sliding window (16) and KV-shared layers: each step's logits equal a full forward's (transformers'
+    eager attention: the engine's own attends through its cache)."""
     import torch
+
+    from tests.fixtures.eager_reference import eager_model
     prompt = info.chat_prompt([{"role": "user", "content": QUESTION}])
     answer = info.tokenizer.encode(ANSWER, add_special_tokens=False)
     seq = prompt + answer
     assert len(seq) > 4 * engine.text_config.sliding_window
     with torch.inference_mode():
-        full = engine.model(input_ids=torch.tensor([seq])).logits[0].float().numpy()
+        full = eager_model(tiny_gemma4, engine.max_context)(input_ids=torch.tensor([seq])).logits[0].float().numpy()
     greedy = SamplingParams(temperature=0.0)
     first = engine.start(0, prompt, greedy)
     steps = [engine.logits(0)]

@@ -40,7 +40,7 @@ from serving.engine import Engine
 from serving.core.generation import SamplingParams, TokenizerInfo
 from serving.core.metrics import Metrics
 from serving.api.middleware import Guard, http_protocol
-from serving.api.protocol import APIError, unavailable
+from serving.api.protocol import MESSAGE_CHARS, APIError, unavailable
 from serving.core.scheduler import Scheduler
 from serving.shaping import heap
 from serving.shaping.grammar_pool import Grammars
@@ -69,6 +69,11 @@ class Context:
     @property
     def max_context(self) -> int:
         return self.scheduler.engine.max_context
+
+    def max_messages(self) -> int | None:
+        """The most chat messages that can fit the context (protocol.MESSAGE_CHARS each at least), refused before
+        validation past that; None until the model is served (check_serving answers then)."""
+        return self.info.char_bound(self.max_context) // MESSAGE_CHARS if self.ready else None
 
     @functools.cached_property
     def grammars(self) -> Grammars:

@@ -271,7 +271,7 @@ def prompt_logprobs(prompt: list[PromptLogprob] | None) -> list | None:
 @router.post("/v1/chat/completions")
 async def chat(request: Request):
     ctx = request.app.state.ctx
-    req: ChatRequest = await read(request, ChatRequest)
+    req: ChatRequest = await read(request, ChatRequest, ctx.max_messages())
     ctx.check_model(req.model)
     msgs = await asyncio.to_thread(messages, req.messages)
     if req.top_logprobs is not None and not req.logprobs:

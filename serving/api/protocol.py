@@ -19,6 +19,9 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+# The least that one message adds to serving/shaping/tokenizer.py's rendered_chars (its keys "role" and "content",
+# the shortest role, empty content): a list of more messages than the context's char_bound over this cannot fit.
+MESSAGE_CHARS = len("role") + len("content") + min(map(len, ROLES.values()))
 INT64 = (-2**63, 2**63 - 1)     # vLLM's seed range (torch.long)
 MAX_LOGIT_BIAS = 300            # entries (a fixed width on the JAX runtime's device)
 MAX_STOP_TOKEN_IDS = 32
@@ -332,13 +335,14 @@ def _validation_error(e: ValidationError, prefix: tuple = ()) -> APIError:
     return APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param or None)
 
 
-async def read(request, model: type[_Strict]) -> Any:
-    """parse(model, the request's body) in a worker thread, off the event loop."""
-    return await asyncio.to_thread(parse, model, await request.body())
+async def read(request, model: type[_Strict], max_messages: int | None = None) -> Any:
+    """parse(model, the request's body, max_messages) in a worker thread, off the event loop."""
+    return await asyncio.to_thread(parse, model, await request.body(), max_messages)
 
 
-def parse(model: type[_Strict], body: bytes) -> Any:
-    """The request body as `model`, or an APIError(400) naming what is wrong."""
+def parse(model: type[_Strict], body: bytes, max_messages: int | None = None) -> Any:
+    """The request body as `model`, or an APIError(400) naming what is wrong. A message list longer than
+    max_messages (what the context can hold: MESSAGE_CHARS) is refused before a message is validated."""
     budget = _Budget()
     data = _strict_json(body, budget, "request body")
     if not isinstance(data, dict):
@@ -353,6 +357,9 @@ def parse(model: type[_Strict], body: bytes) -> Any:
                                 f"{' or '.join(json.dumps(d) for d in defaults)})", param=name)
     msgs = data.get("messages")
     if isinstance(msgs, list) and "messages" in model.model_fields:
+        if max_messages is not None and len(msgs) > max_messages:
+            raise APIError(400, f"messages: more than {max_messages} messages cannot fit this model's context",
+                           param="messages", code="context_length_exceeded")
         # One message at a time: a validation of many thousands in one call would hold the GIL throughout.
         valid = []
         for i, m in enumerate(msgs):

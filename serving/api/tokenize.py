@@ -16,7 +16,7 @@ router = APIRouter()
 @router.post("/tokenize")
 async def tokenize(request: Request):
     ctx = request.app.state.ctx
-    req: TokenizeRequest = await read(request, TokenizeRequest)
+    req: TokenizeRequest = await read(request, TokenizeRequest, ctx.max_messages())
     ctx.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "send either prompt or messages", param="prompt")
