@@ -1,8 +1,9 @@
 """The OpenAI wire format: error bodies, request models, and the parameters we refuse rather than ignore.
 
 Every error a client can cause is an APIError, rendered as {"error": {"message", "type", "param", "code"}}.
-A request is parsed in one place (`parse`, in a worker thread: `read`): JSON that Python cannot represent (nesting
-too deep, integers too long, lone surrogates) is a 400 like any other malformed body. The work one request costs is
+A request is parsed in one place (`parse`, in a worker thread, or for a big body in a process of its own: `read`,
+big_bodies.py): JSON that Python cannot represent (nesting too deep, integers too long, lone surrogates) is a 400
+like any other malformed body. The work one request costs is
 bounded before it is done, as the body limit bounds its bytes: at most MAX_JSON_OBJECTS objects are built, and the
 parse and the validation of the messages run in small steps, so the worker thread hands the GIL back to the event
 loop (and other clients) between them. Integers (token ids) are counted the same way: at most MAX_JSON_INTS. JSON
@@ -17,6 +18,8 @@ from typing import Annotated, Any, Literal
 
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError
+
+from serving.api import big_bodies
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # The least that one message adds to serving/shaping/tokenizer.py's rendered_chars (its keys "role" and "content",
@@ -41,6 +44,9 @@ class APIError(Exception):
                  param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def __reduce__(self):       # back from the parsing process (big_bodies.py) as it was raised there
+        return APIError, (self.status, self.message, self.type, self.param, self.code)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -336,8 +342,15 @@ def _validation_error(e: ValidationError, prefix: tuple = ()) -> APIError:
 
 
 async def read(request, model: type[_Strict], max_messages: int | None = None) -> Any:
-    """parse(model, the request's body, max_messages) in a worker thread, off the event loop."""
-    return await asyncio.to_thread(parse, model, await request.body(), max_messages)
+    """parse(model, the request's body, max_messages) off the event loop: in a worker thread, or for a body of
+    big_bodies.BIG_BODY bytes or more in the parsing process (its death is a retryable 503)."""
+    body = await request.body()
+    if len(body) < big_bodies.BIG_BODY:
+        return await asyncio.to_thread(parse, model, body, max_messages)
+    try:
+        return await big_bodies.PARSER.run(parse, model, body, max_messages)
+    except big_bodies.BodyParserStopped as e:
+        raise unavailable(f"{e} (out of memory?); retry") from None
 
 
 def parse(model: type[_Strict], body: bytes, max_messages: int | None = None) -> Any:
