@@ -4,7 +4,7 @@ whether the two agree (first-token logits, then --tokens greedy tokens). E2B's t
 (benchmarks/harness/checkpoint.py); a GPU only, since the graphs are CUDA's. Decode runs eagerly here
 (G5G_TORCH_COMPILE=0): only the prompts are compared, and no compile is spent on the rest.
 
-    python -m benchmarks.prompt_graphs OUT_DIR [--ckpt DIR] [--lengths 5,117,526,1000] [--runs 5] [--tokens 32]
+    python -m benchmarks.prompt_graphs OUT_DIR [--ckpt DIR] [--lengths 5,117,526,960] [--runs 5] [--tokens 32]
 Writes OUT_DIR/prompt_graphs.json and prints each length's figures.
 """
 from __future__ import annotations
@@ -28,18 +28,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
     ap.add_argument("--ckpt", type=Path, help="reuse (or build here) the checkpoint in this directory")
-    ap.add_argument("--lengths", default="5,117,526,1000")
+    ap.add_argument("--lengths", default="5,117,526,960")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=32)
     a = ap.parse_args()
+    lengths = [int(n) for n in a.lengths.split(",")]
+    if max(lengths) + a.tokens > CONTEXT:       # each prompt is answered with --tokens greedy tokens after it
+        raise SystemExit(f"prompt_graphs: a prompt of {max(lengths)} tokens and {a.tokens} more do not fit the "
+                         f"context ({CONTEXT})")
     import numpy as np
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("prompt_graphs: no CUDA GPU here (the graphs it compares are CUDA graphs)")
-    lengths = [int(n) for n in a.lengths.split(",")]
-    if max(lengths) > CONTEXT:
-        raise SystemExit(f"prompt_graphs: --lengths past the context ({CONTEXT})")
     os.environ |= {"G5G_TORCH_PREFILL_GRAPHS": "1", "G5G_TORCH_COMPILE": "0"}
     from serving.engine import SamplingParams
     from serving.torch_runtime import load

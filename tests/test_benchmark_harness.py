@@ -223,3 +223,15 @@ def test_prompt_graphs_without_a_gpu_says_so_in_one_line_before_building_anythin
     assert out.stderr.strip().splitlines()[-1] == ("prompt_graphs: no CUDA GPU here (the graphs it compares are "
                                                    "CUDA graphs)")
     assert not (tmp_path / "out").exists()
+
+
+def test_prompt_graphs_refuses_a_prompt_its_answer_would_push_past_the_context(tmp_path):
+    import subprocess
+
+    # 1000 + 32 tokens overflowed the 1024 context on an H100, after the checkpoint and three lengths had run
+    out = subprocess.run([sys.executable, "-m", "benchmarks.prompt_graphs", str(tmp_path / "out"),
+                          "--lengths", "5,1000"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == ("prompt_graphs: a prompt of 1000 tokens and 32 more do not fit the "
+                                                   "context (1024)")
+    assert not (tmp_path / "out").exists()
