@@ -12,9 +12,9 @@ The peer, in-process, on the same checkpoint, prompts and lengths: decode tok/s 
 cache_implementation="static")` (greedy) as (N - 1) / (t(N tokens) - t(1 token)), batch 1 and 8, and prefill.
 Then an in-process profile of JAX decode: executable time vs engine.step time (host gap), a device trace; the
 PyTorch server again with G5G_TORCH_SLOTS=8 (continuous batching, phase pytorch_batched), and once more with
-G5G_TORCH_PIPELINE=0 (each step waits for the last one's tokens: pytorch_batched_waiting), and with prompts from CUDA
-graphs (G5G_TORCH_PREFILL_GRAPHS=1: pytorch_batched_prompt_graphs, not in the default phases); and the PyTorch engine
-in-process, engine.step time with and without the step dispatched ahead (profile_torch).
+G5G_TORCH_PIPELINE=0 (each step waits for the last one's tokens: pytorch_batched_waiting), and with eager prompts
+rather than CUDA graphs (G5G_TORCH_PREFILL_GRAPHS=0: pytorch_batched_eager_prompts, not in the default phases); and
+the PyTorch engine in-process, engine.step time with and without the step dispatched ahead (profile_torch).
 
     python -m benchmarks.serving_speed OUTDIR [--runs 5] [--layers 35] [--tiny] [--ckpt DIR] [--only PHASES] [--boots 1|2]
 Writes OUTDIR/serving_speed.json (every figure, with spread) and prints a summary.
@@ -336,11 +336,11 @@ def main() -> int:
               "pytorch_batched_waiting": ("pytorch_batched_waiting",
                                           lambda: measure_server("pytorch", ckpt, work, args.runs, p, torch_slots=SLOTS,
                                                                  boots=args.boots, G5G_TORCH_PIPELINE="0")),
-              # prompts replayed from CUDA graphs (opt-in until measured: serving/torch_runtime/prefill.py)
-              "pytorch_batched_prompt_graphs": ("pytorch_batched_prompt_graphs",
+              # prompts run eagerly (the default replays them from CUDA graphs: serving/torch_runtime/prefill.py)
+              "pytorch_batched_eager_prompts": ("pytorch_batched_eager_prompts",
                                                 lambda: measure_server("pytorch", ckpt, work, args.runs, p,
                                                                        torch_slots=SLOTS, boots=args.boots,
-                                                                       G5G_TORCH_PREFILL_GRAPHS="1")),
+                                                                       G5G_TORCH_PREFILL_GRAPHS="0")),
               "profile_torch": ("pytorch_profile", lambda: profile_torch(ckpt, p))}
     for phase in args.only.split(","):
         key, run = phases[phase]

@@ -31,13 +31,13 @@ SERVERS = {
     "pytorch": ("pytorch", "fp16", {}),
     "pytorch-no-pipeline": ("pytorch", "fp16", {"G5G_TORCH_PIPELINE": "0"}),
     "pytorch-one-slot": ("pytorch", "fp16", {"G5G_TORCH_SLOTS": "1"}),
-    "pytorch-prompt-graphs": ("pytorch", "fp16", {"G5G_TORCH_PREFILL_GRAPHS": "1"}),
+    "pytorch-eager-prompts": ("pytorch", "fp16", {"G5G_TORCH_PREFILL_GRAPHS": "0"}),
     **{f"pytorch-{q}": ("pytorch", q, {}) for q in ("w8a16", "w4a16")},
     "jax": ("jax", "fp16", {}),
     **{f"jax-{q}": ("jax", q, {}) for q in ("w8a16", "w4a16")},
 }
 SERVERS |= {f"{name}-sm75": (rt, ckpt, SM75[rt]) for name, (rt, ckpt, _) in list(SERVERS.items())
-            if name not in ("pytorch-no-pipeline", "pytorch-one-slot", "pytorch-prompt-graphs")}
+            if name not in ("pytorch-no-pipeline", "pytorch-one-slot", "pytorch-eager-prompts")}
 # How much of the fixture's answer each checkpoint keeps, greedy: int4 leaves it after 47 characters on a CPU in
 # float32 (tests/test_quantize.py); 40 is what it keeps on the H200's float16 paths too (2026-12-03), sm_75's included.
 KEEPS = {"fp16": len(ANSWER), "w8a16": len(ANSWER), "w4a16": 40}
@@ -139,13 +139,13 @@ def _seeded(url: str) -> list[str]:
 # after ~40 tokens, on an H100, 2026-12-06); that draws depend on (seed, position) alone, whatever shares the batch,
 # is tests/test_torch_sampler.py's, exactly, on the CPU. Prompt graphs run prompts padded to a bucket where the
 # default runs them unpadded: other shapes too.
-SAME_SHAPES = {"pytorch-no-pipeline": True, "pytorch-one-slot": False, "pytorch-prompt-graphs": False}
+SAME_SHAPES = {"pytorch-no-pipeline": True, "pytorch-one-slot": False, "pytorch-eager-prompts": False}
 
 
 @pytest.mark.parametrize("other", sorted(SAME_SHAPES))
-def test_pytorch_pipeline_off_one_slot_and_prompt_graphs_answer_as_the_default(servers, other):
-    """Pipeline on = off, eight slots = one, prompts from CUDA graphs = eager: the same greedy answers to concurrent
-    requests (to a near-tie), and with the pipeline off, the same seeded samples."""
+def test_pytorch_pipeline_off_one_slot_and_eager_prompts_answer_as_the_default(servers, other):
+    """Pipeline on = off, eight slots = one, eager prompts = prompts from CUDA graphs: the same greedy answers to
+    concurrent requests (to a near-tie), and with the pipeline off, the same seeded samples."""
     base, alt = servers["pytorch"], servers[other]
     _assert_same_greedy(_answers(alt, concurrent=True), _answers(base, concurrent=True))
     if SAME_SHAPES[other]:
@@ -174,8 +174,7 @@ def test_a_second_pytorch_boot_over_the_same_cache_compiles_nothing(request, tmp
     tiny_gemma4 = request.getfixturevalue("tiny_gemma4")
     boots = []
     for seed in ("1", "2"):
-        env = serving_env(G5G_TORCH_CACHE_DIR=str(tmp_path / "cache"), PYTHONHASHSEED=seed,
-                          G5G_TORCH_PREFILL_GRAPHS="1")
+        env = serving_env(G5G_TORCH_CACHE_DIR=str(tmp_path / "cache"), PYTHONHASHSEED=seed)
         env.pop("TORCHINDUCTOR_CACHE_DIR", None)
         with serving("pytorch", tiny_gemma4, "--served-model-name", "tiny", env=env, timeout=BOOT_S) as srv:
             answer = _chat(srv.url, max_tokens=MAX_TOKENS).text

@@ -23,12 +23,13 @@ def test_buckets_double_from_64_to_the_context():
     assert prefill.bucket_of(1001, prefill.buckets(1000)) is None
 
 
-def test_graphs_are_opt_in_on_cuda_with_slots_and_the_setting_is_checked():
+def test_graphs_are_the_default_on_cuda_with_slots_and_the_setting_is_checked():
     on = {"G5G_TORCH_PREFILL_GRAPHS": "1"}
     assert prefill.graphs_from_env(on, "cuda", 8)
+    assert prefill.graphs_from_env({}, "cuda", 8)              # measured on an H100 (2026-12-07): the default
+    assert not prefill.graphs_from_env({}, "cpu", 8)
     assert not prefill.graphs_from_env(on, "cpu", 8)
     assert not prefill.graphs_from_env(on, "cuda", 1)          # StaticCache: one sequence, prompts eager
-    assert not prefill.graphs_from_env({}, "cuda", 8)          # until a GPU run proves them
     assert not prefill.graphs_from_env({"G5G_TORCH_PREFILL_GRAPHS": "0"}, "cuda", 8)
     with pytest.raises(ValueError, match="G5G_TORCH_PREFILL_GRAPHS"):
         prefill.graphs_from_env({"G5G_TORCH_PREFILL_GRAPHS": "yes"}, "cuda", 8)

@@ -16,7 +16,7 @@ Settings come from the environment:
   G5G_TORCH_PIPELINE  1 (default on a GPU): dispatch decode step t+1 before reading step t's tokens; 0: wait
   G5G_TORCH_COMPILE   1 (default): decode steps compiled by inductor with CUDA graphs; 0: eager; always: on a
                       CPU too (tests of the compile cache)
-  G5G_TORCH_PREFILL_GRAPHS  1: prompts from CUDA graphs (a GPU with slots); 0 (default until measured): eager
+  G5G_TORCH_PREFILL_GRAPHS  1 (default): prompts from CUDA graphs (a GPU with slots); 0: eager prompts
   G5G_TORCH_CACHE_DIR inductor's persistent cache (default ~/.cache/g5g-torch; empty: torch's temporary directory)
   G5G_LM_HEAD         fp16 (default) | int8
   G5G_PACKED_ARCH, G5G_PACKED_SMS  the packed kernels' target as if on another GPU (75 and 40: a T4G)

@@ -11,11 +11,12 @@ forward in one launch. What makes a forward replayable:
   keeps are the prompt's last position's (`logits_to_keep` as an index);
 - one memory pool for every bucket (the largest captured first): prompts run one at a time, and each replay's
   logits are copied out before the next.
-Graphs are captured on the first prompt (the boot's warm-up), with SlotKV (slots > 1) on CUDA only, where
-G5G_TORCH_PREFILL_GRAPHS=1 asks for them: opt-in until a GPU run shows them answering as eager prompts do, and
-faster (the padded forward is the CPU's tests/test_torch_prefill.py; the capture and replay have not run on a GPU
-yet: benchmarks/serving_speed.py's pytorch_batched_prompt_graphs phase and the GPU suite are the check). A prompt
-longer than every bucket, or one that asks for prompt_logprobs, runs eagerly.
+Graphs are captured on the first prompt (the boot's warm-up), with SlotKV (slots > 1) on CUDA only, by default
+(G5G_TORCH_PREFILL_GRAPHS=0: eager prompts). On an H100 at E2B's shapes (benchmarks/prompt_graphs.py,
+results/serving_speed_gpu/2026-12-07-h100/) they gave the eager prompt's first token at 5, 117 and 526 tokens and
+took it 3.7x sooner at 5 and 117 tokens (10.3-10.7 ms against 38-40), 1.5x at 526 (30.9 against 45.8 ms, padded to
+1024); the capture took 0.8 s. The padded forward is also the CPU's tests/test_torch_prefill.py. A prompt longer
+than every bucket, or one that asks for prompt_logprobs, runs eagerly.
 """
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ def buckets(max_context: int, smallest: int = SMALLEST) -> tuple[int, ...]:
 
 
 def graphs_from_env(env, device_type: str, slots: int) -> bool:
-    """G5G_TORCH_PREFILL_GRAPHS: 1 captures prompt graphs on CUDA with SlotKV (slots > 1); 0 (default) never."""
-    text = env.get("G5G_TORCH_PREFILL_GRAPHS") or "0"
+    """G5G_TORCH_PREFILL_GRAPHS: 1 (default) captures prompt graphs on CUDA with SlotKV (slots > 1); 0 never."""
+    text = env.get("G5G_TORCH_PREFILL_GRAPHS") or "1"
     if text not in ("0", "1"):
         raise ValueError(f"G5G_TORCH_PREFILL_GRAPHS: {text!r} is not 0 or 1")
     return text == "1" and device_type == "cuda" and slots > 1
