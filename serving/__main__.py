@@ -31,6 +31,8 @@ def runtimes(package_dir: Path = Path(__file__).parent) -> dict[str, str]:
 
 
 RUNTIMES = runtimes()
+# Runtimes whose load() never imports transformers: the tokenizer, which does, loads beside them (serving/api/app.py).
+TRANSFORMERS_FREE = {"jax"}
 
 
 def _int(text: str) -> int:
@@ -197,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                      api_key=args.api_key, cors=cors, body_timeout_s=args.body_timeout,
                      body_total_timeout_s=args.body_total_timeout,
                      max_queue_wait=args.max_queue_wait, engine_stall_timeout=args.engine_stall_timeout,
+                     tokenizer_beside_engine=args.runtime in TRANSFORMERS_FREE,
                      grammar_limits={"workers": args.grammar_compiles, "memory": args.grammar_memory,
                                      "cache_bytes": args.grammar_cache_bytes})
     server = make_server(app, args.host, args.port, args.shutdown_timeout, args.log_level,

@@ -379,6 +379,54 @@ def test_health_is_503_until_loaded_and_warmed(tiny_gemma4, engine):
         assert client(url).chat.completions.create(model=tiny_gemma4.name, messages=ASK).choices[0].message.content == ANSWER
 
 
+@pytest.mark.parametrize("beside", [True, False])
+def test_the_tokenizer_loads_beside_the_engine_only_where_asked(tiny_gemma4, engine, monkeypatch, beside):
+    """create_app(tokenizer_beside_engine=True): the engine's load starts while the tokenizer loads (the tokenizer
+    sees it start); False: the tokenizer has loaded before the engine's load starts. Both answer."""
+    from serving.core.generation import TokenizerInfo
+
+    engine_loading, saw = threading.Event(), []
+    load_tokenizer = TokenizerInfo.load
+
+    def tokenizer_seeing_the_engine(model_dir):
+        saw.append(engine_loading.wait(30 if beside else 0.5))
+        return load_tokenizer(model_dir)
+
+    def load():
+        engine_loading.set()
+        return engine
+
+    monkeypatch.setattr(TokenizerInfo, "load", tokenizer_seeing_the_engine)
+    with live_server(load, tiny_gemma4, tokenizer_beside_engine=beside) as url:
+        assert wait_ready(f"{url}/health", timeout=60) is not None
+        answer = client(url).chat.completions.create(model=tiny_gemma4.name, messages=ASK)
+        assert answer.choices[0].message.content == ANSWER
+    assert saw == [beside]
+
+
+def test_a_refused_tokenizer_fails_the_boot_without_waiting_for_the_engine_beside_it(tiny_gemma4, monkeypatch):
+    from serving.core.generation import TokenizerInfo
+
+    release, failed = threading.Event(), []
+
+    def refused(model_dir):
+        raise ValueError(f"{model_dir}/tokenizer.json: its decoder (WordPiece) is neither byte-level BPE nor …")
+
+    def slow_load():
+        release.wait(30)
+        raise RuntimeError("the engine was not meant to finish")
+
+    monkeypatch.setattr(TokenizerInfo, "load", refused)
+    try:
+        with live_server(slow_load, tiny_gemma4, tokenizer_beside_engine=True, on_load_error=failed.append) as url:
+            wait_until(lambda: failed, what="load failure", timeout=10)
+            assert isinstance(failed[0], ValueError)
+            r = requests.get(f"{url}/health", timeout=5)
+            assert r.status_code == 503 and "WordPiece" in r.json()["error"]["message"]
+    finally:
+        release.set()
+
+
 def test_health_reports_a_load_failure(tiny_gemma4):
     def broken():
         raise FileNotFoundError("model.safetensors")

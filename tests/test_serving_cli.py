@@ -132,3 +132,19 @@ def test_build_py_serve_passes_server_flags_through(tiny_gemma4):
     proc = subprocess.run([sys.executable, "build.py", "serve", "--runtime", "pytorch", "--model", str(tiny_gemma4),
                            "--max-waiting", "-1"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--max-waiting: must be 0 or more" in proc.stderr, proc.stderr
+
+
+def test_runtimes_that_load_the_tokenizer_beside_them_never_import_transformers(tiny_gemma4):
+    """serving/__main__.py's TRANSFORMERS_FREE: each runtime named there loads the checkpoint, in a fresh process,
+    without importing transformers (whose lazy names the tokenizer, loading at the same time, resolves)."""
+    from serving.__main__ import RUNTIMES, TRANSFORMERS_FREE
+
+    assert TRANSFORMERS_FREE <= set(RUNTIMES)
+    for runtime in sorted(TRANSFORMERS_FREE):
+        probe = ("import sys; from serving.__main__ import load_engine; "
+                 f"load_engine({runtime!r}, {str(tiny_gemma4)!r}); "
+                 "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))")
+        out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300,
+                             env={**ENV, "G5G_DEVICE": "cpu"})
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip().splitlines()[-1] == "[]", runtime

@@ -119,7 +119,7 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
                shutdown_grace: float = 5.0, max_body_bytes: int = 16 * 2**20, api_key: str | None = None,
                cors: dict | None = None, body_timeout_s: float = 10.0, max_queue_wait: float = 60.0,
                grammar_limits: dict | None = None, body_total_timeout_s: float = 60.0,
-               engine_stall_timeout: float = 0.0) -> FastAPI:
+               engine_stall_timeout: float = 0.0, tokenizer_beside_engine: bool = False) -> FastAPI:
     """`load_engine` runs in the engine thread after the server starts listening; /health is 503 until it
     returns and a warm-up has produced a token. `app.state.begin_shutdown(on_drained=None)` (thread-safe; `Server`
     calls it on SIGTERM) starts the drain: new requests get 503, running ones `shutdown_grace` seconds to finish, then
@@ -127,7 +127,9 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
     `engine_stall_timeout` (seconds, 0: off): /health is also 503 while the engine has work and has finished no
     prefill or decode step for that long (a wedged CUDA call), so a liveness probe on /health restarts the pod.
     An engine that dies (serving/core/scheduler.py: a device error, or failures in a row) turns /health 503 at once and
-    is handed to `on_load_error` as EngineDead, as a failed load is: `python -m serving` exits 1."""
+    is handed to `on_load_error` as EngineDead, as a failed load is: `python -m serving` exits 1.
+    `tokenizer_beside_engine`: the tokenizer loads while `load_engine` runs, for a loader that never imports
+    transformers (else first)."""
 
     model_dir = Path(model_dir)
     name = served_model_name or model_dir.name
@@ -136,7 +138,7 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
                   stall_limit=engine_stall_timeout,
                   grammar_limits=grammar_limits or {})
     app = FastAPI(title="g5g serving", docs_url=None, redoc_url=None, openapi_url=None,
-                  lifespan=_lifespan(ctx, load_engine, on_load_error, shutdown_grace))
+                  lifespan=_lifespan(ctx, load_engine, on_load_error, shutdown_grace, tokenizer_beside_engine))
     app.state.ctx = ctx
     app.state.begin_shutdown = lambda on_drained=None: on_drained and on_drained()    # replaced once it runs
     app.add_middleware(Guard, max_body_bytes=max_body_bytes, api_key=api_key, body_timeout_s=body_timeout_s,
@@ -152,7 +154,7 @@ def create_app(load_engine: Callable[[], Engine], model_dir: str | Path, served_
 
 
 async def _startup(ctx: Context, load_engine: Callable[[], Engine],
-                   on_load_error: Callable[[BaseException], None] | None) -> None:
+                   on_load_error: Callable[[BaseException], None] | None, tokenizer_beside_engine: bool) -> None:
     """Load the tokenizer and the engine, warm both code paths up, say ready, then run the engine thread."""
     sched = ctx.scheduler
     try:
@@ -166,10 +168,18 @@ async def _startup(ctx: Context, load_engine: Callable[[], Engine],
                 return out
             return run
 
-        # The tokenizer, then the engine: not side by side, since both import transformers, whose names resolve
+        # The tokenizer (importing transformers: ~11 s of an H100 host's 27 s warm JAX boot) beside the engine's
+        # load where that load never imports transformers; otherwise before it, since transformers' names resolve
         # lazily and not thread-safely (side by side, CI saw "cannot import name 'AutoConfig' from 'transformers'").
-        sched.info = await asyncio.to_thread(timed("tokenizer", lambda: TokenizerInfo.load(ctx.model_dir)))
-        sched.engine = await sched.call(timed("engine", load_engine))
+        load_tokenizer = timed("tokenizer", lambda: TokenizerInfo.load(ctx.model_dir))
+        tokenizer = asyncio.create_task(asyncio.to_thread(load_tokenizer))
+        if not tokenizer_beside_engine:
+            await tokenizer
+        engine = sched.call(timed("engine", load_engine))
+        done, _ = await asyncio.wait((tokenizer, engine), return_when=asyncio.FIRST_EXCEPTION)
+        for loaded in done:
+            loaded.result()             # the first failure at once: a refused tokenizer never waits for the engine
+        sched.info, sched.engine = tokenizer.result(), engine.result()
         t_warm = time.monotonic()
         warm = sched.info.chat_prompt([{"role": "user", "content": "Hello"}])
         # A prefill and a decode step: both code paths are compiled/warmed before we say ready; one step per slot
@@ -179,8 +189,8 @@ async def _startup(ctx: Context, load_engine: Callable[[], Engine],
             await sched.call(lambda s=slot: sched.engine.step({s: sched.engine.start(s, warm, greedy)}))
         now = time.monotonic()
         summary = getattr(sched.engine, "boot_summary", None)     # its compiles (torch_runtime/compile_cache.py)
-        log.info("boot: warm-up %.1fs (tokenizer %.1fs, then the engine's %.1fs)%s", now - t_warm, took["tokenizer"],
-                 took["engine"], f"; {summary()}" if summary else "")
+        log.info("boot: warm-up %.1fs (tokenizer %.1fs, %s the engine's %.1fs)%s", now - t_warm, took["tokenizer"],
+                 "beside" if tokenizer_beside_engine else "then", took["engine"], f"; {summary()}" if summary else "")
         log.info("model %s ready in %.1fs (context %d)", ctx.name, now - t0, sched.engine.max_context)
         # What boot made (torch, transformers, the tokenizers: millions of objects) lives as long as the server:
         # out of the collector's sight, a full collection a request's allocations set off (one that holds every
@@ -223,7 +233,8 @@ async def _drain(ctx: Context, shutdown_grace: float) -> None:
 
 
 def _lifespan(ctx: Context, load_engine: Callable[[], Engine],
-              on_load_error: Callable[[BaseException], None] | None, shutdown_grace: float):
+              on_load_error: Callable[[BaseException], None] | None, shutdown_grace: float,
+              tokenizer_beside_engine: bool):
     """The app's lifespan: start loading as the server starts listening; app.state.begin_shutdown starts one drain."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -236,7 +247,7 @@ def _lifespan(ctx: Context, load_engine: Callable[[], Engine],
                     drains[0].add_done_callback(lambda _: on_drained())
 
         app.state.begin_shutdown = lambda on_drained=None: loop.call_soon_threadsafe(start_drain, on_drained)
-        task = asyncio.create_task(_startup(ctx, load_engine, on_load_error))
+        task = asyncio.create_task(_startup(ctx, load_engine, on_load_error, tokenizer_beside_engine))
         try:
             yield
         finally:
