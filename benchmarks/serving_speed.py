@@ -324,7 +324,9 @@ def main() -> int:
     note = results.note
     note(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", layers=args.layers,
          runs=args.runs, jax_buckets=BUCKETS, slots=SLOTS, checkpoint_s=round(time.perf_counter() - t0, 1),
-         prompt_tokens={k: v["tokens"] for k, v in p.items()})
+         prompt_tokens={k: v["tokens"] for k, v in p.items()},
+         # what picks the kernels the servers run (t4g_model.py pairs its steps only with a run on sm_75's paths)
+         paths_env={k: v for k, v in sorted(os.environ.items()) if k == "XLA_FLAGS" or k.startswith("G5G_PACKED_")})
     phases = {"peer": ("peer_transformers_static", lambda: measure_peer(ckpt, args.runs, p)),
               "jax": ("jax", lambda: measure_server("jax", ckpt, work, args.runs, p, boots=args.boots)),
               "profile": ("jax_profile", lambda: profile_jax(ckpt, work, p, args.profile_buckets)),

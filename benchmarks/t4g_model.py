@@ -456,7 +456,9 @@ class EngineRunner:
         args = parse(["--runtime", runtime, "--model", str(ckpt), *SERVER_FLAGS])
         self.engine = load_engine(args.runtime, Path(args.model), args.max_model_len)
         from serving.engine import SamplingParams
-        self.greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+        # a sequence that goes on to the context, as a served request of max_tokens does: at the default 16, the
+        # PyTorch engine stopped dispatching a step ahead after 16 tokens, and every timed step waited (2026-12-07)
+        self.greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=CONTEXT)
         self.toks: dict = {}
 
     def begin(self, live: int) -> None:
@@ -700,16 +702,19 @@ WIRE_PHASES = {"jax": "jax", "pytorch": "pytorch_batched"}     # serving_speed's
 def wall_vs_wire(cell: dict, runtime: str, wire: dict) -> dict:
     """The measured step beside the served one (an fp16 cell): the cell's wall per step here with 1 and 8 live
     sequences against serving_speed's TPOT on the wire (single stream of 256 tokens; per stream of 8x256), from
-    a serving_speed.json of the same GPU (`device` must match), and each pair's difference."""
+    a serving_speed.json of the same GPU (`device` must match) whose servers ran sm_75's paths as the cell did
+    (its `paths_env` holds TURING), and each pair's difference."""
     server = wire.get(WIRE_PHASES.get(runtime, ""), {})
     out = {"wall_ms_here_1": cell.get("step_ms_1"), "wall_ms_here_8": cell.get("step_ms_8"),
            "wire_tpot_ms_1": (server.get("single_256") or {}).get("median_tpot_ms"),
            "wire_tpot_ms_8": (server.get("concurrent_8x256") or {}).get("median_tpot_ms"),
-           "wire_device": wire.get("device"), "wall_device": (cell.get("here") or {}).get("device")}
+           "wire_device": wire.get("device"), "wall_device": (cell.get("here") or {}).get("device"),
+           "wire_on_turing_paths": all((wire.get("paths_env") or {}).get(k) == v for k, v in TURING.items())}
     for live in LIVE:
         wall, tpot = out[f"wall_ms_here_{live}"], out[f"wire_tpot_ms_{live}"]
         out[f"wall_vs_wire_pct_{live}"] = round((wall / tpot - 1) * 100, 1) if wall and tpot else None
-    out["wall_within_15pct_of_wire"] = (out["wire_device"] == out["wall_device"] and all(
+    same_machine_and_paths = out["wire_device"] == out["wall_device"] and out["wire_on_turing_paths"]
+    out["wall_within_15pct_of_wire"] = (same_machine_and_paths and all(
         out[f"wall_vs_wire_pct_{live}"] is not None and abs(out[f"wall_vs_wire_pct_{live}"]) <= 15 for live in LIVE))
     return out
 

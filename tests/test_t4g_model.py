@@ -357,8 +357,20 @@ def test_the_measure_builds_its_engine_as_the_server_does(monkeypatch, tmp_path)
     assert "return load_engine(args.runtime, model, args.max_model_len)" in main_src
 
 
+def test_every_timed_pytorch_step_is_the_one_dispatched_ahead_as_in_the_server(tiny_gemma4, monkeypatch):
+    """The measure's sequences go on as a served request of many tokens does: each step of a long run takes the
+    step the engine dispatched ahead (with the default max_tokens of 16, 14 of 40 steps did; the rest waited)."""
+    monkeypatch.setenv("G5G_DEVICE", "cpu")
+    monkeypatch.setenv("G5G_TORCH_PIPELINE", "1")           # the GPU's default, on this CPU
+    runner = tm.EngineRunner("pytorch", tiny_gemma4, tiny_gemma4)
+    runner.begin(1)
+    for _ in range(40):
+        runner.step()
+    assert runner.engine.speculation == {"used": 40, "replaced": 0}
+
+
 def test_each_fp16_cells_wall_sits_beside_the_served_tpot_of_the_same_gpu():
-    wire = {"device": "NVIDIA H100 80GB HBM3",
+    wire = {"device": "NVIDIA H100 80GB HBM3", "paths_env": {**tm.TURING, "G5G_PACKED_OTHER": "x"},
             "jax": {"single_256": {"median_tpot_ms": 3.85}, "concurrent_8x256": {"median_tpot_ms": 5.3}},
             "pytorch_batched": {"single_256": {"median_tpot_ms": 3.7}, "concurrent_8x256": {"median_tpot_ms": 7.3}}}
     here = {**HERE, "device": "NVIDIA H100 80GB HBM3"}
@@ -375,6 +387,9 @@ def test_each_fp16_cells_wall_sits_beside_the_served_tpot_of_the_same_gpu():
     assert "wire_tpot_ms_1" not in made["jax"]["w8a16"]
     other = tm.table({"jax-fp16": {**raws["jax-fp16"], "here": {**HERE, "device": "NVIDIA H200"}}}, wire)
     assert not other["runtimes"]["jax"]["fp16"]["wall_within_15pct_of_wire"]    # another GPU: no comparison
+    # a served run on this GPU's own paths (2026-12-07: no XLA_FLAGS, no G5G_PACKED_*): no comparison either
+    default_paths = tm.table(raws, {**wire, "paths_env": {}})["runtimes"]["jax"]["fp16"]
+    assert not default_paths["wire_on_turing_paths"] and not default_paths["wall_within_15pct_of_wire"]
 
 
 def test_jax_is_profiled_without_the_command_buffers_ncu_cannot_see_into(monkeypatch, tmp_path):
