@@ -137,8 +137,8 @@ def _seeded(url: str) -> list[str]:
 # Whether `other` runs the default's shapes: then seeded samples must match token for token. One slot runs batch 1
 # where the default runs 8, so float16 rounds the logits apart and a draw near a boundary may flip (one prompt of 8,
 # after ~40 tokens, on an H100, 2026-12-06); that draws depend on (seed, position) alone, whatever shares the batch,
-# is tests/test_torch_sampler.py's, exactly, on the CPU. Prompt graphs run prompts padded to a bucket where the
-# default runs them unpadded: other shapes too.
+# is tests/test_torch_sampler.py's, exactly, on the CPU. Eager prompts run unpadded where the default's prompt graphs
+# pad them to a bucket: other shapes too.
 SAME_SHAPES = {"pytorch-no-pipeline": True, "pytorch-one-slot": False, "pytorch-eager-prompts": False}
 
 
