@@ -175,11 +175,8 @@ async def _startup(ctx: Context, load_engine: Callable[[], Engine],
         tokenizer = asyncio.create_task(asyncio.to_thread(load_tokenizer))
         if not tokenizer_beside_engine:
             await tokenizer
-        engine = sched.call(timed("engine", load_engine))
-        done, _ = await asyncio.wait((tokenizer, engine), return_when=asyncio.FIRST_EXCEPTION)
-        for loaded in done:
-            loaded.result()             # the first failure at once: a refused tokenizer never waits for the engine
-        sched.info, sched.engine = tokenizer.result(), engine.result()
+        # gather raises the first failure as it happens: a refused tokenizer never waits for the engine
+        sched.info, sched.engine = await asyncio.gather(tokenizer, sched.call(timed("engine", load_engine)))
         t_warm = time.monotonic()
         warm = sched.info.chat_prompt([{"role": "user", "content": "Hello"}])
         # A prefill and a decode step: both code paths are compiled/warmed before we say ready; one step per slot
