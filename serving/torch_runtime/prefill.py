@@ -15,8 +15,9 @@ Graphs are captured on the first prompt (the boot's warm-up), with SlotKV (slots
 (G5G_TORCH_PREFILL_GRAPHS=0: eager prompts). On an H100 at E2B's shapes (benchmarks/prompt_graphs.py,
 results/serving_speed_gpu/2026-12-07-h100/) they gave the eager prompt's first token at 5, 117 and 526 tokens and
 took it 3.7x sooner at 5 and 117 tokens (10.3-10.7 ms against 38-40), 1.5x at 526 (30.9 against 45.8 ms, padded to
-1024); the capture took 0.8 s. The padded forward is also the CPU's tests/test_torch_prefill.py. A prompt longer
-than every bucket, or one that asks for prompt_logprobs, runs eagerly.
+1024 by a ladder of powers of two; the half steps are newer); the capture took 0.8 s. The padded forward is also the
+CPU's tests/test_torch_prefill.py. A prompt longer than every bucket, or one that asks for prompt_logprobs, runs
+eagerly.
 """
 from __future__ import annotations
 
@@ -32,11 +33,12 @@ SMALLEST = 64         # the first bucket: shorter prompts pad to it (a chat temp
 
 
 def buckets(max_context: int, smallest: int = SMALLEST) -> tuple[int, ...]:
-    """Powers of two from `smallest` below max_context, then max_context: at most 2x a prompt's positions, and
-    one graph per bucket (7 at a context of 4096)."""
+    """Powers of two from `smallest` and the half steps between them (64, 96, 128, 192, ...) below max_context, then
+    max_context: a prompt pads to at most 1.5x its positions (a 526-token prompt to 768, not 1024), one graph per
+    bucket (13 at a context of 4096)."""
     out, b = [], smallest
     while b < max_context:
-        out.append(b)
+        out += [n for n in (b, b + b // 2) if n < max_context]
         b *= 2
     return (*out, max_context)
 
