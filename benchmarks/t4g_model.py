@@ -133,7 +133,13 @@ METRICS = (*COUNTERS, "gpu__time_duration.sum")
 SCHEMES = ("fp16", "w8a16", "w4a16")
 SLOTS, CONTEXT = 8, 1024
 LIVE = (1, SLOTS)               # live sequences per step: one stream, eight
-PROMPT = [2] + list(range(100, 131))
+PROMPT = [2] + list(range(100, 131))   # transformers' eager decode (the calibration's cell)
+# Where our engines' timed and traced steps sit: after serving_speed's short chat prompt as the servers see it (its
+# JSON's prompt_tokens.short: 117 tokens), half-way through its 256-token answer, the middle of the wire's single_256
+# TPOT. JAX decodes with one executable per context bucket (128, 512, 1024): cells begun at 32 positions timed the
+# 128 bucket, 7.06 ms a step, where the server on sm_75's paths took 14.9 ms at positions 117-373 (H100, 2026-12-07).
+SERVED_PROMPT = [2] + list(range(100, 216))
+SERVED_AT = len(SERVED_PROMPT) + 128
 MARKER = "spin_kernel"          # torch.cuda._sleep's kernel, launched between the profiled steps
 CELL_TIMEOUT_S = 180            # each child's bound: a cell that cannot finish in it is a defect of the measure
 # The warm-up child's bound: it compiles what the other two load from the caches. E2B's PyTorch decode graphs took
@@ -448,7 +454,7 @@ def calibration(cell: dict) -> dict:
 class EngineRunner:
     """One of our engines (serving.engine.Engine): sequences in the first `live` slots, greedy."""
 
-    def __init__(self, runtime: str, ckpt: Path, settings_dir: Path):
+    def __init__(self, runtime: str, ckpt: Path, settings_dir: Path, at: int = SERVED_AT):
         # the engine the server builds (serving.__main__.load_engine) with serving_speed's flags; the settings come
         # from the environment, which measure_cell gives serving_speed's (served_settings)
         from benchmarks.harness.serve import SERVER_FLAGS
@@ -460,9 +466,13 @@ class EngineRunner:
         # PyTorch engine stopped dispatching a step ahead after 16 tokens, and every timed step waited (2026-12-07)
         self.greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=CONTEXT)
         self.toks: dict = {}
+        self.at = at
 
     def begin(self, live: int) -> None:
-        self.toks = self.engine.step({s: self.engine.start(s, PROMPT, self.greedy) for s in range(live)})
+        """`live` sequences of SERVED_PROMPT, each stepped on to position `at` (SERVED_AT)."""
+        self.toks = self.engine.step({s: self.engine.start(s, SERVED_PROMPT, self.greedy) for s in range(live)})
+        for _ in range(self.at - len(SERVED_PROMPT) - 1):
+            self.step()
 
     def step(self) -> None:
         self.toks = self.engine.step(self.toks)

@@ -362,11 +362,48 @@ def test_every_timed_pytorch_step_is_the_one_dispatched_ahead_as_in_the_server(t
     step the engine dispatched ahead (with the default max_tokens of 16, 14 of 40 steps did; the rest waited)."""
     monkeypatch.setenv("G5G_DEVICE", "cpu")
     monkeypatch.setenv("G5G_TORCH_PIPELINE", "1")           # the GPU's default, on this CPU
-    runner = tm.EngineRunner("pytorch", tiny_gemma4, tiny_gemma4)
+    runner = tm.EngineRunner("pytorch", tiny_gemma4, tiny_gemma4, at=150)    # the fixture's context is 256
     runner.begin(1)
+    before = dict(runner.engine.speculation)
     for _ in range(40):
         runner.step()
-    assert runner.engine.speculation == {"used": 40, "replaced": 0}
+    assert runner.engine.speculation == {"used": before["used"] + 40, "replaced": before["replaced"]}
+
+
+def test_the_timed_steps_sit_where_the_served_ones_do(tiny_gemma4, monkeypatch, tmp_path):
+    """The measure's sequences begin with serving_speed's short prompt as the servers see it and are stepped to the
+    middle of its 256-token answer before a step is timed or traced: in the context bucket (JAX: one decode
+    executable per bucket) where the wire's steps are. Begun at 32 positions, the JAX cell timed the 128 bucket."""
+    import serving.__main__ as server_main
+    from benchmarks import serving_speed
+    from benchmarks.harness.serve import BUCKETS
+
+    served = serving_speed.prompts(tiny_gemma4)["short"]["tokens"]
+    assert len(tm.SERVED_PROMPT) == served == 117
+
+    class Engine:                       # positions as an engine keeps them: a prompt of n, then one a step
+        def __init__(self):
+            self.pos = {}
+
+        def start(self, slot, prompt, params):
+            self.pos[slot] = len(prompt)
+            return 7
+
+        def step(self, tokens):
+            for slot in tokens:
+                self.pos[slot] += 1
+            return dict(tokens)
+
+    monkeypatch.setattr(server_main, "load_engine", lambda *a: Engine())
+    runner = tm.EngineRunner("jax", tmp_path, tmp_path)
+    for live in tm.LIVE:
+        runner.begin(live)
+        assert runner.engine.pos == {s: tm.SERVED_AT for s in range(live)}
+    timed_end = tm.SERVED_AT + 3 * 32                   # the child's timed steps at its default --steps 32
+    wire = range(served + 1, served + 256)              # the single_256 request's decode positions
+    buckets = [int(b) for b in BUCKETS.split(",")]
+    bucket = lambda pos: next(b for b in buckets if b > pos)      # the JAX engine's pick (serving_speed's profile)
+    assert bucket(tm.SERVED_AT) == bucket(timed_end) == bucket(wire[len(wire) // 2]) == 512
 
 
 def test_each_fp16_cells_wall_sits_beside_the_served_tpot_of_the_same_gpu():
