@@ -235,3 +235,41 @@ def test_prompt_graphs_refuses_a_prompt_its_answer_would_push_past_the_context(t
     assert out.stderr.strip().splitlines()[-1] == ("prompt_graphs: a prompt of 1000 tokens and 32 more do not fit the "
                                                    "context (1024)")
     assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------------- decode variants, profiles
+def test_decode_variants_pick_a_winner_per_kind_of_paths():
+    """Variants on sm_75's paths (cuBLAS dots: what XLA compiles for a T4G) never compete with this GPU's own: each
+    kind has its own winner, and a variant's kind is what its XLA_FLAGS make XLA do."""
+    from benchmarks import decode_variants as dv
+    from serving.jax_runtime import xla
+
+    for name, env in dv.VARIANTS.items():
+        assert (dv.paths(name) == "sm75") == (not xla.triton_gemm((9, 0), env.get("XLA_FLAGS", "")))
+    assert {n for n in dv.VARIANTS if dv.paths(n) == "sm75"} == {
+        "cublas-dots", "cublas-dots-outside-command-buffers", "cublas-dots-no-command-buffers"}
+    step = {"default": 3.5, "plain": 4.0, "cublas-dots": 14.9, "cublas-dots-no-command-buffers": 6.0}
+    assert dv.fastest(step) == {"own": "default", "sm75": "cublas-dots-no-command-buffers"}
+    assert dv.fastest({"cublas-dots": 7.0}) == {"sm75": "cublas-dots"}
+
+
+def test_a_profiles_trace_summary_names_the_hosts_longest_events(tmp_path):
+    """serving_speed's JAX trace summary keeps the host's events per step beside the device's kernels (where a
+    step's host time went: `command_buffer::update` on sm_75's paths), from a real jax.profiler trace."""
+    import glob
+
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.serving_speed import _trace_summary
+
+    f = jax.jit(lambda x: jnp.tanh(x @ x))
+    x = jnp.ones((64, 64))
+    f(x).block_until_ready()
+    with jax.profiler.trace(str(tmp_path)):
+        for _ in range(4):
+            f(x).block_until_ready()
+    summary = _trace_summary(Path(glob.glob(f"{tmp_path}/**/*.xplane.pb", recursive=True)[0]), 4)
+    host = summary["host_top_ms_per_step"]
+    assert host and all(ms > 0 for ms in host.values()) and len(host) <= 20
+    assert any("jit" in name.lower() or "execute" in name.lower() for name in host), list(host)
