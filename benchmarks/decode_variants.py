@@ -1,10 +1,10 @@
 """JAX decode step under each way of running it, one process per variant, in one run on one machine:
 serving_speed.py's in-process profile (engine.step with 1 and 8 live sequences, the executable alone, a trace of
 the device's kernels and the host's events) for the runtime's defaults and each departure from them: the pipelined
-decode off, XLA's own command-buffer set instead of ours (the whole step as CUDA graphs), no command buffers; and on
-sm_75's paths (cuBLAS dots, no Triton GEMM fusions: what XLA compiles for a T4G) the same three command-buffer
-choices. The tool that proves a default: per kind of paths, the default must be the fastest, or the winner becomes
-the default.
+decode off, XLA's own command-buffer set instead of ours (the whole step as CUDA graphs), no command buffers, stable
+addresses for XLA's temporary buffers; and on sm_75's paths (cuBLAS dots, no Triton GEMM fusions: what XLA compiles
+for a T4G) ours, cuBLAS outside the command buffers, none, and stable temporary addresses. The tool that proves a
+default: per kind of paths, the default must be the fastest, or the winner becomes the default.
 
     python -m benchmarks.decode_variants OUTDIR --ckpt DIR [--buckets 512] [--layers 35] [--tiny] [--only A,B]
 Writes OUTDIR/decode_variants.json (`fastest`: the winner per kind of paths), OUTDIR/best.env (the fastest on this
@@ -23,17 +23,22 @@ from benchmarks.harness.results import Results
 
 CUBLAS_DOTS = "--xla_gpu_enable_triton_gemm=false"      # sm_75's dots on any GPU: cuBLAS calls (jax_runtime/xla.py)
 # On sm_75's paths each decode step updated its command buffer (`command_buffer::update`: 7.5 of a traced 18.4 ms
-# step; H100, 2026-12-07, benchmarks/results/t4g_model_h100/raw/jax-fp16.json): the two variants after
-# "cublas-dots" tell what the cuBLAS calls inside the command buffers cost.
+# step; H100, 2026-12-07, benchmarks/results/t4g_model_h100/raw/jax-fp16.json): the variants after "cublas-dots"
+# tell what the cuBLAS calls inside the command buffers cost, and whether XLA's stable addresses for its temporary
+# buffers (`--xla_gpu_command_buffer_update_mode=SKIP_TEMP`, a newer XLA's: an older one refuses the flag, and the
+# variant says so) spare the updates.
+UPDATE_FREE_TEMPS = "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
 VARIANTS = {   # the runtime's defaults (serving/jax_runtime/xla.py: DEFAULT_XLA_FLAGS) unless a variant says otherwise
     "default": {},
     "plain": {"G5G_JAX_PIPELINE": "0"},
     "xla-own-command-buffers": {"G5G_JAX_XLA_DEFAULTS": "0"},
     "no-command-buffers": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="},
+    "stable-temp-addresses": {"XLA_FLAGS": UPDATE_FREE_TEMPS},
     "cublas-dots": {"XLA_FLAGS": CUBLAS_DOTS},          # what a T4G runs by default
     "cublas-dots-outside-command-buffers": {
         "XLA_FLAGS": f"{CUBLAS_DOTS} --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"},
     "cublas-dots-no-command-buffers": {"XLA_FLAGS": f"{CUBLAS_DOTS} --xla_gpu_enable_command_buffer="},
+    "cublas-dots-stable-temp-addresses": {"XLA_FLAGS": f"{CUBLAS_DOTS} {UPDATE_FREE_TEMPS}"},
 }
 
 

@@ -213,7 +213,7 @@ def _trace_summary(path: Path, steps: int) -> dict:
     """Per device line of a jax.profiler trace: kernels per step, their busy time per step, the span covered,
     and the kernels that take the most time; and the host's events that take the most time per step (by name,
     over every thread; nested events each count, as t4g_model's host_events_ms: `command_buffer::update` is where a
-    step re-recorded its CUDA graphs)."""
+    step updated its CUDA graphs)."""
     from jax.profiler import ProfileData
 
     out: dict = {}

@@ -247,7 +247,8 @@ def test_decode_variants_pick_a_winner_per_kind_of_paths():
     for name, env in dv.VARIANTS.items():
         assert (dv.paths(name) == "sm75") == (not xla.triton_gemm((9, 0), env.get("XLA_FLAGS", "")))
     assert {n for n in dv.VARIANTS if dv.paths(n) == "sm75"} == {
-        "cublas-dots", "cublas-dots-outside-command-buffers", "cublas-dots-no-command-buffers"}
+        "cublas-dots", "cublas-dots-outside-command-buffers", "cublas-dots-no-command-buffers",
+        "cublas-dots-stable-temp-addresses"}
     step = {"default": 3.5, "plain": 4.0, "cublas-dots": 14.9, "cublas-dots-no-command-buffers": 6.0}
     assert dv.fastest(step) == {"own": "default", "sm75": "cublas-dots-no-command-buffers"}
     assert dv.fastest({"cublas-dots": 7.0}) == {"sm75": "cublas-dots"}

@@ -402,7 +402,10 @@ def test_the_timed_steps_sit_where_the_served_ones_do(tiny_gemma4, monkeypatch, 
     timed_end = tm.SERVED_AT + 3 * 32                   # the child's timed steps at its default --steps 32
     wire = range(served + 1, served + 256)              # the single_256 request's decode positions
     buckets = [int(b) for b in BUCKETS.split(",")]
-    bucket = lambda pos: next(b for b in buckets if b > pos)      # the JAX engine's pick (serving_speed's profile)
+
+    def bucket(pos: int) -> int:                        # the JAX engine's pick (serving_speed's profile)
+        return next(b for b in buckets if b > pos)
+
     assert bucket(tm.SERVED_AT) == bucket(timed_end) == bucket(wire[len(wire) // 2]) == 512
 
 

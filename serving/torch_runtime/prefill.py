@@ -15,9 +15,10 @@ Graphs are captured on the first prompt (the boot's warm-up), with SlotKV (slots
 (G5G_TORCH_PREFILL_GRAPHS=0: eager prompts). On an H100 at E2B's shapes (benchmarks/prompt_graphs.py,
 results/serving_speed_gpu/2026-12-07-h100/) they gave the eager prompt's first token at 5, 117 and 526 tokens and
 took it 3.7x sooner at 5 and 117 tokens (10.3-10.7 ms against 38-40), 1.5x at 526 (30.9 against 45.8 ms, padded to
-1024 by a ladder of powers of two; the half steps are newer); the capture took 0.8 s. The padded forward is also the
-CPU's tests/test_torch_prefill.py. A prompt longer than every bucket, or one that asks for prompt_logprobs, runs
-eagerly.
+1024 by a ladder of powers of two); the capture took 0.8 s. With the half steps (the day's second lease,
+2026-12-07-h100-b/), 526 tokens pad to 768: 23.6 ms against the eager 67.3, 9 graphs captured in 1.5 s. The padded
+forward is also the CPU's tests/test_torch_prefill.py. A prompt longer than every bucket, or one that asks for
+prompt_logprobs, runs eagerly.
 """
 from __future__ import annotations
 
