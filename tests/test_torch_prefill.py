@@ -14,14 +14,16 @@ GREEDY = SamplingParams(temperature=0.0)
 CONTEXT = 128
 
 
-def test_buckets_double_from_64_with_half_steps_to_the_context():
-    assert prefill.buckets(4096) == (64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
-    assert prefill.buckets(1000) == (64, 96, 128, 192, 256, 384, 512, 768, 1000)
-    assert prefill.buckets(700) == (64, 96, 128, 192, 256, 384, 512, 700)
+def test_buckets_double_from_64_with_half_steps_then_quarter_steps_to_the_context():
+    assert prefill.buckets(4096) == (64, 96, 128, 192, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048,
+                                     2560, 3072, 3584, 4096)
+    assert prefill.buckets(1024) == (64, 96, 128, 192, 256, 384, 512, 640, 768, 896, 1024)
+    assert prefill.buckets(1000) == (64, 96, 128, 192, 256, 384, 512, 640, 768, 896, 1000)
+    assert prefill.buckets(700) == (64, 96, 128, 192, 256, 384, 512, 640, 700)
     assert prefill.buckets(64) == (64,)
     assert prefill.buckets(90) == (64, 90)
     assert prefill.bucket_of(65, prefill.buckets(1000)) == 96
-    assert prefill.bucket_of(526, prefill.buckets(4096)) == 768
+    assert prefill.bucket_of(526, prefill.buckets(4096)) == 640
     assert prefill.bucket_of(1000, prefill.buckets(1000)) == 1000
     assert prefill.bucket_of(1001, prefill.buckets(1000)) is None
 
