@@ -1,8 +1,9 @@
 """Prompts replayed from CUDA graphs against eager prompts, in one process (serving/torch_runtime/prefill.py, issue
 49): per prompt length, the time from `start()` to the first token each way (median of --runs), their ratio, and
-whether the two agree (first-token logits, then --tokens greedy tokens). E2B's text shapes with random fp16 weights
-(benchmarks/harness/checkpoint.py); a GPU only, since the graphs are CUDA's. Decode runs eagerly here
-(G5G_TORCH_COMPILE=0): only the prompts are compared, and no compile is spent on the rest.
+whether the two agree (first-token logits, then --tokens greedy tokens); and the same for graphs captured with fused
+RMSNorms (G5G_TORCH_FUSED_NORMS=1, serving/torch_runtime/norms.py: opt-in until this measures it). E2B's text
+shapes with random fp16 weights (benchmarks/harness/checkpoint.py); a GPU only, since the graphs are CUDA's. Decode
+runs eagerly here (G5G_TORCH_COMPILE=0): only the prompts are compared, and no compile is spent on the rest.
 
     python -m benchmarks.prompt_graphs OUT_DIR [--ckpt DIR] [--lengths 5,117,526,960] [--runs 5] [--tokens 32]
 Writes OUT_DIR/prompt_graphs.json and prints each length's figures.
@@ -41,9 +42,9 @@ def main() -> int:
 
     if not torch.cuda.is_available():
         raise SystemExit("prompt_graphs: no CUDA GPU here (the graphs it compares are CUDA graphs)")
-    os.environ |= {"G5G_TORCH_PREFILL_GRAPHS": "1", "G5G_TORCH_COMPILE": "0"}
+    os.environ |= {"G5G_TORCH_PREFILL_GRAPHS": "1", "G5G_TORCH_COMPILE": "0", "G5G_TORCH_FUSED_NORMS": "0"}
     from serving.engine import SamplingParams
-    from serving.torch_runtime import load
+    from serving.torch_runtime import load, norms, prefill
 
     ckpt = a.ckpt or a.out / "ckpt"
     if not (ckpt / "config.json").exists():
@@ -53,9 +54,16 @@ def main() -> int:
     eng = load(ckpt, max_context=CONTEXT, slots=SLOTS)
     greedy = SamplingParams(temperature=0.0)
 
-    def answer(prompt: list[int], graphs: bool) -> tuple[np.ndarray, list[int], float]:
+    def fused_forward(ids, slot, n):            # what G5G_TORCH_FUSED_NORMS=1 captures (serving/torch_runtime/norms.py)
+        with norms.fused(eng.model):
+            return eng._padded_prompt(ids, slot, n)
+
+    arms = {"graph": eng.prompt_graphs, "eager": None,
+            "fused": prefill.PromptGraphs(fused_forward, eng.prompt_graphs.ladder, eng.device)}
+
+    def answer(prompt: list[int], arm: str) -> tuple[np.ndarray, list[int], float]:
         """First-token logits, the greedy tokens, and the median seconds from start() to the first token."""
-        keep, eng.prompt_graphs = eng.prompt_graphs, eng.prompt_graphs if graphs else None
+        keep, eng.prompt_graphs = eng.prompt_graphs, arms[arm]
         try:
             took = []
             for _ in range(a.runs):
@@ -70,19 +78,24 @@ def main() -> int:
         finally:
             eng.prompt_graphs = keep
 
-    answer([2, 5, 6], graphs=True)       # captures every bucket's graph (as a server's warm-up does)
+    for arm in ("graph", "fused"):       # captures every bucket's graph (as a server's warm-up does)
+        answer([2, 5, 6], arm)
     results.note(device=torch.cuda.get_device_name(), context=CONTEXT, slots=SLOTS, runs=a.runs, tokens=a.tokens,
-                 capture=eng.prompt_graphs.describe())
+                 capture=arms["graph"].describe(), capture_fused=arms["fused"].describe())
     rng = np.random.default_rng(0)
     for n in lengths:
         prompt = rng.integers(10, eng.vocab_size, n).tolist()
-        g_logits, g_tokens, g_s = answer(prompt, graphs=True)
-        e_logits, e_tokens, e_s = answer(prompt, graphs=False)
-        parted = next((i for i, (x, y) in enumerate(zip(g_tokens, e_tokens)) if x != y), None)
-        results.note(**{f"prompt_{n}": {
-            "graph_ms": round(g_s * 1000, 2), "eager_ms": round(e_s * 1000, 2), "eager_over_graph": round(e_s / g_s, 2),
-            "max_abs_logit_diff": round(float(np.abs(g_logits - e_logits).max()), 4),
-            "same_first_token": int(g_logits.argmax()) == int(e_logits.argmax()), "tokens_parted_at": parted}})
+        got = {arm: answer(prompt, arm) for arm in ("graph", "fused", "eager")}
+        e_logits, e_tokens, e_s = got["eager"]
+        row = {"eager_ms": round(e_s * 1000, 2)}
+        for arm, key in (("graph", ""), ("fused", "fused_")):     # each graph arm beside the eager prompt
+            logits, tokens, s = got[arm]
+            row |= {f"{arm}_ms": round(s * 1000, 2), f"eager_over_{arm}": round(e_s / s, 2),
+                    f"{key}max_abs_logit_diff": round(float(np.abs(logits - e_logits).max()), 4),
+                    f"{key}same_first_token": int(logits.argmax()) == int(e_logits.argmax()),
+                    f"{key}tokens_parted_at": next((i for i, (x, y) in enumerate(zip(tokens, e_tokens)) if x != y),
+                                                   None)}
+        results.note(**{f"prompt_{n}": row})
     return 0
 
 

@@ -13,7 +13,8 @@ cache_implementation="static")` (greedy) as (N - 1) / (t(N tokens) - t(1 token))
 Then an in-process profile of JAX decode: executable time vs engine.step time (host gap), a device trace; the
 PyTorch server again with G5G_TORCH_SLOTS=8 (continuous batching, phase pytorch_batched), and once more with
 G5G_TORCH_PIPELINE=0 (each step waits for the last one's tokens: pytorch_batched_waiting), and with eager prompts
-rather than CUDA graphs (G5G_TORCH_PREFILL_GRAPHS=0: pytorch_batched_eager_prompts, not in the default phases); and
+rather than CUDA graphs (G5G_TORCH_PREFILL_GRAPHS=0: pytorch_batched_eager_prompts, not in the default phases),
+and with graphs captured with fused RMSNorms (G5G_TORCH_FUSED_NORMS=1: pytorch_batched_fused_norms, nor that); and
 the PyTorch engine in-process, engine.step time with and without the step dispatched ahead (profile_torch).
 
     python -m benchmarks.serving_speed OUTDIR [--runs 5] [--layers 35] [--tiny] [--ckpt DIR] [--only PHASES] [--boots 1|2]
@@ -222,7 +223,8 @@ def _trace_summary(path: Path, steps: int) -> dict:
         if plane.name.startswith("/host"):
             for line in plane.lines:
                 for e in line.events:
-                    host[e.name] = host.get(e.name, 0.0) + e.duration_ns / 1e6
+                    if e.duration_ns > 0:           # markers (no duration) say nothing of where the time went
+                        host[e.name] = host.get(e.name, 0.0) + e.duration_ns / 1e6
             continue
         if not plane.name.startswith("/device:"):
             continue
@@ -353,6 +355,11 @@ def main() -> int:
                                                 lambda: measure_server("pytorch", ckpt, work, args.runs, p,
                                                                        torch_slots=SLOTS, boots=args.boots,
                                                                        G5G_TORCH_PREFILL_GRAPHS="0")),
+              # prompt graphs captured with fused RMSNorms (opt-in: serving/torch_runtime/norms.py)
+              "pytorch_batched_fused_norms": ("pytorch_batched_fused_norms",
+                                              lambda: measure_server("pytorch", ckpt, work, args.runs, p,
+                                                                     torch_slots=SLOTS, boots=args.boots,
+                                                                     G5G_TORCH_FUSED_NORMS="1")),
               "profile_torch": ("pytorch_profile", lambda: profile_torch(ckpt, p))}
     for phase in args.only.split(","):
         key, run = phases[phase]

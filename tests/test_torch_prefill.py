@@ -69,3 +69,39 @@ def test_a_padded_prompt_gives_the_unpadded_tokens_and_logits(engines, monkeypat
     assert padded == [length] and (length > n or n == 64)
     assert got == ref
     np.testing.assert_allclose(got_logits, ref_logits, atol=1e-4)
+
+
+def test_fused_norms_are_opt_in_and_the_setting_is_checked():
+    from serving.torch_runtime import norms
+
+    assert not norms.from_env({}) and not norms.from_env({"G5G_TORCH_FUSED_NORMS": "0"})
+    assert norms.from_env({"G5G_TORCH_FUSED_NORMS": "1"})
+    with pytest.raises(ValueError, match="G5G_TORCH_FUSED_NORMS"):
+        norms.from_env({"G5G_TORCH_FUSED_NORMS": "yes"})
+
+
+def test_the_graphs_forward_with_fused_norms_gives_the_same_logits_then_puts_transformers_norms_back(
+        engines, monkeypatch):
+    """G5G_TORCH_FUSED_NORMS=1: the forward the prompt graphs capture runs every Gemma4RMSNorm as torch.rms_norm
+    (one kernel on CUDA), with the logits of transformers' own norms; after it, the model's norms are transformers'
+    again (the compiled decode step traces those)."""
+    import torch
+
+    from serving.torch_runtime import norms
+
+    _, many = engines
+    ids, slot, n = torch.tensor([list(range(5, 45)) + [0] * 24]), torch.tensor([1]), torch.tensor([40])
+    plain = many._graph_prompt(ids, slot, n)
+    calls = []
+    real = torch.rms_norm
+    monkeypatch.setattr(norms.torch, "rms_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(many, "fused_norms", True)
+    fused = many._graph_prompt(ids, slot, n)
+    modules = [m for m in many.model.modules() if type(m).__name__ == norms.NORM_CLASS]
+    assert modules and len(calls) >= len(modules)      # every norm ran fused (some run once a layer, some more)
+    torch.testing.assert_close(fused, plain, atol=1e-4, rtol=1e-4)
+    assert all("forward" not in vars(m) for m in modules)
+    calls.clear()
+    monkeypatch.setattr(many, "fused_norms", False)
+    torch.testing.assert_close(many._graph_prompt(ids, slot, n), plain)
+    assert not calls

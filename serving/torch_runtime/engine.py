@@ -7,6 +7,7 @@ float16 on CUDA (Turing has no bf16 datapath), float32 on CPU.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -19,7 +20,7 @@ import torch
 from serving import device as gpu_device, memory_plan, quantized
 from serving.engine import DeviceRow, SamplingParams, TokenLogprobs
 
-from . import attention, compile_cache, packed_matmul, prefill
+from . import attention, compile_cache, norms, packed_matmul, prefill
 from .attention import SlotKV, ladder, rows, span
 from .compile_cache import DEFAULT_CACHE_DIR, inductor_env  # noqa: F401 (the runtime's settings, read here)
 from .pipeline import INPUTS, Run, Stager, pipeline_from_env
@@ -98,7 +99,8 @@ class TorchEngine:
         # what each compile of the decode step cost and took from the cache (logged; boot_summary() sums them)
         self.compiles = compile_cache.Compiles(log) if compile_ok else None
         # prompts replayed from a CUDA graph per length bucket (prefill.py), captured at the first prompt
-        self.prompt_graphs = (prefill.PromptGraphs(self._padded_prompt, prefill.buckets(max_context), device)
+        self.fused_norms = norms.from_env(os.environ)     # the graphs' RMSNorms as one kernel each (norms.py)
+        self.prompt_graphs = (prefill.PromptGraphs(self._graph_prompt, prefill.buckets(max_context), device)
                               if prefill.graphs_from_env(os.environ, device.type, slots) else None)
 
     @property
@@ -139,6 +141,11 @@ class TorchEngine:
         every shape static, every input on the device (what prefill.PromptGraphs captures)."""
         kw = self._kv.prefill(slot, n, ids.shape[1])
         return self._forward(self.model.__call__, dict(input_ids=ids, **kw), keep=n - 1)
+
+    def _graph_prompt(self, ids: torch.Tensor, slot: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        """_padded_prompt as the prompt graphs capture it: with fused RMSNorms where G5G_TORCH_FUSED_NORMS=1."""
+        with norms.fused(self.model) if self.fused_norms else contextlib.nullcontext():
+            return self._padded_prompt(ids, slot, n)
 
     def _prompt(self, slot: int, prompt_ids: Sequence[int]) -> torch.Tensor:
         if self.prompt_graphs is not None and (logits := self.prompt_graphs.run(slot, prompt_ids)) is not None:
