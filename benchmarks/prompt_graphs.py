@@ -44,7 +44,7 @@ def main() -> int:
         raise SystemExit("prompt_graphs: no CUDA GPU here (the graphs it compares are CUDA graphs)")
     os.environ |= {"G5G_TORCH_PREFILL_GRAPHS": "1", "G5G_TORCH_COMPILE": "0", "G5G_TORCH_FUSED_NORMS": "0"}
     from serving.engine import SamplingParams
-    from serving.torch_runtime import load, norms, prefill
+    from serving.torch_runtime import load, prefill
 
     ckpt = a.ckpt or a.out / "ckpt"
     if not (ckpt / "config.json").exists():
@@ -54,16 +54,14 @@ def main() -> int:
     eng = load(ckpt, max_context=CONTEXT, slots=SLOTS)
     greedy = SamplingParams(temperature=0.0)
 
-    def fused_forward(ids, slot, n):            # what G5G_TORCH_FUSED_NORMS=1 captures (serving/torch_runtime/norms.py)
-        with norms.fused(eng.model):
-            return eng._padded_prompt(ids, slot, n)
-
+    # the fused arm: the engine's own capture forward with G5G_TORCH_FUSED_NORMS=1's setting while it captures
     arms = {"graph": eng.prompt_graphs, "eager": None,
-            "fused": prefill.PromptGraphs(fused_forward, eng.prompt_graphs.ladder, eng.device)}
+            "fused": prefill.PromptGraphs(eng._graph_prompt, eng.prompt_graphs.ladder, eng.device)}
 
     def answer(prompt: list[int], arm: str) -> tuple[np.ndarray, list[int], float]:
         """First-token logits, the greedy tokens, and the median seconds from start() to the first token."""
         keep, eng.prompt_graphs = eng.prompt_graphs, arms[arm]
+        eng.fused_norms = arm == "fused"
         try:
             took = []
             for _ in range(a.runs):
@@ -76,7 +74,7 @@ def main() -> int:
                 tokens.append(eng.step({SLOT: tokens[-1]})[SLOT])
             return logits, tokens, statistics.median(took)
         finally:
-            eng.prompt_graphs = keep
+            eng.prompt_graphs, eng.fused_norms = keep, False
 
     for arm in ("graph", "fused"):       # captures every bucket's graph (as a server's warm-up does)
         answer([2, 5, 6], arm)
