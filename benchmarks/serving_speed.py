@@ -32,7 +32,7 @@ from pathlib import Path
 
 import requests
 
-from benchmarks.harness import checkpoint, serve
+from benchmarks.harness import checkpoint, jax_trace, serve
 from benchmarks.harness.results import Results
 # the servers' flags and settings: benchmarks/t4g_model.py builds its engines with the same (served_settings), so the
 # step it times is the step these servers serve
@@ -213,19 +213,13 @@ def profile_torch(ckpt: Path, p: dict) -> dict:
 def _trace_summary(path: Path, steps: int) -> dict:
     """Per device line of a jax.profiler trace: kernels per step, their busy time per step, the span covered,
     and the kernels that take the most time; and the host's events that take the most time per step (by name,
-    over every thread; nested events each count, as t4g_model's host_events_ms: `command_buffer::update` is where a
-    step updated its CUDA graphs)."""
+    over every thread, harness.jax_trace as t4g_model's host_events_ms: `command_buffer::update` is where a step
+    updated its CUDA graphs)."""
     from jax.profiler import ProfileData
 
     out: dict = {}
-    host: dict = {}
-    for plane in ProfileData.from_file(str(path)).planes:
-        if plane.name.startswith("/host"):
-            for line in plane.lines:
-                for e in line.events:
-                    if e.duration_ns > 0:           # markers (no duration) say nothing of where the time went
-                        host[e.name] = host.get(e.name, 0.0) + e.duration_ns / 1e6
-            continue
+    profile = ProfileData.from_file(str(path))
+    for plane in profile.planes:
         if not plane.name.startswith("/device:"):
             continue
         for line in plane.lines:
@@ -241,6 +235,7 @@ def _trace_summary(path: Path, steps: int) -> dict:
                 "events_per_step": round(len(ev) / steps, 1), "busy_ms_per_step": round(sum(by.values()) / steps, 3),
                 "span_ms_per_step": round(span / steps, 3),
                 "top_ms_per_step": {n[:90]: round(t / steps, 4) for n, t in top}}
+    host = {n: t for n, t in jax_trace.host_event_ms(profile).items() if t > 0}   # markers have no duration
     top_host = sorted(host.items(), key=lambda kv: -kv[1])[:20]
     out["host_top_ms_per_step"] = {n[:90]: round(t / steps, 4) for n, t in top_host}
     return out

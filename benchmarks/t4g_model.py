@@ -56,7 +56,7 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from benchmarks.harness import checkpoint, children  # noqa: E402
+from benchmarks.harness import checkpoint, children, jax_trace  # noqa: E402
 
 # Every constant of the model: its point value, its optimistic and pessimistic values, and where it comes from.
 CONSTANTS = {
@@ -219,18 +219,17 @@ def torch_trace_blocked_ms(trace: dict) -> float:
 def jax_trace_blocked_ms(profile) -> tuple[float, dict[str, float]]:
     """The time the host spent waiting for the GPU in a jax.profiler ProfileData (host events named as waits,
     JAX_WAITS; outermost only), and the host events' total ms per name (the 30 longest: what the names were)."""
-    blocked, names = 0.0, {}
+    blocked = 0.0
     for plane in profile.planes:
         if not plane.name.startswith("/host"):
             continue
         for line in plane.lines:
             end = -1
             for e in sorted(line.events, key=lambda e: e.start_ns):
-                names[e.name] = names.get(e.name, 0.0) + e.duration_ns / 1e6
                 if JAX_WAITS.search(e.name) and e.start_ns >= end:
                     blocked += e.duration_ns / 1e6
                     end = e.start_ns + e.duration_ns
-    top = dict(sorted(names.items(), key=lambda kv: -kv[1])[:30])
+    top = dict(sorted(jax_trace.host_event_ms(profile).items(), key=lambda kv: -kv[1])[:30])
     return blocked, {k: round(v, 3) for k, v in top.items()}
 
 
