@@ -2,7 +2,8 @@
 
 One run, one machine, one checkpoint: google/gemma-4-E2B-it's exact text shapes with random float16 weights
 (benchmarks/harness/checkpoint.py builds it; no download) and a tokenizer whose 262 144 ids all decode to text.
-Each server runs as `python -m serving` and is measured by `build.py bench` (the vllm-bench-serve statistics):
+Each server runs as `python -m serving`, as its image runs it (without the other runtime's framework:
+harness/as_image.py), and is measured by `build.py bench` (the vllm-bench-serve statistics):
 - boot: seconds from process start to /health 200, cold with an empty compile cache, then warm from it (JAX:
   G5G_JAX_CACHE_DIR; PyTorch: G5G_TORCH_CACHE_DIR, per slot count);
 - single stream, 64 and 256 output tokens (ignore_eos), --runs requests each: per-request TPOT;
@@ -14,7 +15,8 @@ Then an in-process profile of JAX decode: executable time vs engine.step time (h
 PyTorch server again with G5G_TORCH_SLOTS=8 (continuous batching, phase pytorch_batched), and once more with
 G5G_TORCH_PIPELINE=0 (each step waits for the last one's tokens: pytorch_batched_waiting), and with eager prompts
 rather than CUDA graphs (G5G_TORCH_PREFILL_GRAPHS=0: pytorch_batched_eager_prompts, not in the default phases),
-and with graphs captured with fused RMSNorms (G5G_TORCH_FUSED_NORMS=1: pytorch_batched_fused_norms, nor that); and
+and with graphs captured with fused RMSNorms (G5G_TORCH_FUSED_NORMS=1: pytorch_batched_fused_norms, nor that);
+the JAX server booted from its executable store (G5G_JAX_EXECUTABLE_STORE=1: jax_executable_store, nor that); and
 the PyTorch engine in-process, engine.step time with and without the step dispatched ahead (profile_torch).
 
     python -m benchmarks.serving_speed OUTDIR [--runs 5] [--layers 35] [--tiny] [--ckpt DIR] [--only PHASES] [--boots 1|2]
@@ -336,6 +338,11 @@ def main() -> int:
          paths_env={k: v for k, v in sorted(os.environ.items()) if k == "XLA_FLAGS" or k.startswith("G5G_PACKED_")})
     phases = {"peer": ("peer_transformers_static", lambda: measure_peer(ckpt, args.runs, p)),
               "jax": ("jax", lambda: measure_server("jax", ckpt, work, args.runs, p, boots=args.boots)),
+              # ladders deserialised from the executable store (opt-in: serving/jax_runtime/executables.py): the
+              # first boot traces (its cache shared with the jax phase) and stores, the measured one deserialises
+              "jax_executable_store": ("jax_executable_store",
+                                       lambda: measure_server("jax", ckpt, work, args.runs, p, boots=args.boots,
+                                                              G5G_JAX_EXECUTABLE_STORE="1")),
               "profile": ("jax_profile", lambda: profile_jax(ckpt, work, p, args.profile_buckets)),
               "pytorch": ("pytorch", lambda: measure_server("pytorch", ckpt, work, args.runs, p, boots=args.boots)),
               "pytorch_batched": ("pytorch_batched",

@@ -195,6 +195,36 @@ def test_a_server_that_does_not_come_up_ends_a_fatal_benchmark_naming_its_runtim
             pass
 
 
+def test_each_image_lacks_the_other_runtimes_framework_by_its_manifest():
+    from benchmarks.harness.as_image import absent
+    assert absent("jax") == ["torch"] and absent("pytorch") == ["jax"]
+
+
+def test_a_served_jax_server_runs_as_its_image_without_torch(tiny_gemma4, tmp_path):
+    """served() boots the JAX server as its image runs it: transformers (the tokenizer) finds no torch, so the
+    process never maps libtorch, yet the chat is answered."""
+    import requests
+
+    from devtools.server import serving_env
+    with serve.served("jax", tiny_gemma4, "--served-model-name", "tiny", env=serving_env(jax_cache=tmp_path / "c"),
+                      timeout=300) as srv:
+        r = requests.post(f"{srv.url}/v1/chat/completions", timeout=120, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        maps = Path(f"/proc/{srv.proc.pid}/maps").read_text()
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None, r.text
+    assert "/jaxlib/" in maps and "libtorch" not in maps
+
+
+def test_hiding_a_package_makes_it_look_uninstalled_and_refuses_one_already_imported():
+    import subprocess
+    code = ("import importlib.util, sys; from benchmarks.harness.as_image import hide; hide(['torch']); "
+            "assert importlib.util.find_spec('torch') is None\n"
+            "try:\n    import torch\nexcept ImportError:\n    print('hidden')\n"
+            "import json; hide(['json'])")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.stdout == "hidden\n" and "json is imported already: too late to hide it" in run.stderr, run.stderr
+
+
 # ------------------------------------------------------------------------------------------ one way to run
 def test_benchmarks_run_one_way_no_sys_path_edits_no_bare_sibling_imports():
     """Every benchmark is `python -m benchmarks.NAME`: none edits sys.path (so none runs by its path), and none

@@ -22,6 +22,7 @@ from benchmarks.harness import ROOT
 BUCKETS = "128,512,1024"
 SLOTS = 8
 SERVER_FLAGS = ("--max-model-len", "1024")
+AS_IMAGE = ["-m", "benchmarks.harness.as_image"]     # how `served` starts `python -m serving`
 
 
 def served_settings(work: Path, torch_slots: int = SLOTS) -> dict[str, str]:
@@ -33,12 +34,13 @@ def served_settings(work: Path, torch_slots: int = SLOTS) -> dict[str, str]:
 @contextmanager
 def served(runtime: str, model: Path, *flags: str, env: dict | None = None, timeout: float = 600,
            fatal: bool = False) -> Iterator:
-    """`python -m serving --runtime RUNTIME --model MODEL FLAGS…`, ready, then stopped. fatal: a server that does
-    not come up ends the benchmark (SystemExit naming the runtime) instead of raising ServerFailed."""
+    """`python -m serving --runtime RUNTIME --model MODEL FLAGS…` as its image runs it (as_image.py: without the
+    framework the image lacks), ready, then stopped. fatal: a server that does not come up ends the benchmark
+    (SystemExit naming the runtime) instead of raising ServerFailed."""
     from devtools.server import ServerFailed, serving
 
     try:
-        with serving(runtime, model, *flags, env=env, timeout=timeout) as srv:
+        with serving(runtime, model, *flags, env=env, timeout=timeout, entry=AS_IMAGE) as srv:
             yield srv
     except ServerFailed as e:
         if not fatal:
