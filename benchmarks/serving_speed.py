@@ -237,9 +237,8 @@ def _trace_summary(path: Path, steps: int) -> dict:
                 "events_per_step": round(len(ev) / steps, 1), "busy_ms_per_step": round(sum(by.values()) / steps, 3),
                 "span_ms_per_step": round(span / steps, 3),
                 "top_ms_per_step": {n[:90]: round(t / steps, 4) for n, t in top}}
-    host = {n: t for n, t in jax_trace.host_event_ms(profile).items() if t > 0}   # markers have no duration
-    top_host = sorted(host.items(), key=lambda kv: -kv[1])[:20]
-    # an event under 0.05 us a step rounds to nothing: left out, as a marker is
+    top_host = sorted(jax_trace.host_event_ms(profile).items(), key=lambda kv: -kv[1])[:20]
+    # markers (no duration) and events under 0.05 us a step round to nothing: left out
     out["host_top_ms_per_step"] = {n[:90]: ms for n, t in top_host if (ms := round(t / steps, 4)) > 0}
     return out
 
