@@ -16,7 +16,8 @@ PyTorch server again with G5G_TORCH_SLOTS=8 (continuous batching, phase pytorch_
 G5G_TORCH_PIPELINE=0 (each step waits for the last one's tokens: pytorch_batched_waiting), and with eager prompts
 rather than CUDA graphs (G5G_TORCH_PREFILL_GRAPHS=0: pytorch_batched_eager_prompts, not in the default phases),
 and with graphs captured with fused RMSNorms (G5G_TORCH_FUSED_NORMS=1: pytorch_batched_fused_norms, nor that);
-the JAX server booted from its executable store (G5G_JAX_EXECUTABLE_STORE=1: jax_executable_store, nor that); and
+the JAX server booted from its executable store (G5G_JAX_EXECUTABLE_STORE=1: jax_executable_store, nor that), the
+PyTorch one from its compiled step kept whole (G5G_TORCH_PRECOMPILED=1: pytorch_batched_precompiled, nor that); and
 the PyTorch engine in-process, engine.step time with and without the step dispatched ahead (profile_torch).
 
     python -m benchmarks.serving_speed OUTDIR [--runs 5] [--layers 35] [--tiny] [--ckpt DIR] [--only PHASES] [--boots 1|2]
@@ -362,6 +363,12 @@ def main() -> int:
                                               lambda: measure_server("pytorch", ckpt, work, args.runs, p,
                                                                      torch_slots=SLOTS, boots=args.boots,
                                                                      G5G_TORCH_FUSED_NORMS="1")),
+              # the compiled step kept whole, dynamo's trace too (opt-in: serving/torch_runtime/precompiled.py): the
+              # first boot compiles it ahead of time and writes it, the measured one loads it and traces nothing
+              "pytorch_batched_precompiled": ("pytorch_batched_precompiled",
+                                              lambda: measure_server("pytorch", ckpt, work, args.runs, p,
+                                                                     torch_slots=SLOTS, boots=args.boots,
+                                                                     G5G_TORCH_PRECOMPILED="1")),
               "profile_torch": ("pytorch_profile", lambda: profile_torch(ckpt, p))}
     for phase in args.only.split(","):
         key, run = phases[phase]

@@ -190,6 +190,29 @@ def test_a_second_pytorch_boot_over_the_same_cache_compiles_nothing(request, tmp
     assert warm_answer == cold_answer
 
 
+def test_a_second_pytorch_boot_loads_the_whole_compiled_step_and_answers_as_the_first(request, tmp_path):
+    """G5G_TORCH_PRECOMPILED=1, two boots over one G5G_TORCH_CACHE_DIR: the first compiles the decode step ahead of
+    time and writes it, the second loads it (dynamo compiles no graph: nothing traced) and answers as the first did,
+    with CUDA graphs and all (precompiled.py's opt-in waits for this and for serving_speed's
+    pytorch_batched_precompiled phase)."""
+    if why := _cuda():
+        pytest.skip(why)
+    tiny_gemma4 = request.getfixturevalue("tiny_gemma4")
+    boots = []
+    for seed in ("1", "2"):
+        env = serving_env(G5G_TORCH_CACHE_DIR=str(tmp_path / "cache"), G5G_TORCH_PRECOMPILED="1", PYTHONHASHSEED=seed)
+        env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        with serving("pytorch", tiny_gemma4, "--served-model-name", "tiny", env=env, timeout=BOOT_S) as srv:
+            answers = _answers(srv.url, concurrent=True)
+        found = WARM_UP.search(srv.output)
+        assert found, srv.output[-3000:]
+        boots.append((int(found["graphs"]), srv.output, answers))
+    (_, cold_log, cold_answers), (warm_graphs, warm_log, warm_answers) = boots
+    assert "decode step compiled ahead of time, written to" in cold_log, cold_log[-3000:]
+    assert "decode step loaded from" in warm_log and warm_graphs == 0, warm_log[-3000:]
+    _assert_same_greedy(warm_answers, cold_answers)
+
+
 # serving/jax_runtime/engine.py's compile line
 JAX_COMPILE = re.compile(r"jax boot: compile [\d.]+s for (?P<executables>\d+) executables: (?P<store_hits>\d+) from the "
                          r"executable store in [\d.]+s; (?P<traced>\d+) traced")

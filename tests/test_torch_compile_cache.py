@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from serving.torch_runtime import compile_cache  # noqa: E402
+from serving.torch_runtime import compile_cache, precompiled  # noqa: E402
 from serving.torch_runtime.engine import compile_from_env  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,7 +34,8 @@ tokens = {}
 for slot, prompt in ((0, [2, 105, 9]), (3, [2, 105, 9]), (1, [2] + [9] * 69)):
     tokens[slot] = eng.step({slot: eng.start(slot, prompt, greedy)})[slot]
 print(json.dumps({"total": eng.compiles.total(), "dir": os.environ["TORCHINDUCTOR_CACHE_DIR"],
-                  "set_order": list(set(eng.text_config.layer_types)), "tokens": tokens}))
+                  "set_order": list(set(eng.text_config.layer_types)), "tokens": tokens,
+                  "precompiled": eng.precompiled and eng.precompiled.describe()}))
 """
 
 
@@ -53,9 +54,9 @@ def two_layers(tiny_gemma4, tmp_path_factory) -> Path:
     return out
 
 
-def _boot(model: Path, cache: Path, hash_seed: str) -> dict:
+def _boot(model: Path, cache: Path, hash_seed: str, **extra: str) -> dict:
     env = {**os.environ, "G5G_TORCH_COMPILE": "always", "G5G_TORCH_CACHE_DIR": str(cache), "PYTHONHASHSEED": hash_seed,
-           "TORCHINDUCTOR_DEBUG_COMPILE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+           "TORCHINDUCTOR_DEBUG_COMPILE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **extra}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     out = subprocess.run([sys.executable, "-c", CHILD, str(model)], env=env, cwd=REPO, capture_output=True, text=True,
                          timeout=600)
@@ -141,3 +142,100 @@ def test_compiles_records_what_a_compile_moved(caplog):
         seen.around(lambda: fn(torch.ones(3)), "again")
     assert len(seen.records) == 1 and seen.total()["graphs"] == 1
     assert [r.message.split(":")[:2] for r in caplog.records] == [["compile", " first"]]
+
+
+@pytest.mark.slow
+def test_the_whole_compiled_step_is_kept_and_a_second_process_traces_nothing(two_layers, tmp_path):
+    """G5G_TORCH_PRECOMPILED=1 (precompiled.py): the first process compiles the step ahead of time and writes it;
+    the second loads it, dynamo compiling no graph, and decodes the same tokens over rows 2 and 4 and the whole-cache
+    span; a file that cannot be loaded is compiled and written again."""
+    on = {"G5G_TORCH_PRECOMPILED": "1"}
+    cold = _boot(two_layers, tmp_path / "cache", "1", **on)
+    [kept] = (tmp_path / "cache" / precompiled.DIR).glob("decode-*.pt2")
+    assert cold["precompiled"].startswith(f"decode step compiled ahead of time, written to {kept}")
+    warm = _boot(two_layers, tmp_path / "cache", "2", **on)
+    assert warm["precompiled"].startswith(f"decode step loaded from {kept}")
+    assert warm["total"]["graphs"] == 0 and warm["total"]["trace_s"] == 0
+    assert warm["tokens"] == cold["tokens"]
+
+
+class Toy(torch.nn.Module):
+    """A model as DecodeStep sees one: called with keywords; transformers' compiled call is its own call here."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) * 2
+
+    def get_compiled_call(self, _config):
+        return self.__call__
+
+
+@pytest.fixture()
+def toy_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    return lambda: precompiled.DecodeStep(Toy().eval(), tmp_path / precompiled.DIR / "decode-toy.pt2")
+
+
+@pytest.mark.slow
+def test_an_unloadable_file_is_compiled_and_written_again_and_refused_inputs_are_traced(toy_step, caplog):
+    x = torch.ones(3, 4)
+    with torch.inference_mode():
+        first = toy_step()
+        want = first(x=x)
+        assert first.source.startswith("compiled ahead of time, written to") and first.path.is_file()
+        loaded = toy_step()
+        assert loaded.source.startswith("loaded from") and torch.equal(loaded(x=x), want)
+
+        first.path.write_bytes(b"not a compiled function")
+        again = toy_step()
+        assert again.fn is None and "not loadable" in caplog.text
+        assert torch.equal(again(x=x), want) and again.source.startswith("compiled ahead of time, written to")
+        assert toy_step().source.startswith("loaded from")
+
+        # an input the guards refuse (another shape): transformers' compiled call from then on, the same answer
+        other = torch.ones(5, 4)
+        assert torch.equal(loaded(x=other), Toy()(x=other))
+        assert loaded.source.startswith("traced (refused this call's inputs") and loaded.traced is not None
+
+
+def test_precompiled_is_opt_in_and_says_which_values_it_takes():
+    assert precompiled.from_env({}) is False and precompiled.from_env({"G5G_TORCH_PRECOMPILED": "1"}) is True
+    with pytest.raises(ValueError, match="G5G_TORCH_PRECOMPILED: 'yes' is not 0 or 1"):
+        precompiled.from_env({"G5G_TORCH_PRECOMPILED": "yes"})
+
+
+def test_the_kept_steps_name_covers_what_its_unchecked_guards_stand_for(two_layers, tmp_path):
+    from transformers import Gemma4ForCausalLM
+
+    model = Gemma4ForCausalLM.from_pretrained(two_layers)
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "G5G_TORCH_SLOTS": "8"}
+    base = precompiled.path_for(model, 8, 128, env)
+    assert base.parent == tmp_path / precompiled.DIR
+    # the slots, the context, a setting, the model's config: each its own file; the cache's place is not a setting
+    others = {precompiled.path_for(model, 4, 128, env), precompiled.path_for(model, 8, 256, env),
+              precompiled.path_for(model, 8, 128, {**env, "G5G_LM_HEAD": "int8"})}
+    assert base not in others and len(others) == 3
+    assert precompiled.path_for(model, 8, 128, {**env, "G5G_TORCH_CACHE_DIR": str(tmp_path)}) == base
+    model.config.final_logit_softcapping = 31.0
+    assert precompiled.path_for(model, 8, 128, env) != base
+    # no persistent directory (G5G_TORCH_CACHE_DIR empty): nothing kept
+    assert precompiled.path_for(model, 8, 128, {**env, "G5G_TORCH_CACHE_DIR": ""}) is None
+
+
+def test_a_calls_dimension_marks_come_off_its_own_its_dicts_and_its_objects_tensors():
+    class Cache:
+        def __init__(self):
+            self.pos = torch.zeros(2)
+
+    kw = {"input_ids": torch.zeros(2, 1), "attention_mask": {"full": torch.zeros(2, 4)}, "past_key_values": Cache(),
+          "use_cache": True}
+    tensors = [kw["input_ids"], kw["attention_mask"]["full"], kw["past_key_values"].pos]
+    for t in tensors:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+        assert hasattr(t, "_has_dynamo_dim_marking")
+    precompiled._unmark(kw)
+    assert not any(hasattr(t, m) for t in tensors for m in precompiled._MARKS)

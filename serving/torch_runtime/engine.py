@@ -20,7 +20,7 @@ import torch
 from serving import device as gpu_device, memory_plan, quantized
 from serving.engine import DeviceRow, SamplingParams, TokenLogprobs
 
-from . import attention, compile_cache, norms, packed_matmul, prefill
+from . import attention, compile_cache, norms, packed_matmul, precompiled, prefill
 from .attention import SlotKV, ladder, rows, span
 from .compile_cache import DEFAULT_CACHE_DIR, inductor_env  # noqa: F401 (the runtime's settings, read here)
 from .pipeline import INPUTS, Run, Stager, pipeline_from_env
@@ -92,7 +92,10 @@ class TorchEngine:
         if compile_ok:
             use_cache_dir()
             compile_cache.ordered_layer_types(model)
-        self._decode = model.get_compiled_call(None) if compile_ok else model.__call__
+        # G5G_TORCH_PRECOMPILED=1: the compiled step kept whole across boots, dynamo's trace too (precompiled.py)
+        kept = compile_ok and precompiled.from_env() and precompiled.path_for(model, slots, max_context)
+        self.precompiled = precompiled.DecodeStep(model, kept) if kept else None
+        self._decode = self.precompiled or (model.get_compiled_call(None) if compile_ok else model.__call__)
         # row counts a decode step may take (attention.rows)
         self._steps = attention.ROWS if compile_ok else attention.EAGER_ROWS
         self._decode_checked = not compile_ok
@@ -131,7 +134,7 @@ class TorchEngine:
         except Exception as e:
             log.warning("compiled decode failed (%s: %s); decoding eagerly", type(e).__name__, e)
             self._decode = self.model.__call__
-            self.compiles = None
+            self.compiles = self.precompiled = None
             out = self._forward(self._decode, kw)
         self._decode_checked = True
         return out
@@ -158,6 +161,8 @@ class TorchEngine:
         serving/api/app.py logs it)."""
         decode = ("compiled decode: " + compile_cache.describe(self.compiles.total()) if self.compiles is not None
                   else "decode not compiled")
+        if self.precompiled is not None:
+            decode = f"{decode}; {self.precompiled.describe()}"
         return decode if self.prompt_graphs is None else f"{decode}; {self.prompt_graphs.describe()}"
 
     def _took(self, slot: int, token: int) -> int:
