@@ -4,8 +4,8 @@ Over inductor's persistent cache (compile_cache.py) a warm boot still has dynamo
 before the cache can be asked: 16.4 s of a 46.3 s warm boot on an H100 host at E2B's 35 layers, 11-17 s on this
 project's CPU boxes at the same layer count (the trace follows the layers, not the widths). torch's AOT compile
 (`torch.compile(...).aot_compile`) keeps what the trace makes as well, the transformed bytecode and its guards,
-beside inductor's compiled graph, in one file; a boot that finds the file loads it (3.7 s at 35 layers on the
-CPU) and traces nothing.
+beside inductor's compiled graph, in one file; a boot that finds the file loads it (3.3-3.9 s at 35 layers on
+the CPU) and traces nothing.
 
 A loaded step checks the guards that torch can serialise (its inputs' shapes, dtypes and dynamic ranges, the
 constants it read); those it cannot (the identity of functions, classes and modules it called) are the file's
@@ -78,6 +78,9 @@ def path_for(model, slots: int, max_context: int, env: Mapping[str, str] = os.en
 
 
 def _step(model, kw):
+    """What is compiled: transformers' call. The bytecode dynamo makes of it loads the modules transformers' code
+    reaches (`collections`) as globals of this module, by name where this module has them: hence the import above,
+    without which a loaded step would miss the name dynamo made up for it in the process that compiled it."""
     return model(**kw)
 
 
