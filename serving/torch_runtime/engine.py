@@ -93,7 +93,7 @@ class TorchEngine:
             use_cache_dir()
             compile_cache.ordered_layer_types(model)
         # G5G_TORCH_PRECOMPILED=1: the compiled step kept whole across boots, dynamo's trace too (precompiled.py)
-        kept = compile_ok and precompiled.from_env() and precompiled.path_for(model, slots, max_context)
+        kept = precompiled.from_env() and compile_ok and precompiled.path_for(model, slots, max_context)
         self.precompiled = precompiled.DecodeStep(model, kept) if kept else None
         self._decode = self.precompiled or (model.get_compiled_call(None) if compile_ok else model.__call__)
         # row counts a decode step may take (attention.rows)
