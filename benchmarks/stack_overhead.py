@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -33,7 +34,6 @@ from benchmarks.harness.results import Results
 
 RUNTIME = "timed"
 ENTRY = ["-m", "benchmarks.stack_overhead", "--serve"]     # `python -m serving` with the timed runtime registered
-SETTINGS = ("G5G_TIMED_STEP_MS", "G5G_TIMED_PREFILL_MS", "G5G_TIMED_DISPATCH_MS", "G5G_TIMED_AHEAD", "G5G_TIMED_SLOTS")
 VOCAB = 262_144          # the benchmark checkpoint's tokenizer (every id a word)
 
 
@@ -110,13 +110,15 @@ class TimedEngine:
     logprobs = prompt_logprobs = logits
 
 
+def _seconds(name: str) -> float:
+    return float(os.environ[name]) / 1000
+
+
 def load(model_dir, max_context: int | None = None, **_) -> TimedEngine:
     """The runtime's entry (serving/__main__.py's load_engine): its figures from the G5G_TIMED_* settings."""
-    import os
-
-    ms = lambda name: float(os.environ[name]) / 1000   # noqa: E731
-    timeline = Timeline(ms("G5G_TIMED_STEP_MS"), ms("G5G_TIMED_PREFILL_MS"), os.environ["G5G_TIMED_AHEAD"] == "1")
-    return TimedEngine(timeline, ms("G5G_TIMED_DISPATCH_MS"), int(os.environ["G5G_TIMED_SLOTS"]),
+    timeline = Timeline(_seconds("G5G_TIMED_STEP_MS"), _seconds("G5G_TIMED_PREFILL_MS"),
+                        os.environ["G5G_TIMED_AHEAD"] == "1")
+    return TimedEngine(timeline, _seconds("G5G_TIMED_DISPATCH_MS"), int(os.environ["G5G_TIMED_SLOTS"]),
                        max_context or 1024)
 
 
